@@ -1,0 +1,38 @@
+# Two entry points, each doing all set-up on a fresh machine and reusing it afterwards:
+#   make demo   the whole cluster on one machine, serving a request, then a clean stop
+#   make test   the test suite (what .ci/run calls)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvfabric-installed
+
+.PHONY: demo up test lint bench-bus setup clean
+
+setup: $(STAMP)
+
+# torch goes in first, pinned to the CPU build that lies on this machine's disk; the
+# project's own range (torch>=2.4) is then already satisfied and pip pulls no CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvfabric demo
+
+up: $(STAMP)
+	$(VENV)/bin/kvfabric up
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench-bus: $(STAMP)
+	$(PY) -m loadtest.bench_bus
+
+clean:
+	rm -rf $(VENV) .kvfabric

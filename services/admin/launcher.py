@@ -1,0 +1,185 @@
+"""The embedded one-machine cluster behind `kvfabric up`: a nats-server (unless an existing one
+is given), then one process per service instance, started in dependency order and stopped in
+the reverse order. Children die with the launcher even if it is killed (PR_SET_PDEATHSIG), so
+no orphan outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.bus import Bus
+from shared.discovery import Instance, discover
+from shared.natsd import NatsServer
+from shared.subjects import (
+    BILLING,
+    DECODE,
+    DEFAULT_ROOT,
+    INGRESS,
+    KV_INDEX,
+    PREFILL,
+    ROUTER,
+    SERVICES,
+    SWA_MEMCACHE,
+)
+
+# Start order: what others call comes up first. Stop order is the reverse: ingress stops
+# taking HTTP requests before the workers behind it drain.
+START_ORDER: tuple[str, ...] = (KV_INDEX, SWA_MEMCACHE, BILLING, DECODE, PREFILL, ROUTER, INGRESS)
+assert set(START_ORDER) == set(SERVICES)
+
+
+def module_of(service: str) -> str:
+    return "services." + service.replace("-", "_")
+
+
+def parse_replicas(text: str) -> dict[str, int]:
+    """`prefill=2,decode=2` -> {"prefill": 2, "decode": 2}; unknown names are an error."""
+    replicas: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, count = part.partition("=")
+        name = name.strip().replace("_", "-")
+        if not sep or name not in SERVICES or not count.strip().isdigit():
+            raise ValueError(
+                f"bad replica spec {part!r}: expected <service>=<count> with a service "
+                f"among {', '.join(SERVICES)}"
+            )
+        replicas[name] = int(count)
+    return replicas
+
+
+@dataclass
+class ClusterSpec:
+    state_dir: Path
+    nats_url: str | None = None  # None: start an embedded nats-server
+    nats_port: int = 4222  # 0: any free port
+    root: str = DEFAULT_ROOT
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000  # replicas take the following ports; 0: any free port
+    replicas: dict[str, int] = field(default_factory=dict)
+    log_level: str = "info"
+    shutdown_grace_s: float = 10.0
+    extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service flags
+
+    def num_replicas(self, service: str) -> int:
+        return self.replicas.get(service, 1)
+
+
+@dataclass
+class Child:
+    service: str
+    instance_id: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: ask the kernel to SIGTERM it when the launcher dies."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+class Cluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.nats: NatsServer | None = None
+        self.children: list[Child] = []
+        self.nats_url = spec.nats_url or ""
+        self.http_urls: list[str] = []
+
+    def start(self) -> None:
+        self.spec.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.spec.state_dir / "logs").mkdir(exist_ok=True)
+        if self.spec.nats_url is None:
+            self.nats = NatsServer(self.spec.state_dir / "nats", port=self.spec.nats_port)
+            self.nats.start()
+            self.nats_url = self.nats.url
+        for service in START_ORDER:
+            for index in range(self.spec.num_replicas(service)):
+                self._spawn(service, index)
+
+    def _spawn(self, service: str, index: int) -> None:
+        instance_id = f"{service}-{index}"
+        args = [
+            sys.executable, "-m", module_of(service),
+            "--nats-url", self.nats_url,
+            "--root", self.spec.root,
+            "--instance-id", instance_id,
+            "--log-level", self.spec.log_level,
+            "--shutdown-grace-s", str(self.spec.shutdown_grace_s),
+        ]  # fmt: skip
+        if service == INGRESS:
+            port = self.spec.http_port + index if self.spec.http_port else 0
+            args += ["--http-host", self.spec.http_host, "--http-port", str(port)]
+        args += self.spec.extra_args.get(service, [])
+        log_path = self.spec.state_dir / "logs" / f"{instance_id}.log"
+        with log_path.open("ab") as log_file:
+            process = subprocess.Popen(
+                args,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # Ctrl-C reaches the launcher only; it stops us in order
+                preexec_fn=_die_with_parent,
+            )
+        self.children.append(Child(service, instance_id, process, log_path))
+
+    def exited(self) -> list[Child]:
+        return [c for c in self.children if c.process.poll() is not None]
+
+    async def wait_ready(self, bus: Bus, timeout_s: float = 60.0) -> list[Instance]:
+        """Until every started instance answers discovery; raises if one exits first."""
+        expected = {c.instance_id for c in self.children}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            dead = self.exited()
+            if dead:
+                child = dead[0]
+                tail = child.log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(
+                    f"{child.instance_id} exited with code {child.process.returncode} during "
+                    f"start-up; end of {child.log_path}:\n{tail}"
+                )
+            instances = await discover(bus, timeout_s=0.3)
+            if expected <= {i.instance_id for i in instances}:
+                self.http_urls = [
+                    i.metadata["http_url"]
+                    for i in instances
+                    if i.service == INGRESS and "http_url" in i.metadata
+                ]
+                return instances
+            if time.monotonic() > deadline:
+                missing = sorted(expected - {i.instance_id for i in instances})
+                raise TimeoutError(f"not up within {timeout_s}s: {', '.join(missing)}")
+            await asyncio.sleep(0.2)
+
+    def stop(self, on_progress: Callable[[str], None] | None = None) -> None:
+        """SIGTERM each service tier in reverse start order, wait for its drain, then stop the
+        nats-server. SIGKILL only what outlives its grace period. Safe to call twice."""
+        grace_s = self.spec.shutdown_grace_s + 5.0
+        for service in reversed(START_ORDER):
+            tier = [c for c in self.children if c.service == service and c.process.poll() is None]
+            for child in tier:
+                child.process.send_signal(signal.SIGTERM)
+            for child in tier:
+                try:
+                    child.process.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    child.process.kill()
+                    child.process.wait()
+                if on_progress:
+                    on_progress(f"stopped {child.instance_id} (exit {child.process.returncode})")
+        for child in self.children:  # reap anything already dead
+            child.process.poll()
+        if self.nats is not None:
+            self.nats.stop()
+            if on_progress:
+                on_progress("stopped nats-server")

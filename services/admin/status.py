@@ -1,0 +1,42 @@
+"""`kvfabric status`: every live instance under a root, with its load, from discovery."""
+
+from __future__ import annotations
+
+from shared.discovery import Instance
+
+COLUMNS = (
+    "SERVICE",
+    "INSTANCE",
+    "STATE",
+    "INFLIGHT",
+    "QUEUED",
+    "RUNNING",
+    "KV FREE/TOTAL",
+    "NODE",
+    "URL",
+)
+
+
+def render(instances: list[Instance]) -> str:
+    rows = [COLUMNS]
+    for i in instances:
+        load = i.load
+        kv = f"{load.get('num_kv_pages_free', 0)}/{load.get('num_kv_pages_total', 0)}"
+        rows.append(
+            (
+                i.service,
+                i.instance_id,
+                str(load.get("state", "?")),
+                str(load.get("num_inflight", 0)),
+                str(load.get("num_queued", 0)),
+                str(load.get("num_running", 0)),
+                kv,
+                i.metadata.get("node_id", ""),
+                i.metadata.get("http_url", ""),
+            )
+        )
+    widths = [max(len(row[c]) for row in rows) for c in range(len(COLUMNS))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )

@@ -1,0 +1,3 @@
+from services.billing.main import main
+
+raise SystemExit(main())

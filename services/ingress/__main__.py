@@ -1,0 +1,3 @@
+from services.ingress.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""ingress: the HTTP front door (OpenAI Chat Completions, OpenAI Responses, Anthropic
+Messages). DESIGN.md sections 1 and 3.
+
+Runs today: `GET /health` (200 while connected to NATS and serving, 503 otherwise), and the
+bound HTTP URL published as `http_url` in its discovery metadata, which is how `kvfabric up`
+learns where the API is served. The protocol endpoints are wired here as they land.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from services.ingress.config import IngressConfig
+from shared.runtime import ServiceRuntime, service_main
+from shared.schema import InstanceState
+from shared.subjects import INGRESS
+
+
+def build_app(runtime: ServiceRuntime) -> web.Application:
+    async def health(_: web.Request) -> web.Response:
+        is_ok = runtime.bus.is_connected and runtime.state is not InstanceState.DRAINING
+        body = {
+            "status": "ok" if is_ok else "unavailable",
+            "instance_id": runtime.instance_id,
+            "state": str(runtime.state),
+            "nats_connected": runtime.bus.is_connected,
+        }
+        return web.json_response(body, status=200 if is_ok else 503)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    return app
+
+
+async def setup(runtime: ServiceRuntime) -> None:
+    config = runtime.config
+    assert isinstance(config, IngressConfig)  # service_main built it from IngressConfig
+    runner = web.AppRunner(build_app(runtime), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.http_host, config.http_port)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    runtime.metadata["http_url"] = f"http://{host}:{port}"
+    runtime.on_stop(runner.cleanup)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return service_main(INGRESS, IngressConfig, setup, argv, description=__doc__ or "")

@@ -1,0 +1,3 @@
+from services.kv_index.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from services.prefill.main import main
+
+raise SystemExit(main())

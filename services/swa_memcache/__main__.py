@@ -1,0 +1,3 @@
+from services.swa_memcache.main import main
+
+raise SystemExit(main())

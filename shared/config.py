@@ -1,0 +1,145 @@
+"""One frozen, typed config per service: defaults < environment < command-line flags.
+
+Each service subclasses `ServiceConfig` with its own fields and `env_prefix`
+(`KVF_ROUTER_`). A field `heartbeat_s` is read from `KVF_ROUTER_HEARTBEAT_S`, then from the
+shared `KVF_HEARTBEAT_S` for the fields every service has (so one `KVF_NATS_URL` serves a
+whole host), and from the flag `--heartbeat-s`. Bad values fail at start with the name of
+the variable or flag; `validate()` adds the cross-field checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import types
+import typing
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from shared.subjects import DEFAULT_ROOT, Subjects, check_token
+
+SHARED_ENV_PREFIX = "KVF_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A config value is malformed or inconsistent; the message names its source."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """Fields every service has."""
+
+    env_prefix: ClassVar[str] = SHARED_ENV_PREFIX
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    root: str = DEFAULT_ROOT
+    instance_id: str | None = None  # generated as <service>-<8 hex> when unset
+    node_id: str = dataclasses.field(default_factory=socket.gethostname)
+    heartbeat_s: float = 1.0
+    shutdown_grace_s: float = 10.0
+    connect_timeout_s: float = 10.0
+    log_level: str = "info"
+    otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint; tracing export is off unless set
+
+    def validate(self) -> None:
+        if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
+            raise ConfigError(
+                f"nats_url {self.nats_url!r} must start with nats://, tls://, ws:// or wss://"
+            )
+        try:
+            Subjects(self.root)
+            if self.instance_id is not None:
+                check_token(self.instance_id, "instance_id")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        for name in ("heartbeat_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+
+    def resolved_instance_id(self, service: str) -> str:
+        return self.instance_id or f"{service}-{uuid.uuid4().hex[:8]}"
+
+    def to_log(self) -> dict[str, Any]:
+        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+def load_config(
+    cls: type[C],
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> C:
+    """Build and validate `cls` from defaults, `environ`, `argv` flags and `overrides`."""
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    shared_fields = {f.name for f in dataclasses.fields(ServiceConfig)}
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        names = [f"{cls.env_prefix}{field.name.upper()}"]
+        if field.name in shared_fields and cls.env_prefix != SHARED_ENV_PREFIX:
+            names.append(f"{SHARED_ENV_PREFIX}{field.name.upper()}")
+        for env_name in names:
+            if env_name in environ:
+                values[field.name] = _convert(environ[env_name], hints[field.name], env_name)
+                break
+    if argv:
+        parser = argparse.ArgumentParser(prog=cls.__name__, add_help=True)
+        for field in dataclasses.fields(cls):
+            parser.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, default=None)
+        parsed = parser.parse_args(list(argv))
+        for name, raw in vars(parsed).items():
+            if raw is not None:
+                values[name] = _convert(raw, hints[name], f"--{name.replace('_', '-')}")
+    values.update(overrides)
+    try:
+        config = cls(**values)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from exc
+    config.validate()
+    return config
+
+
+def _convert(raw: str, hint: Any, source: str) -> Any:
+    optional = False
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(hint))
+        hint = args[0]
+    if optional and raw.strip().lower() in ("", "none", "null"):
+        return None
+    try:
+        if hint is bool:
+            lowered = raw.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true/false")
+        if hint in (int, float, str, Path):
+            return hint(raw)
+        if typing.get_origin(hint) is tuple:
+            item = typing.get_args(hint)[0]
+            return tuple(item(part.strip()) for part in raw.split(",") if part.strip())
+    except ValueError as exc:
+        raise ConfigError(f"{source}={raw!r}: {exc}") from exc
+    raise ConfigError(f"{source}: unsupported config type {hint!r}")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value

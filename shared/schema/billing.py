@@ -1,0 +1,28 @@
+"""Usage: one record per request, published to JetStream, deduplicated by request id."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from shared.schema.base import Message
+
+
+class UsageStatus(StrEnum):
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+class UsageRecord(Message, tag="usage_record"):
+    request_id: str
+    api_key_id: str
+    model: str
+    num_cache_hit_tokens: int
+    num_cache_miss_tokens: int
+    num_output_tokens: int
+    status: UsageStatus = UsageStatus.COMPLETED
+    finish_reason: str | None = None
+    started_ms: int = 0
+    finished_ms: int = 0
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""

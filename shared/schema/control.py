@@ -1,0 +1,28 @@
+"""Heartbeats: every instance publishes a `LoadReport` on its load subject."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from shared.schema.base import Message
+
+
+class InstanceState(StrEnum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+
+
+class LoadReport(Message, tag="load_report"):
+    service: str
+    instance_id: str
+    seq: int
+    ts_ms: int
+    state: InstanceState = InstanceState.SERVING
+    node_id: str = ""
+    num_inflight: int = 0
+    num_queued: int = 0
+    num_queued_tokens: int = 0
+    num_running: int = 0
+    num_kv_pages_total: int = 0
+    num_kv_pages_free: int = 0

@@ -1,0 +1,43 @@
+"""KV cache events: writers (prefill, decode) tell kv-index what they stored or removed.
+
+Batches carry a per-writer sequence number; kv-index detects a gap and resyncs that writer.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.schema.base import Message
+
+
+class StoredBlock(msgspec.Struct, frozen=True, array_like=True):
+    block_hash: int
+    file_id: int
+    slot: int
+    generation: int
+    num_bytes: int
+
+
+class BlocksStored(Message, tag="blocks_stored"):
+    tier: str
+    blocks: tuple[StoredBlock, ...]
+    parent_block_hash: int | None = None
+
+
+class BlocksRemoved(Message, tag="blocks_removed"):
+    tier: str
+    block_hashes: bytes  # packed u64
+
+
+class AllBlocksCleared(Message, tag="all_blocks_cleared"):
+    tier: str
+
+
+KvEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
+
+
+class KvEventBatch(Message, tag="kv_event_batch"):
+    writer_id: str
+    seq: int
+    ts_ms: int
+    events: tuple[KvEvent, ...]

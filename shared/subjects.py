@@ -1,0 +1,135 @@
+"""Every NATS subject, queue group and stream name of kvfabric, and nothing else.
+
+Subjects are ``<root>.<service>.<verb>[.<instance_id>]``. The root (``kvf.v1``) is
+configurable so that tests isolate themselves on one shared server (``t1a2b3c4.kvf.v1``).
+A request endpoint is served twice: on its pooled subject in a queue group named after the
+service (any instance may answer) and on ``<subject>.<instance_id>`` without a queue group
+(the router addresses one worker). No other module spells a subject; a contract test greps
+for literals elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_ROOT = "kvf.v1"
+
+# Service names as they appear in subjects, queue groups, discovery and metrics.
+INGRESS = "ingress"
+ROUTER = "router"
+PREFILL = "prefill"
+DECODE = "decode"
+KV_INDEX = "kv-index"
+SWA_MEMCACHE = "swa-memcache"
+BILLING = "billing"
+SERVICES: tuple[str, ...] = (INGRESS, ROUTER, PREFILL, DECODE, KV_INDEX, SWA_MEMCACHE, BILLING)
+
+# The NATS micro discovery API: `$SRV.<VERB>[.<name>[.<id>]]`, fixed by the protocol and
+# therefore outside our root; instances carry the root in their metadata instead.
+DISCOVERY_PREFIX = "$SRV"
+DISCOVERY_VERBS: tuple[str, ...] = ("PING", "INFO", "STATS")
+
+# JetStream: usage records must not be lost (billing consumes them at least once).
+USAGE_STREAM = "KVF_USAGE"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+_ROOT = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+
+
+def queue_group(service: str) -> str:
+    """The queue group of a service's pooled endpoints is the service's own name."""
+    return service
+
+
+def discovery(verb: str, service: str | None = None, instance_id: str | None = None) -> str:
+    if verb not in DISCOVERY_VERBS:
+        raise ValueError(f"unknown discovery verb {verb!r}")
+    parts = [DISCOVERY_PREFIX, verb]
+    if service is not None:
+        parts.append(service)
+        if instance_id is not None:
+            parts.append(instance_id)
+    return ".".join(parts)
+
+
+def check_token(value: str, what: str) -> str:
+    """A subject token: letters, digits, `_` and `-` (no dots, spaces or wildcards)."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} must match [A-Za-z0-9_-]+")
+    return value
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """All subjects under one root."""
+
+    root: str = DEFAULT_ROOT
+
+    def __post_init__(self) -> None:
+        if not _ROOT.match(self.root):
+            raise ValueError(
+                f"subject root {self.root!r} must be dot-separated [A-Za-z0-9_-] tokens"
+            )
+
+    # -- request endpoints -------------------------------------------------------------
+    def endpoint(self, service: str, verb: str) -> str:
+        return f"{self.root}.{check_token(service, 'service')}.{check_token(verb, 'verb')}"
+
+    def instance(self, endpoint_subject: str, instance_id: str) -> str:
+        return f"{endpoint_subject}.{check_token(instance_id, 'instance id')}"
+
+    @property
+    def router_generate(self) -> str:
+        return self.endpoint(ROUTER, "generate")
+
+    @property
+    def prefill_run(self) -> str:
+        return self.endpoint(PREFILL, "run")
+
+    @property
+    def decode_run(self) -> str:
+        return self.endpoint(DECODE, "run")
+
+    @property
+    def kv_index_match(self) -> str:
+        return self.endpoint(KV_INDEX, "match")
+
+    @property
+    def swa_get(self) -> str:
+        return self.endpoint(SWA_MEMCACHE, "get")
+
+    @property
+    def swa_put(self) -> str:
+        return self.endpoint(SWA_MEMCACHE, "put")
+
+    # -- events --------------------------------------------------------------------------
+    def load(self, service: str, instance_id: str) -> str:
+        """`LoadReport` heartbeats of one instance."""
+        service, instance_id = check_token(service, "service"), check_token(instance_id, "id")
+        return f"{self.root}.load.{service}.{instance_id}"
+
+    @property
+    def load_all(self) -> str:
+        return f"{self.root}.load.>"
+
+    def kv_events(self, writer_id: str) -> str:
+        """`KvEventBatch`es of one writer (prefill or decode worker)."""
+        return f"{self.root}.kv.events.{check_token(writer_id, 'writer id')}"
+
+    @property
+    def kv_events_all(self) -> str:
+        return f"{self.root}.kv.events.*"
+
+    def usage(self, service: str) -> str:
+        """`UsageRecord`s, captured by the JetStream stream `usage_stream`."""
+        return f"{self.root}.usage.{check_token(service, 'service')}"
+
+    @property
+    def usage_all(self) -> str:
+        return f"{self.root}.usage.>"
+
+    @property
+    def usage_stream(self) -> str:
+        # Stream names may not contain dots; one stream per root keeps tests isolated.
+        return f"{USAGE_STREAM}_{self.root.replace('.', '_').replace('-', '_')}"

@@ -1,0 +1,59 @@
+"""pytest fixtures (load with `pytest_plugins = ["shared.testing.fixtures"]`).
+
+- `nats_server`: one real nats-server per test session, random port, JetStream on, stopped
+  through its handle.
+- `subject_root`: a root unique to the test, so tests share one server without crosstalk.
+- `bus_factory`: connects `Bus`es under that root and closes them after the test.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from shared.bus import Bus
+from shared.natsd import NatsServer
+from shared.subjects import DEFAULT_ROOT
+
+
+def unique_root() -> str:
+    return f"t{uuid.uuid4().hex[:10]}.{DEFAULT_ROOT}"
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer(Path(tmp_path_factory.mktemp("nats")))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def subject_root() -> str:
+    return unique_root()
+
+
+BusFactory = Callable[..., Awaitable[Bus]]
+
+
+@pytest_asyncio.fixture
+async def bus_factory(nats_server: NatsServer, subject_root: str) -> AsyncIterator[BusFactory]:
+    buses: list[Bus] = []
+
+    async def connect(service: str = "test", instance_id: str | None = None) -> Bus:
+        bus = await Bus.connect(
+            nats_server.url, service=service, instance_id=instance_id, root=subject_root
+        )
+        buses.append(bus)
+        return bus
+
+    yield connect
+    for bus in buses:
+        await bus.stop_serving(grace_s=1.0)
+        await bus.close()

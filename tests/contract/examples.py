@@ -1,0 +1,159 @@
+"""One fixed example of every wire message; their encodings are committed as golden bytes.
+
+`python -m tests.contract.examples --write` rewrites tests/contract/golden/ after an
+intentional, compatible schema change (new fields with defaults). Review the diff.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from shared.schema import (
+    AllBlocksCleared,
+    BlockLocation,
+    BlocksRemoved,
+    BlocksStored,
+    DecodeJob,
+    ErrorCode,
+    ErrorReply,
+    GenerateRequest,
+    InstanceState,
+    KvEventBatch,
+    KvTransfer,
+    LoadReport,
+    Message,
+    PrefillJob,
+    RouteDecision,
+    SamplingParams,
+    StoredBlock,
+    TokenChunk,
+    TokenUsage,
+    UsageRecord,
+    UsageStatus,
+    encode,
+    pack_block_hashes,
+    pack_token_ids,
+)
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+
+_request = GenerateRequest(
+    request_id="req-0001",
+    model="tiny-coder",
+    prompt_token_ids=pack_token_ids([0, 1, 2, 65_535, 128_000]),
+    block_hashes=pack_block_hashes([0x0123456789ABCDEF, 2**64 - 1]),
+    block_size_tokens=64,
+    sampling=SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, top_k=40, seed=7,
+                            stop_token_ids=(1,), stop=("\n\n",), logprobs=True, num_top_logprobs=2),
+    stream_inbox="_INBOX.abc",
+    api_key_id="key-1",
+    cache_salt="tenant-a",
+    arrival_ms=1_790_000_000_000,
+    deadline_ms=1_790_000_030_000,
+    priority=1,
+)  # fmt: skip
+_decision = RouteDecision(
+    request_id="req-0001",
+    prefill_worker_id="prefill-0",
+    decode_worker_id="decode-1",
+    num_prompt_tokens=5,
+    num_cached_tokens=0,
+    has_swa_snapshot=True,
+    estimated_ttft_ms=12.5,
+)
+_blocks = (
+    BlockLocation(block_hash=0x0123456789ABCDEF, tier="ssd", file_id=3, slot=17, generation=2),
+)
+
+EXAMPLES: dict[str, Message] = {
+    "GenerateRequest": _request,
+    "RouteDecision": _decision,
+    "PrefillJob": PrefillJob(
+        request=_request, decision=_decision, cached_blocks=_blocks, attempt=1
+    ),
+    "DecodeJob": DecodeJob(
+        request=_request,
+        decision=_decision,
+        cached_blocks=_blocks,
+        first_token_id=42,
+        kv_transfer=KvTransfer(
+            agent_name="prefill-0", num_tokens=5, num_bytes=4096, descriptor=b"\x01\x02"
+        ),
+    ),
+    "TokenChunk": TokenChunk(
+        request_id="req-0001",
+        seq=3,
+        token_ids=pack_token_ids([42, 43]),
+        text="def f",
+        logprobs=(-0.25, -1.5),
+        final=True,
+        finish_reason="stop",
+        usage=TokenUsage(num_prompt_tokens=5, num_cached_tokens=0, num_output_tokens=4),
+    ),
+    "KvEventBatch": KvEventBatch(
+        writer_id="prefill-0",
+        seq=9,
+        ts_ms=1_790_000_000_123,
+        events=(
+            BlocksStored(
+                tier="ssd",
+                blocks=(
+                    StoredBlock(
+                        block_hash=0x0123456789ABCDEF,
+                        file_id=3,
+                        slot=17,
+                        generation=2,
+                        num_bytes=65_536,
+                    ),
+                ),
+                parent_block_hash=None,
+            ),
+            BlocksRemoved(tier="ssd", block_hashes=pack_block_hashes([5, 6])),
+            AllBlocksCleared(tier="dram"),
+        ),
+    ),
+    "UsageRecord": UsageRecord(
+        request_id="req-0001",
+        api_key_id="key-1",
+        model="tiny-coder",
+        num_cache_hit_tokens=73_920,
+        num_cache_miss_tokens=3_080,
+        num_output_tokens=412,
+        status=UsageStatus.CANCELLED,
+        finish_reason="cancelled",
+        started_ms=1_790_000_000_000,
+        finished_ms=1_790_000_004_000,
+        prefill_worker_id="prefill-0",
+        decode_worker_id="decode-1",
+    ),
+    "LoadReport": LoadReport(
+        service="decode",
+        instance_id="decode-1",
+        seq=12,
+        ts_ms=1_790_000_000_500,
+        state=InstanceState.DRAINING,
+        node_id="node-a",
+        num_inflight=3,
+        num_queued=2,
+        num_queued_tokens=9000,
+        num_running=8,
+        num_kv_pages_total=4096,
+        num_kv_pages_free=1024,
+    ),
+    "ErrorReply": ErrorReply(
+        code=ErrorCode.OVERLOADED, message="queues full", request_id="req-0001", retry_after_s=2.0
+    ),
+}
+
+
+def write_golden() -> None:
+    GOLDEN_DIR.mkdir(exist_ok=True)
+    for name, message in EXAMPLES.items():
+        (GOLDEN_DIR / f"{name}.msgpack").write_bytes(encode(message))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python -m tests.contract.examples --write")
+    write_golden()

@@ -1,0 +1,113 @@
+"""`kvfabric up` as a subprocess: comes up, `kvfabric status` lists all seven services, and
+SIGINT stops everything it started (no child process left behind)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from shared.subjects import SERVICES
+from shared.testing import unique_root
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+KVFABRIC = str(Path(sys.executable).parent / "kvfabric")
+
+
+def _read_until_ready(process: subprocess.Popen[str], timeout_s: float) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    assert process.stdout is not None
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        if line.startswith("ready"):
+            return lines
+    raise AssertionError("kvfabric up never became ready:\n" + "\n".join(lines))
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it has exited and only waits to be reaped.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_up_status_and_clean_stop(tmp_path: Path) -> None:
+    root = unique_root()
+    up = subprocess.Popen(
+        [KVFABRIC, "up", "--nats-port", "0", "--http-port", "0", "--state-dir", str(tmp_path),
+         "--root", root, "--replicas", "prefill=2,decode=2", "--shutdown-grace-s", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        lines = _read_until_ready(up, timeout_s=120)
+        text = "\n".join(lines)
+        nats_url = re.search(r"nats-server\s+(nats://\S+)", text).group(1)
+        http_url = re.search(r"HTTP API\s+(http://\S+)", text).group(1).rstrip(",")
+        pids = [int(p) for p in re.findall(r"pid (\d+)", text)]
+        assert len(pids) == 1 + 9  # nats-server + 7 services, two of them with 2 replicas
+
+        health = json.loads(urllib.request.urlopen(f"{http_url}/health", timeout=5).read())
+        assert health["status"] == "ok"
+
+        status = subprocess.run(
+            [KVFABRIC, "status", "--nats-url", nats_url, "--root", root, "--json"],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        instances = json.loads(status.stdout)
+        assert sorted({i["service"] for i in instances}) == sorted(SERVICES)
+        counts = {s: sum(i["service"] == s for i in instances) for s in SERVICES}
+        assert counts["prefill"] == 2 and counts["decode"] == 2
+        assert all(i["load"]["state"] == "serving" for i in instances)
+
+        table = subprocess.run(
+            [KVFABRIC, "status", "--nats-url", nats_url, "--root", root],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        assert "swa-memcache-0" in table and "INFLIGHT" in table
+
+        up.send_signal(signal.SIGINT)
+        rest, _ = up.communicate(timeout=120)
+        assert up.returncode == 0, rest
+        assert "stopped nats-server" in rest
+        # Stopped in order: ingress first, kv-index last, then the server.
+        order = re.findall(r"stopped (\S+)", rest)
+        assert order[0] == "ingress-0" and order[-2] == "kv-index-0" and order[-1] == "nats-server"
+        assert [pid for pid in pids if _is_alive(pid)] == []
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_up_rejects_a_bad_replica_spec(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [KVFABRIC, "up", "--replicas", "prefil=2", "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, env=os.environ | {"COLUMNS": "300"},
+    )  # fmt: skip
+    assert result.returncode == 2
+    message = " ".join(result.stderr.replace("│", " ").split())
+    assert "'prefil=2'" in message and "expected <service>=<count>" in message
+
+
+def test_serve_rejects_bad_config() -> None:
+    result = subprocess.run(
+        [KVFABRIC, "serve", "router", "--heartbeat-s", "soon"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--heartbeat-s='soon'" in result.stderr
