@@ -1,0 +1,53 @@
+"""Model engine used by the prefill and decode services (plain torch)."""
+
+from __future__ import annotations
+
+from shared.engine.block_manager import BlockAllocator, BlockManager
+from shared.engine.config import ModelConfig
+from shared.engine.errors import (
+    CheckpointError,
+    DraftError,
+    EngineError,
+    KVLayoutError,
+    OutOfBlocksError,
+    SamplingParamsError,
+    SequenceStateError,
+    UnsupportedModelError,
+)
+from shared.engine.kv_cache import KVBlockLayout, PagedKVPool, SlidingWindowState
+from shared.engine.model import CausalLM
+from shared.engine.runner import DraftScore, ModelRunner
+from shared.engine.sampler import SampleOutput, SamplingParams, make_generator, sample
+from shared.engine.sequence import Sequence
+from shared.engine.speculative import verify_draft, verify_greedy, verify_sampled
+from shared.engine.weights import load_model, load_weights
+
+__all__ = [
+    "BlockAllocator",
+    "BlockManager",
+    "CausalLM",
+    "CheckpointError",
+    "DraftError",
+    "DraftScore",
+    "EngineError",
+    "KVBlockLayout",
+    "KVLayoutError",
+    "ModelConfig",
+    "ModelRunner",
+    "OutOfBlocksError",
+    "PagedKVPool",
+    "SampleOutput",
+    "SamplingParams",
+    "SamplingParamsError",
+    "Sequence",
+    "SequenceStateError",
+    "SlidingWindowState",
+    "UnsupportedModelError",
+    "load_model",
+    "load_weights",
+    "make_generator",
+    "sample",
+    "verify_draft",
+    "verify_greedy",
+    "verify_sampled",
+]

@@ -1,0 +1,101 @@
+"""Load an HF model directory (config.json + *.safetensors, sharded or not) into CausalLM.
+
+Every tensor is checked before any is copied: a missing, unexpected or mis-shaped tensor
+raises CheckpointError naming the file and the tensor, so a half-loaded model never exists.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shared.engine.config import ModelConfig
+from shared.engine.errors import CheckpointError
+from shared.engine.model import CausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _ignored(name: str, config: ModelConfig) -> bool:
+    # Old llama exports saved the rotary inv_freq buffer; we recompute it. Tied checkpoints
+    # sometimes still carry lm_head.weight, a copy of the embedding that transformers ignores.
+    return name.endswith("rotary_emb.inv_freq") or (
+        config.tie_word_embeddings and name == "lm_head.weight"
+    )
+
+
+def tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.exists():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path}: no valid 'weight_map' ({exc})") from exc
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files and no {INDEX_FILE}")
+    located: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if name in located:
+                    raise CheckpointError(f"{path}: tensor '{name}' also in {located[name]}")
+                located[name] = path
+    return located
+
+
+def _describe_source(model_dir: Path) -> str:
+    index_path = model_dir / INDEX_FILE
+    if index_path.exists():
+        return str(index_path)
+    return ", ".join(str(p) for p in sorted(model_dir.glob("*.safetensors")))
+
+
+def load_weights(model: CausalLM, model_dir: str | Path) -> None:
+    model_dir = Path(model_dir)
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    located = {n: p for n, p in tensor_files(model_dir).items() if not _ignored(n, model.config)}
+    unexpected = sorted(located.keys() - expected.keys())
+    if unexpected:
+        name = unexpected[0]
+        raise CheckpointError(
+            f"{located[name]}: unexpected tensor '{name}' (not part of a "
+            f"{model.config.model_type} model with this config.json; "
+            f"{len(unexpected)} unexpected in all)"
+        )
+    missing = sorted(expected.keys() - located.keys())
+    if missing:
+        raise CheckpointError(
+            f"{_describe_source(model_dir)}: missing tensor '{missing[0]}' "
+            f"({len(missing)} missing in all)"
+        )
+    by_file: dict[Path, list[str]] = {}
+    for name, path in located.items():
+        by_file.setdefault(path, []).append(name)
+    loaded: dict[str, torch.Tensor] = {}
+    for path, names in by_file.items():
+        if not path.exists():
+            raise CheckpointError(f"{path}: file listed in {INDEX_FILE} does not exist")
+        with safe_open(str(path), framework="pt") as handle:
+            for name in names:
+                shape = tuple(handle.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise CheckpointError(
+                        f"{path}: tensor '{name}' has shape {list(shape)}, "
+                        f"config.json implies {list(expected[name])}"
+                    )
+                loaded[name] = handle.get_tensor(name)
+    model.load_state_dict(loaded, strict=True)
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Read config.json, build the model, load and check every tensor."""
+    config = ModelConfig.from_hf(model_dir)
+    model = CausalLM(config)
+    load_weights(model, model_dir)
+    return model.to(dtype).eval()
