@@ -33,7 +33,6 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from opentelemetry import trace
 
 from shared import telemetry
 from shared.logging import bind_request, get_logger
@@ -255,10 +254,7 @@ class Bus:
         if endpoint.mode is ReplyMode.STREAM and ctx.reply:
             writer = StreamWriter(self, ctx.reply, request_id=ctx.request_id)
         try:
-            with telemetry.tracer().start_as_current_span(
-                endpoint.name, context=telemetry.extract(headers), kind=trace.SpanKind.SERVER
-            ) as span:
-                span.set_attribute("messaging.destination.name", endpoint.subject)
+            with telemetry.server_span(endpoint.name, endpoint.subject, headers):
                 bind_request(ctx.request_id, telemetry.current_trace_id())
                 if raw_deadline is not None and deadline_ms is None:
                     raise BadRequest(
@@ -384,12 +380,12 @@ class Bus:
             raise NoResponders(f"no instance serves {subject}") from exc
         except nats.errors.TimeoutError as exc:
             raise DeadlineExceeded(f"no reply on {subject} within {timeout_s:.3f}s") from exc
-        raw = _raw(msg)
-        raise_if_error(raw)
+        if msg.headers and ERROR_CODE_HEADER in msg.headers:
+            raise_if_error(_raw(msg))
         if reply_type is bytes:
-            return raw.data  # type: ignore[return-value]
+            return msg.data  # type: ignore[return-value]
         try:
-            return decode(raw.data, reply_type)
+            return decode(msg.data, reply_type)
         except msgspec.DecodeError as exc:
             raise InternalError(
                 f"malformed {reply_type.__name__} reply on {subject}: {exc}"

@@ -46,4 +46,7 @@ def get_logger(name: str) -> Any:
 def bind_request(request_id: str, trace_id: str | None) -> None:
     """Bind ids to every log line of the current task (each request runs in its own task,
     so the binding ends with it)."""
-    structlog.contextvars.bind_contextvars(request_id=request_id, trace_id=trace_id)
+    if request_id:
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+    if trace_id:
+        structlog.contextvars.bind_contextvars(trace_id=trace_id)

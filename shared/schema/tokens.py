@@ -18,10 +18,14 @@ def _pack(values: Iterable[int] | np.ndarray, dtype: np.dtype, what: str) -> byt
     if isinstance(values, np.ndarray):
         array = values
     else:
-        try:  # numpy rejects negative or too-large Python ints for an unsigned dtype
-            array = np.array(list(values), dtype=np.uint64)
-        except (OverflowError, TypeError, ValueError) as exc:
-            raise ValueError(f"{what} must be integers in [0, 2**64)") from exc
+        items = list(values)
+        array = np.array(items)
+        # Python ints past 2**63 (or mixed with small ones) come out as object or float64:
+        # check them exactly, then convert.
+        if array.size and array.dtype.kind not in "iu":
+            if not all(isinstance(v, int) and 0 <= v < 1 << 64 for v in items):
+                raise ValueError(f"{what} must be integers in [0, 2**64)")
+            array = np.array(items, dtype=np.uint64)
     if array.size == 0:
         return b""
     if array.dtype.kind not in "iu":
