@@ -95,6 +95,21 @@ class Subjects:
     def kv_index_match(self) -> str:
         return self.endpoint(KV_INDEX, "match")
 
+    def kv_index_match_shard(self, shard_id: int) -> str:
+        """One shard's match endpoint; its replicas answer it as one queue group."""
+        return f"{self.kv_index_match}.shard{shard_id}"
+
+    def kv_index_admin(self, shard_id: int) -> str:
+        return f"{self.endpoint(KV_INDEX, 'admin')}.shard{shard_id}"
+
+    def kv_resync(self, writer_id: str) -> str:
+        """kv-index -> a writer: `ResyncRequest`, answered by a full-state `KvEventBatch`."""
+        return f"{self.root}.kv.resync.{check_token(writer_id, 'writer id')}"
+
+    @property
+    def kv_events_stream(self) -> str:
+        return f"KVF_KV_EVENTS_{self.root.replace('.', '_').replace('-', '_')}"
+
     @property
     def swa_get(self) -> str:
         return self.endpoint(SWA_MEMCACHE, "get")

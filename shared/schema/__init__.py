@@ -39,6 +39,14 @@ from shared.schema.kv_events import (
     KvEventBatch,
     StoredBlock,
 )
+from shared.schema.kv_index import (
+    CacheCommand,
+    CacheStats,
+    MatchReply,
+    MatchRequest,
+    ResyncRequest,
+    TierMatch,
+)
 from shared.schema.tokens import (
     num_packed_tokens,
     pack_block_hashes,
@@ -48,6 +56,12 @@ from shared.schema.tokens import (
 )
 
 __all__ = [
+    "TierMatch",
+    "ResyncRequest",
+    "MatchRequest",
+    "MatchReply",
+    "CacheStats",
+    "CacheCommand",
     "SCHEMA_VERSION",
     "AllBlocksCleared",
     "BadRequest",

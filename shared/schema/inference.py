@@ -57,6 +57,8 @@ class BlockLocation(msgspec.Struct, frozen=True, array_like=True):
     file_id: int
     slot: int
     generation: int
+    writer_id: str = ""  # whose files hold the slot (each writer owns its own files)
+    num_bytes: int = 0
 
 
 class PrefillJob(Message, tag="prefill_job"):

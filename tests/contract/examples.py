@@ -14,6 +14,8 @@ from shared.schema import (
     BlockLocation,
     BlocksRemoved,
     BlocksStored,
+    CacheCommand,
+    CacheStats,
     DecodeJob,
     ErrorCode,
     ErrorReply,
@@ -22,11 +24,15 @@ from shared.schema import (
     KvEventBatch,
     KvTransfer,
     LoadReport,
+    MatchReply,
+    MatchRequest,
     Message,
     PrefillJob,
+    ResyncRequest,
     RouteDecision,
     SamplingParams,
     StoredBlock,
+    TierMatch,
     TokenChunk,
     TokenUsage,
     UsageRecord,
@@ -63,7 +69,15 @@ _decision = RouteDecision(
     estimated_ttft_ms=12.5,
 )
 _blocks = (
-    BlockLocation(block_hash=0x0123456789ABCDEF, tier="ssd", file_id=3, slot=17, generation=2),
+    BlockLocation(
+        block_hash=0x0123456789ABCDEF,
+        tier="ssd",
+        file_id=3,
+        slot=17,
+        generation=2,
+        writer_id="prefill-0",
+        num_bytes=98_304,
+    ),
 )
 
 EXAMPLES: dict[str, Message] = {
@@ -140,6 +154,24 @@ EXAMPLES: dict[str, Message] = {
         num_running=8,
         num_kv_pages_total=4096,
         num_kv_pages_free=1024,
+    ),
+    "MatchRequest": MatchRequest(block_hashes=pack_block_hashes([1, 2**64 - 1]), refresh=False),
+    "MatchReply": MatchReply(
+        shard_id=1,
+        num_shards=2,
+        tiers=(
+            TierMatch(
+                tier="ssd", first_miss_index=3, indices=pack_token_ids([1]), locations=_blocks
+            ),
+        ),
+    ),
+    "ResyncRequest": ResyncRequest(writer_id="prefill-0", expected_seq=10, received_seq=12),
+    "CacheCommand": CacheCommand(action="evict", tier="ssd", fraction=0.25),
+    "CacheStats": CacheStats(
+        shard_id=0,
+        instance_id="kv-index-0",
+        tiers={"ssd": {"num_blocks": 12, "used_bytes": 1_179_648}},
+        counters={"num_gaps": 1},
     ),
     "ErrorReply": ErrorReply(
         code=ErrorCode.OVERLOADED, message="queues full", request_id="req-0001", retry_after_s=2.0

@@ -1,0 +1,85 @@
+"""Asking kv-index: a match fans out to every shard and the answers merge into, per tier, the
+longest cached prefix of the request and the location of each of its blocks.
+
+Each shard answers for the positions whose hash it owns (hash % num_shards): where its first
+owned miss is, and its owned hits before that. The prefix ends at the earliest miss any shard
+reports; every position before it is owned by exactly one shard that reported it as a hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from shared.bus import Bus
+from shared.schema import InternalError, pack_block_hashes, pack_token_ids, unpack_token_ids
+from shared.schema.inference import BlockLocation
+from shared.schema.kv_index import MatchReply, MatchRequest, TierMatch
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    tier: str
+    num_blocks: int
+    locations: list[BlockLocation]  # one per block of the prefix, in order
+
+
+def to_wire(
+    tier: str, first_miss_index: int, indices: list[int], locations: list[BlockLocation]
+) -> TierMatch:
+    return TierMatch(
+        tier=tier,
+        first_miss_index=first_miss_index,
+        indices=pack_token_ids(indices),
+        locations=tuple(locations),
+    )
+
+
+def merge(replies: list[MatchReply], num_blocks: int) -> dict[str, PrefixMatch]:
+    shards = {r.shard_id for r in replies}
+    num_shards = replies[0].num_shards if replies else 1
+    if shards != set(range(num_shards)):
+        raise InternalError(f"match answered by shards {sorted(shards)} of {num_shards}")
+    by_tier: dict[str, list[TierMatch]] = {}
+    for reply in replies:
+        for tier_match in reply.tiers:
+            by_tier.setdefault(tier_match.tier, []).append(tier_match)
+    merged = {}
+    for tier, parts in by_tier.items():
+        # A shard that never heard of the tier owns no hit in it: the prefix is empty there.
+        prefix = 0 if len(parts) < num_shards else min(p.first_miss_index for p in parts)
+        prefix = min(prefix, num_blocks)
+        found: dict[int, BlockLocation] = {}
+        for part in parts:
+            for index, location in zip(
+                unpack_token_ids(part.indices).tolist(), part.locations, strict=True
+            ):
+                if index < prefix:
+                    found[index] = location
+        if len(found) != prefix:
+            raise InternalError(f"tier {tier}: {len(found)} locations for a {prefix}-block prefix")
+        merged[tier] = PrefixMatch(tier, prefix, [found[i] for i in range(prefix)])
+    return merged
+
+
+async def match(
+    bus: Bus,
+    block_hashes: list[int],
+    *,
+    num_shards: int,
+    timeout_s: float = 1.0,
+    refresh: bool = True,
+) -> dict[str, PrefixMatch]:
+    """Longest cached prefix per tier, asking every shard concurrently."""
+    if not block_hashes:
+        return {}
+    request = MatchRequest(block_hashes=pack_block_hashes(block_hashes), refresh=refresh)
+    replies = await asyncio.gather(
+        *(
+            bus.request(
+                bus.subjects.kv_index_match_shard(shard), request, MatchReply, timeout_s=timeout_s
+            )
+            for shard in range(num_shards)
+        )
+    )
+    return merge(list(replies), len(block_hashes))
