@@ -30,9 +30,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 import nats
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 
 from shared import telemetry
 from shared.logging import bind_request, get_logger
@@ -472,6 +474,103 @@ class Bus:
                 yield msg
         finally:
             await inbox.close()
+
+    # -- JetStream: only where loss is unacceptable (usage, the KV event log) ---------------
+    async def ensure_stream(
+        self,
+        name: str,
+        subjects: list[str],
+        *,
+        max_age_s: float | None = None,
+        max_bytes: int | None = None,
+        duplicate_window_s: float = 120.0,
+    ) -> None:
+        """Create the stream, or bring an existing one to this config (idempotent)."""
+        config = StreamConfig(
+            name=name,
+            subjects=subjects,
+            max_age=max_age_s,
+            max_bytes=max_bytes,
+            duplicate_window=duplicate_window_s,
+        )
+        js = self._nc.jetstream()
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await js.update_stream(config)
+
+    async def stream_bounds(self, name: str) -> tuple[int, int]:
+        """(first, last) sequence numbers held by a stream."""
+        info = await self._nc.jetstream().stream_info(name)
+        return info.state.first_seq, info.state.last_seq
+
+    async def js_publish(
+        self, subject: str, message: Any, *, msg_id: str | None = None, timeout_s: float = 5.0
+    ) -> int:
+        """Publish with a storage acknowledgement; `msg_id` deduplicates (Nats-Msg-Id)."""
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        try:
+            ack = await self._nc.jetstream().publish(
+                subject, encode(message), timeout=timeout_s, headers=headers
+            )
+        except nats.js.errors.NoStreamResponseError as exc:
+            raise Unavailable(f"no JetStream stream stores {subject}") from exc
+        except nats.errors.TimeoutError as exc:
+            raise Unavailable(f"JetStream did not acknowledge {subject} in {timeout_s}s") from exc
+        return ack.seq
+
+    async def consume(
+        self,
+        stream: str,
+        subject: str,
+        message_type: type[T],
+        handler: Callable[[T, int], Awaitable[None]],
+        *,
+        start_seq: int | None = None,
+    ) -> Subscription:
+        """Deliver a stream's messages in order (`handler(message, stream_seq)`), from
+        `start_seq` (or the start), then live: an ordered, ephemeral consumer."""
+        if start_seq is None:
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        else:
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq
+            )
+
+        async def on_message(msg: Msg) -> None:
+            try:
+                event = decode(msg.data, message_type)
+            except msgspec.DecodeError as exc:
+                log.warning("malformed stream message skipped", subject=msg.subject, error=str(exc))
+                return
+            try:
+                await handler(event, msg.metadata.sequence.stream)
+            except Exception:
+                log.exception("stream handler crashed", subject=msg.subject)
+
+        subscription = await self._nc.jetstream().subscribe(
+            subject, stream=stream, cb=on_message, ordered_consumer=True, config=config
+        )
+        self._event_subscriptions.append(subscription)
+        return subscription
+
+    async def put_object(self, bucket: str, name: str, data: bytes) -> None:
+        js = self._nc.jetstream()
+        try:
+            store = await js.object_store(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            store = await js.create_object_store(bucket)
+        await store.put(name, data)
+
+    async def get_object(self, bucket: str, name: str) -> bytes | None:
+        js = self._nc.jetstream()
+        try:
+            store = await js.object_store(bucket)
+            return (await store.get(name)).data
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.ObjectNotFoundError):
+            return None
+        except nats.js.errors.NotFoundError:
+            return None
 
 
 def error_headers(exc: ServiceError) -> dict[str, str]:

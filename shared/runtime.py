@@ -39,6 +39,7 @@ class ServiceRuntime:
         self._discovery: DiscoveryResponder | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._cleanups: list[Callable[[], Awaitable[None]]] = []
+        self._duties: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self._num_heartbeats = 0
         self._is_shut_down = False
@@ -52,6 +53,19 @@ class ServiceRuntime:
     def on_stop(self, cleanup: Callable[[], Awaitable[None]]) -> None:
         """Run `cleanup` at shutdown, after in-flight requests finished (last added, first run)."""
         self._cleanups.append(cleanup)
+
+    def every(self, interval_s: float, duty: Callable[[], Awaitable[Any]]) -> None:
+        """Run `duty` every `interval_s` until shutdown (a failure is logged, not fatal)."""
+
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    await duty()
+                except Exception:
+                    log.exception("periodic duty failed", duty=getattr(duty, "__qualname__", "?"))
+
+        self._duties.append(asyncio.create_task(loop()))
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -128,6 +142,9 @@ class ServiceRuntime:
             await self._discovery.stop()
         if self._bus is not None:
             await self._bus.stop_serving(self.config.shutdown_grace_s)
+        for duty in self._duties:
+            duty.cancel()
+        await asyncio.gather(*self._duties, return_exceptions=True)
         for cleanup in reversed(self._cleanups):
             try:
                 await cleanup()

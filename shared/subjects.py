@@ -106,6 +106,10 @@ class Subjects:
         """kv-index -> a writer: `ResyncRequest`, answered by a full-state `KvEventBatch`."""
         return f"{self.root}.kv.resync.{check_token(writer_id, 'writer id')}"
 
+    def kv_evict(self, writer_id: str) -> str:
+        """kv-index -> a writer: `BlocksRemoved` it evicted; the writer frees those slots."""
+        return f"{self.root}.kv.evict.{check_token(writer_id, 'writer id')}"
+
     @property
     def kv_events_stream(self) -> str:
         return f"KVF_KV_EVENTS_{self.root.replace('.', '_').replace('-', '_')}"
@@ -117,6 +121,11 @@ class Subjects:
     @property
     def swa_put(self) -> str:
         return self.endpoint(SWA_MEMCACHE, "put")
+
+    def nixl_metadata(self, service: str) -> str:
+        """A worker's NIXL agent metadata (`NixlMetadataRequest` -> `NixlAgentInfo`); a
+        peer addresses one worker with `instance(nixl_metadata(service), instance_id)`."""
+        return self.endpoint(service, "nixl-metadata")
 
     # -- events --------------------------------------------------------------------------
     def load(self, service: str, instance_id: str) -> str:

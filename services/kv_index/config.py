@@ -3,7 +3,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from shared.config import ServiceConfig
+from services.kv_index.index import DAY_S
+from shared.config import ConfigError, ServiceConfig
+
+GIB = 1 << 30
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -11,3 +14,38 @@ class KvIndexConfig(ServiceConfig):
     """Environment prefix KVF_KV_INDEX_; the fields every service has are in ServiceConfig."""
 
     env_prefix: ClassVar[str] = "KVF_KV_INDEX_"
+
+    shard_id: int = 0
+    num_shards: int = 1
+    # Capacity per tier, "tier=bytes" pairs: the SSD tier's share indexed by this shard.
+    capacity: tuple[str, ...] = (f"ssd={100 * GIB}", f"dram={8 * GIB}")
+    ttl_s: float = DAY_S
+    high_watermark: float = 0.9
+    low_watermark: float = 0.8
+    evict_interval_s: float = 5.0
+    snapshot_interval_s: float = 60.0
+    # The event log (JetStream) keeps at most this much: snapshots cover what it dropped.
+    log_max_bytes: int = 1 * GIB
+    log_max_age_s: float = DAY_S
+
+    def capacity_bytes(self) -> dict[str, int]:
+        result = {}
+        for item in self.capacity:
+            tier, sep, value = item.partition("=")
+            if not sep or not value.strip().isdigit():
+                raise ConfigError(f"capacity item {item!r} must be tier=bytes")
+            result[tier.strip()] = int(value)
+        return result
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0 <= self.shard_id < self.num_shards:
+            raise ConfigError(
+                f"shard_id {self.shard_id} must be in [0, num_shards={self.num_shards})"
+            )
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ConfigError("watermarks must satisfy 0 < low_watermark < high_watermark <= 1")
+        for name in ("ttl_s", "evict_interval_s", "snapshot_interval_s", "log_max_age_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+        self.capacity_bytes()

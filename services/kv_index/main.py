@@ -1,20 +1,77 @@
 """kv-index: the global prefix index (block hash -> KV location), longest-prefix match,
-LRU/TTL/capacity eviction. DESIGN.md section 4.
+LRU/TTL/capacity eviction. DESIGN.md section 4. Metadata only: KV bytes never pass here.
 
-Runs today: registration, `$SRV` discovery, `LoadReport` heartbeats on
-`<root>.load.<service>.<instance_id>`, drain on SIGTERM. Its request endpoints are wired here
-as they land.
+Serves (per shard, replicas of a shard in one queue group):
+  <root>.kv-index.match.shard<N>   MatchRequest -> MatchReply
+  <root>.kv-index.admin.shard<N>   CacheCommand (stats | evict | flush) -> CacheStats
+Consumes: the JetStream stream of `KvEventBatch`es on <root>.kv.events.* (every replica of
+  every shard reads all of it and keeps the hashes its shard owns).
+Publishes: BlocksRemoved to <root>.kv.evict.<writer_id> after eviction (the writer frees the
+  slots and logs the removal), ResyncRequest to <root>.kv.resync.<writer_id> on a sequence gap.
+Recovery: a snapshot (JetStream object store) every `snapshot_interval_s` and at shutdown,
+  then the event log from the snapshot's position; the log is bounded (`log_max_bytes`,
+  `log_max_age_s`), so it never grows without bound.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from services.kv_index.config import KvIndexConfig
+from services.kv_index.handlers import KvIndexService
+from shared.bus import Endpoint
+from shared.logging import get_logger
 from shared.runtime import ServiceRuntime, service_main
+from shared.schema import KvEventBatch
+from shared.schema.kv_index import CacheCommand, MatchRequest
 from shared.subjects import KV_INDEX
+
+log = get_logger(__name__)
+CATCH_UP_TIMEOUT_S = 60.0
 
 
 async def setup(runtime: ServiceRuntime) -> None:
-    """No request endpoints yet: the shared runtime registers, heartbeats and drains."""
+    config = runtime.config
+    assert isinstance(config, KvIndexConfig)  # service_main built it from KvIndexConfig
+    bus, subjects = runtime.bus, runtime.bus.subjects
+    service = KvIndexService(bus, config)
+    stream = subjects.kv_events_stream
+    await bus.ensure_stream(
+        stream,
+        [subjects.kv_events_all],
+        max_age_s=config.log_max_age_s,
+        max_bytes=config.log_max_bytes,
+    )
+    await service.load_snapshot()
+    first_seq, last_seq = await bus.stream_bounds(stream)
+    if service.last_stream_seq and first_seq > service.last_stream_seq + 1:
+        log.warning(
+            "event log no longer holds what followed the snapshot: blocks stored in between are "
+            "unknown until writers resync or `kvfabric cache rebuild` runs",
+            snapshot_seq=service.last_stream_seq, first_seq=first_seq,
+        )  # fmt: skip
+    start_seq = service.last_stream_seq + 1 if service.last_stream_seq else None
+    await bus.consume(
+        stream, subjects.kv_events_all, KvEventBatch, service.on_event_batch, start_seq=start_seq
+    )
+    # Answer only once the log is replayed: a restarted index gives the answers it gave before.
+    deadline = time.monotonic() + CATCH_UP_TIMEOUT_S
+    while service.last_stream_seq < last_seq and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    log.info("event log replayed", stream_seq=service.last_stream_seq, last_seq=last_seq)
+
+    shard = config.shard_id
+    await bus.serve(
+        Endpoint("match", subjects.kv_index_match_shard(shard), MatchRequest, service.handle_match)
+    )
+    await bus.serve(
+        Endpoint("admin", subjects.kv_index_admin(shard), CacheCommand, service.handle_admin)
+    )
+    runtime.metadata["shard"] = f"{shard}/{config.num_shards}"
+    runtime.every(config.evict_interval_s, service.evict_once)
+    runtime.every(config.snapshot_interval_s, service.save_snapshot)
+    runtime.on_stop(service.save_snapshot)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,136 @@
+"""kv-index handlers: decode -> the core index -> encode. The service's state and its
+background duties (event log consumption, eviction, snapshots) live in `KvIndexService`."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import msgspec
+
+from services.kv_index.config import KvIndexConfig
+from services.kv_index.index import KvIndex, Removal
+from shared.bus import Bus, Context
+from shared.kvstore.index_client import to_wire
+from shared.logging import get_logger
+from shared.schema import (
+    BadRequest,
+    BlocksRemoved,
+    KvEventBatch,
+    pack_block_hashes,
+    unpack_block_hashes,
+)
+from shared.schema.kv_index import CacheCommand, CacheStats, MatchReply, MatchRequest, ResyncRequest
+
+log = get_logger(__name__)
+SNAPSHOT_VERSION = 1
+
+
+class KvIndexService:
+    def __init__(self, bus: Bus, config: KvIndexConfig) -> None:
+        self.bus = bus
+        self.config = config
+        self.index = KvIndex(
+            capacity_bytes=config.capacity_bytes(),
+            shard_id=config.shard_id,
+            num_shards=config.num_shards,
+            ttl_s=config.ttl_s,
+            high_watermark=config.high_watermark,
+            low_watermark=config.low_watermark,
+        )
+        self.last_stream_seq = 0  # the event log position the state covers
+
+    @property
+    def snapshot_bucket(self) -> str:
+        return f"{self.bus.subjects.kv_events_stream}_SNAPSHOTS"
+
+    @property
+    def snapshot_name(self) -> str:
+        return f"shard{self.config.shard_id}-of-{self.config.num_shards}"
+
+    # -- requests ------------------------------------------------------------------------
+    async def handle_match(self, request: MatchRequest, ctx: Context) -> MatchReply:
+        try:
+            hashes = unpack_block_hashes(request.block_hashes).tolist()
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        results = self.index.match(hashes, time.time(), refresh=request.refresh)
+        return MatchReply(
+            shard_id=self.config.shard_id,
+            num_shards=self.config.num_shards,
+            tiers=tuple(
+                to_wire(r.tier, r.first_miss_index, r.indices, r.locations) for r in results
+            ),
+        )
+
+    async def handle_admin(self, command: CacheCommand, ctx: Context) -> CacheStats:
+        tier = command.tier or None
+        if command.action == "evict":
+            if not 0 <= command.fraction <= 1:
+                raise BadRequest(f"evict fraction must be in [0, 1], got {command.fraction}")
+            await self.notify_writers(self.index.evict_fraction(tier, command.fraction))
+        elif command.action == "flush":
+            await self.notify_writers(self.index.evict_fraction(tier, 1.0))
+        elif command.action != "stats":
+            raise BadRequest(f"unknown cache action {command.action!r}: stats, evict or flush")
+        return self.stats()
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            shard_id=self.config.shard_id,
+            instance_id=self.bus.instance_id,
+            tiers=self.index.stats(),
+            counters=dataclasses.asdict(self.index.counters),
+        )
+
+    # -- the event log -------------------------------------------------------------------
+    async def on_event_batch(self, batch: KvEventBatch, stream_seq: int) -> None:
+        gap = self.index.apply(batch, time.time())
+        self.last_stream_seq = stream_seq
+        if gap is not None:
+            log.warning("kv event gap, asking for resync", writer_id=gap.writer_id,
+                        expected_seq=gap.expected_seq, received_seq=gap.received_seq)  # fmt: skip
+            request = ResyncRequest(
+                writer_id=gap.writer_id,
+                expected_seq=gap.expected_seq,
+                received_seq=gap.received_seq,
+            )
+            await self.bus.publish(self.bus.subjects.kv_resync(gap.writer_id), request)
+
+    # -- duties --------------------------------------------------------------------------
+    async def evict_once(self) -> int:
+        removals = self.index.evict(time.time())
+        await self.notify_writers(removals)
+        return sum(len(r.block_hashes) for r in removals)
+
+    async def notify_writers(self, removals: list[Removal]) -> None:
+        """Tell each writer which of its blocks left the index, so it reuses their slots and
+        logs the removal as BlocksRemoved in its own sequence (which all replicas apply)."""
+        for removal in removals:
+            notice = BlocksRemoved(
+                tier=removal.tier, block_hashes=pack_block_hashes(removal.block_hashes)
+            )
+            await self.bus.publish(self.bus.subjects.kv_evict(removal.writer_id), notice)
+
+    async def save_snapshot(self) -> None:
+        state = msgspec.msgpack.encode(
+            {
+                "version": SNAPSHOT_VERSION,
+                "stream_seq": self.last_stream_seq,
+                "index": self.index.snapshot(),
+            }
+        )
+        await self.bus.put_object(self.snapshot_bucket, self.snapshot_name, state)
+        log.info("snapshot saved", stream_seq=self.last_stream_seq, num_bytes=len(state))
+
+    async def load_snapshot(self) -> None:
+        data = await self.bus.get_object(self.snapshot_bucket, self.snapshot_name)
+        if data is None:
+            return
+        state = msgspec.msgpack.decode(data)
+        if state.get("version") != SNAPSHOT_VERSION:
+            log.warning("snapshot of another version ignored", version=state.get("version"))
+            return
+        self.index.restore(state["index"])
+        self.last_stream_seq = int(state["stream_seq"])
+        log.info("snapshot loaded", stream_seq=self.last_stream_seq)

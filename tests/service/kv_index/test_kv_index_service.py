@@ -1,0 +1,192 @@
+"""kv-index as real processes on a real nats-server: match, shards, gaps, eviction notices,
+restart recovery from the JetStream log (kill -9, start again, same answers)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.bus import Bus
+from shared.kvstore import index_client
+from shared.kvstore.hashing import BlockHasher
+from shared.natsd import NatsServer
+from shared.schema import (
+    BlocksRemoved,
+    BlocksStored,
+    KvEventBatch,
+    NoResponders,
+    StoredBlock,
+    unpack_block_hashes,
+)
+from shared.schema.kv_index import CacheCommand, CacheStats, ResyncRequest
+from shared.testing.fixtures import BusFactory
+
+pytestmark = [pytest.mark.nats, pytest.mark.slow]
+HASHES = BlockHasher("m", block_size_tokens=4).hashes(range(4 * 30))
+
+
+def start_index(
+    server: NatsServer, root: str, shard: int = 0, num_shards: int = 1, *extra: str
+) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.kv_index", "--nats-url", server.url, "--root", root,
+         "--instance-id", f"kv-index-{shard}", "--shard-id", str(shard), "--num-shards", str(num_shards),
+         "--shutdown-grace-s", "2", *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[3],
+    )  # fmt: skip
+
+
+async def wait_ready(bus: Bus, num_shards: int = 1) -> None:
+    for _ in range(300):
+        try:
+            await index_client.match(bus, HASHES[:1], num_shards=num_shards)
+            return
+        except NoResponders:
+            await asyncio.sleep(0.1)
+    raise AssertionError("kv-index never answered")
+
+
+def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    if process.poll() is None:
+        process.send_signal(sig)
+        process.wait(timeout=30)
+
+
+def batch(
+    writer: str, seq: int, hashes: list[int], first_slot: int = 0, num_bytes: int = 1000
+) -> KvEventBatch:
+    blocks = tuple(
+        StoredBlock(block_hash=h, file_id=1, slot=first_slot + i, generation=1, num_bytes=num_bytes)
+        for i, h in enumerate(hashes)
+    )
+    return KvEventBatch(
+        writer_id=writer, seq=seq, ts_ms=0, events=(BlocksStored(tier="ssd", blocks=blocks),)
+    )
+
+
+async def publish(bus: Bus, *batches: KvEventBatch) -> None:
+    for b in batches:
+        await bus.js_publish(bus.subjects.kv_events(b.writer_id), b)
+
+
+async def prefix(bus: Bus, hashes: list[int], num_shards: int = 1) -> int:
+    result = await index_client.match(bus, hashes, num_shards=num_shards)
+    return result["ssd"].num_blocks if "ssd" in result else 0
+
+
+async def eventually(check, timeout_s: float = 10.0):  # noqa: ANN001, ANN201
+    for _ in range(int(timeout_s / 0.05)):
+        value = await check()
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    return await check()
+
+
+async def test_match_and_restart_recovery(
+    nats_server: NatsServer, subject_root: str, bus_factory: BusFactory
+) -> None:
+    index = start_index(nats_server, subject_root)
+    try:
+        writer = await bus_factory("prefill", "prefill-0")
+        await wait_ready(writer)
+        await publish(
+            writer, batch("prefill-0", 1, HASHES[:10]), batch("prefill-0", 2, HASHES[10:12], 10)
+        )
+        assert await eventually(lambda: _is(prefix(writer, HASHES), 12))
+        before = await index_client.match(writer, HASHES, num_shards=1)
+        assert [loc.slot for loc in before["ssd"].locations] == list(range(12))
+
+        stop(index, signal.SIGKILL)  # no goodbye snapshot: recovery must come from the log
+        index = start_index(nats_server, subject_root)
+        await wait_ready(writer)
+        after = await index_client.match(writer, HASHES, num_shards=1)
+        assert after == before
+
+        # A clean stop saves a snapshot; the next start restores it and replays only what follows.
+        stop(index)
+        await publish(writer, batch("prefill-0", 3, HASHES[12:14], 12))
+        index = start_index(nats_server, subject_root)
+        await wait_ready(writer)
+        assert await prefix(writer, HASHES) == 14
+    finally:
+        stop(index)
+
+
+async def _is(value, expected) -> bool:  # noqa: ANN001
+    return (await value) == expected
+
+
+async def test_shards_answer_together(
+    nats_server: NatsServer, subject_root: str, bus_factory: BusFactory
+) -> None:
+    shards = [start_index(nats_server, subject_root, s, 2) for s in range(2)]
+    try:
+        writer = await bus_factory("prefill", "prefill-0")
+        await wait_ready(writer, num_shards=2)
+        await publish(writer, batch("prefill-0", 1, HASHES[:8] + HASHES[9:15]))
+        assert await eventually(lambda: _is(prefix(writer, HASHES, 2), 8))
+        stats = [
+            await writer.request(
+                writer.subjects.kv_index_admin(s), CacheCommand(action="stats"), CacheStats
+            )
+            for s in range(2)
+        ]
+        assert sum(s.tiers["ssd"]["num_blocks"] for s in stats) == 14  # each kept its own half
+        assert all(0 < s.tiers["ssd"]["num_blocks"] < 14 for s in stats)
+    finally:
+        for shard in shards:
+            stop(shard)
+
+
+async def test_gap_asks_the_writer_to_resync_and_eviction_notifies_it(
+    nats_server: NatsServer, subject_root: str, bus_factory: BusFactory
+) -> None:
+    index = start_index(
+        nats_server, subject_root, 0, 1, "--capacity", "ssd=10000", "--evict-interval-s", "0.1"
+    )
+    try:
+        writer = await bus_factory("prefill", "prefill-0")
+        resyncs: list[ResyncRequest] = []
+        evicted: list[int] = []
+
+        async def on_resync(request: ResyncRequest) -> None:
+            resyncs.append(request)
+
+        async def on_evict(notice: BlocksRemoved) -> None:
+            evicted.extend(unpack_block_hashes(notice.block_hashes).tolist())
+
+        await writer.subscribe(writer.subjects.kv_resync("prefill-0"), ResyncRequest, on_resync)
+        await writer.subscribe(writer.subjects.kv_evict("prefill-0"), BlocksRemoved, on_evict)
+        await writer.flush()
+        await wait_ready(writer)
+        await publish(
+            writer, batch("prefill-0", 1, HASHES[:2]), batch("prefill-0", 4, HASHES[2:4], 2)
+        )
+        assert await eventually(lambda: _true(len(resyncs) == 1))
+        assert (resyncs[0].expected_seq, resyncs[0].received_seq) == (2, 4)
+
+        # 10 blocks of 1000 bytes in a 10000-byte tier: over 90%, evicted down to 80%.
+        await publish(writer, batch("prefill-0", 5, HASHES[4:10], 4))
+        assert await eventually(lambda: _true(len(evicted) >= 2))
+        assert set(evicted) <= set(HASHES[:10])
+        stats = await writer.request(
+            writer.subjects.kv_index_admin(0), CacheCommand(action="stats"), CacheStats
+        )
+        assert stats.tiers["ssd"]["used_bytes"] <= 8000
+        assert stats.counters["num_gaps"] == 1
+        flushed = await writer.request(
+            writer.subjects.kv_index_admin(0), CacheCommand(action="flush"), CacheStats
+        )
+        assert flushed.tiers["ssd"]["num_blocks"] == 0
+    finally:
+        stop(index)
+
+
+async def _true(value: bool) -> bool:
+    return value
