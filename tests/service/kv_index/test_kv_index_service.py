@@ -35,9 +35,9 @@ def start_index(
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "services.kv_index", "--nats-url", server.url, "--root", root,
-         "--instance-id", f"kv-index-{shard}", "--shard-id", str(shard), "--num-shards", str(num_shards),
-         "--shutdown-grace-s", "2", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[3],
+         "--instance-id", f"kv-index-{shard}", "--shard-id", str(shard),
+         "--num-shards", str(num_shards), "--shutdown-grace-s", "2", *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=Path(__file__).resolve().parents[3],
     )  # fmt: skip
 
 
