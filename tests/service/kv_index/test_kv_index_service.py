@@ -27,6 +27,7 @@ from shared.schema.kv_index import CacheCommand, CacheStats, ResyncRequest
 from shared.testing.fixtures import BusFactory
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[3]
 HASHES = BlockHasher("m", block_size_tokens=4).hashes(range(4 * 30))
 
 
@@ -37,7 +38,7 @@ def start_index(
         [sys.executable, "-m", "services.kv_index", "--nats-url", server.url, "--root", root,
          "--instance-id", f"kv-index-{shard}", "--shard-id", str(shard),
          "--num-shards", str(num_shards), "--shutdown-grace-s", "2", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=Path(__file__).resolve().parents[3],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
     )  # fmt: skip
 
 
