@@ -38,12 +38,14 @@ class DiscoveryResponder:
         description: str,
         metadata: dict[str, str],
         load_report: Callable[[], LoadReport],
+        counters: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         self._bus = bus
         self._version = version
         self._description = description
         self._metadata = {"root": bus.subjects.root, **metadata}
         self._load_report = load_report
+        self._counters = counters
         self._started = datetime.now(UTC)
         self._subscriptions: list[Any] = []
 
@@ -87,6 +89,7 @@ class DiscoveryResponder:
             "started": self._started.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z",
             "endpoints": endpoints,
             "load": msgspec.to_builtins(self._load_report()),
+            "counters": self._counters(),
         }
 
     async def start(self) -> None:
@@ -120,6 +123,7 @@ class Instance:
     version: str
     metadata: dict[str, str]
     load: dict[str, Any] = field(default_factory=dict)
+    counters: dict[str, Any] = field(default_factory=dict)
     endpoints: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -144,6 +148,7 @@ async def discover(
                 version=doc.get("version", ""),
                 metadata=metadata,
                 load=doc.get("load") or {},
+                counters=doc.get("counters") or {},
                 endpoints=doc.get("endpoints") or [],
             )
         )

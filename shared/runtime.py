@@ -35,6 +35,8 @@ class ServiceRuntime:
         self.state = InstanceState.STARTING
         # A service sets this to report its own queue and KV figures in heartbeats.
         self.load_fields: Callable[[], dict[str, Any]] = dict
+        # ...and its own counters, shown by discovery (STATS) and `kvfabric status --json`.
+        self.counters: Callable[[], dict[str, Any]] = dict
         self._bus: Bus | None = None
         self._discovery: DiscoveryResponder | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -109,6 +111,7 @@ class ServiceRuntime:
                 description=self.description,
                 metadata=self.metadata,
                 load_report=self.load_report,
+                counters=lambda: self.counters(),
             )
             await self._discovery.start()
             self.state = InstanceState.SERVING

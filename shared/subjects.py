@@ -122,6 +122,10 @@ class Subjects:
     def swa_put(self) -> str:
         return self.endpoint(SWA_MEMCACHE, "put")
 
+    @property
+    def swa_contains(self) -> str:
+        return self.endpoint(SWA_MEMCACHE, "contains")
+
     def nixl_metadata(self, service: str) -> str:
         """A worker's NIXL agent metadata (`NixlMetadataRequest` -> `NixlAgentInfo`); a
         peer addresses one worker with `instance(nixl_metadata(service), instance_id)`."""

@@ -72,6 +72,7 @@ async def setup(runtime: ServiceRuntime) -> None:
     runtime.every(config.evict_interval_s, service.evict_once)
     runtime.every(config.snapshot_interval_s, service.save_snapshot)
     runtime.on_stop(service.save_snapshot)
+    runtime.counters = lambda: service.stats().counters
 
 
 def main(argv: list[str] | None = None) -> int:

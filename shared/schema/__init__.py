@@ -47,6 +47,14 @@ from shared.schema.kv_index import (
     ResyncRequest,
     TierMatch,
 )
+from shared.schema.swa import (
+    SwaContains,
+    SwaContainsReply,
+    SwaGet,
+    SwaGetReply,
+    SwaPut,
+    SwaPutReply,
+)
 from shared.schema.tokens import (
     num_packed_tokens,
     pack_block_hashes,
@@ -56,6 +64,12 @@ from shared.schema.tokens import (
 )
 
 __all__ = [
+    "SwaPutReply",
+    "SwaPut",
+    "SwaGetReply",
+    "SwaGet",
+    "SwaContainsReply",
+    "SwaContains",
     "TierMatch",
     "ResyncRequest",
     "MatchRequest",
