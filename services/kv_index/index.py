@@ -21,7 +21,7 @@ import numpy as np
 
 from services.kv_index.table import TierTable
 from shared.schema import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEventBatch
-from shared.schema.inference import BlockLocation
+from shared.schema.inference import BlockLocations
 from shared.schema.tokens import unpack_block_hashes
 
 DAY_S = 86_400.0
@@ -45,8 +45,8 @@ class Removal:
 class TierResult:
     tier: str
     first_miss_index: int  # among the request's positions this shard owns; len(request) if none
-    indices: list[int]
-    locations: list[BlockLocation]
+    indices: list[int]  # request positions of the `locations` rows
+    locations: BlockLocations
 
 
 @dataclass
@@ -137,24 +137,26 @@ class KvIndex:
 
     # -- questions -------------------------------------------------------------------------
     def match(self, block_hashes: list[int], now: float, refresh: bool = True) -> list[TierResult]:
-        positions = [i for i, h in enumerate(block_hashes) if h % self.num_shards == self.shard_id]
+        if self.num_shards == 1:
+            positions = None
+        else:
+            owned = np.asarray(block_hashes, np.uint64) % self.num_shards == self.shard_id
+            positions = np.flatnonzero(owned).tolist()
         results = []
         for tier, table in self.tables.items():
             first_miss, hits, rows = table.lookup(block_hashes, positions)
             if refresh:
                 table.touch(rows, now)
-            cols = table.cols
-            locations = [
-                BlockLocation(h, tier, f, s, g, self.writer_ids[w], n)
-                for h, f, s, g, w, n in zip(
-                    cols["block_hash"][rows].tolist(), cols["file_id"][rows].tolist(),
-                    cols["slot"][rows].tolist(), cols["generation"][rows].tolist(),
-                    cols["writer"][rows].tolist(), cols["num_bytes"][rows].tolist(), strict=True,
-                )
-            ]  # fmt: skip
+            columns = {name: column[rows] for name, column in table.cols.items()}
+            # Name only the writers these blocks need, not every writer the index knows.
+            used, columns["writer"] = np.unique(columns["writer"], return_inverse=True)
+            writer_ids = tuple(self.writer_ids[w] for w in used.tolist())
             results.append(
                 TierResult(
-                    tier, len(block_hashes) if first_miss is None else first_miss, hits, locations
+                    tier,
+                    len(block_hashes) if first_miss is None else first_miss,
+                    hits,
+                    BlockLocations.from_columns(tier, writer_ids, columns),
                 )
             )
             self.counters.num_blocks_matched += len(hits)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import numpy as np
+
 from shared.bus import Bus
 from shared.schema import InternalError, pack_block_hashes, pack_token_ids, unpack_token_ids
-from shared.schema.inference import BlockLocation
+from shared.schema.inference import BlockLocations
 from shared.schema.kv_index import MatchReply, MatchRequest, TierMatch
 
 
@@ -21,17 +23,17 @@ from shared.schema.kv_index import MatchReply, MatchRequest, TierMatch
 class PrefixMatch:
     tier: str
     num_blocks: int
-    locations: list[BlockLocation]  # one per block of the prefix, in order
+    locations: BlockLocations  # one row per block of the prefix, in order
 
 
 def to_wire(
-    tier: str, first_miss_index: int, indices: list[int], locations: list[BlockLocation]
+    tier: str, first_miss_index: int, indices: list[int], locations: BlockLocations
 ) -> TierMatch:
     return TierMatch(
         tier=tier,
         first_miss_index=first_miss_index,
         indices=pack_token_ids(indices),
-        locations=tuple(locations),
+        locations=locations,
     )
 
 
@@ -49,16 +51,32 @@ def merge(replies: list[MatchReply], num_blocks: int) -> dict[str, PrefixMatch]:
         # A shard that never heard of the tier owns no hit in it: the prefix is empty there.
         prefix = 0 if len(parts) < num_shards else min(p.first_miss_index for p in parts)
         prefix = min(prefix, num_blocks)
-        found: dict[int, BlockLocation] = {}
+        writer_ids: list[str] = []
+        indices, columns = [], []
         for part in parts:
-            for index, location in zip(
-                unpack_token_ids(part.indices).tolist(), part.locations, strict=True
-            ):
-                if index < prefix:
-                    found[index] = location
-        if len(found) != prefix:
-            raise InternalError(f"tier {tier}: {len(found)} locations for a {prefix}-block prefix")
-        merged[tier] = PrefixMatch(tier, prefix, [found[i] for i in range(prefix)])
+            part_columns = part.locations.columns()
+            # Renumber each part's writers into one list for the merged prefix.
+            offset = len(writer_ids)
+            writer_ids += part.locations.writer_ids
+            part_columns["writer"] = part_columns["writer"].astype(np.int64) + offset
+            indices.append(unpack_token_ids(part.indices).astype(np.int64))
+            columns.append(part_columns)
+        position = np.concatenate(indices) if indices else np.zeros(0, np.int64)
+        keep = np.flatnonzero(position < prefix)
+        order = keep[np.argsort(position[keep], kind="stable")]
+        if not np.array_equal(position[order], np.arange(prefix)):
+            raise InternalError(f"tier {tier}: shards' hits do not cover a {prefix}-block prefix")
+        merged_columns = {
+            name: np.concatenate([c[name] for c in columns])[order] for name in columns[0]
+        }
+        used, merged_columns["writer"] = np.unique(merged_columns["writer"], return_inverse=True)
+        merged[tier] = PrefixMatch(
+            tier,
+            prefix,
+            BlockLocations.from_columns(
+                tier, tuple(writer_ids[w] for w in used.tolist()), merged_columns
+            ),
+        )
     return merged
 
 

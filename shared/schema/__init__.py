@@ -22,6 +22,7 @@ from shared.schema.errors import (
 )
 from shared.schema.inference import (
     BlockLocation,
+    BlockLocations,
     DecodeJob,
     GenerateRequest,
     KvTransfer,
@@ -80,6 +81,7 @@ __all__ = [
     "AllBlocksCleared",
     "BadRequest",
     "BlockLocation",
+    "BlockLocations",
     "BlocksRemoved",
     "BlocksStored",
     "Cancelled",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.schema.base import Message
-from shared.schema.inference import BlockLocation
+from shared.schema.inference import BlockLocations
 
 
 class MatchRequest(Message, tag="match_request"):
@@ -19,8 +19,8 @@ class TierMatch(msgspec.Struct, frozen=True, kw_only=True):
 
     tier: str
     first_miss_index: int
-    indices: bytes = b""  # packed u32: positions in the request of `locations`
-    locations: tuple[BlockLocation, ...] = ()
+    indices: bytes = b""  # packed u32: positions in the request of the `locations` rows
+    locations: BlockLocations = BlockLocations()
 
 
 class MatchReply(Message, tag="match_reply"):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shared.schema import (
     AllBlocksCleared,
-    BlockLocation,
+    BlockLocations,
     BlocksRemoved,
     BlocksStored,
     CacheCommand,
@@ -74,16 +74,15 @@ _decision = RouteDecision(
     has_swa_snapshot=True,
     estimated_ttft_ms=12.5,
 )
-_blocks = (
-    BlockLocation(
-        block_hash=0x0123456789ABCDEF,
-        tier="ssd",
-        file_id=3,
-        slot=17,
-        generation=2,
-        writer_id="prefill-0",
-        num_bytes=98_304,
-    ),
+_blocks = BlockLocations(
+    tier="ssd",
+    block_hashes=pack_block_hashes([0x0123456789ABCDEF, 2]),
+    writer_ids=("prefill-0", "decode-3"),
+    writers=b"\x00\x00\x01\x00",
+    file_ids=b"\x03\x00\x00\x00\x00\x00\x00\x00",
+    slots=b"\x11\x00\x00\x00\x05\x00\x00\x00",
+    generations=b"\x02\x00\x00\x00\x01\x00\x00\x00",
+    num_bytes=b"\x00\x80\x01\x00\x00\x80\x01\x00",
 )
 
 EXAMPLES: dict[str, Message] = {

@@ -101,7 +101,7 @@ async def test_match_and_restart_recovery(
         )
         assert await eventually(lambda: _is(prefix(writer, HASHES), 12))
         before = await index_client.match(writer, HASHES, num_shards=1)
-        assert [loc.slot for loc in before["ssd"].locations] == list(range(12))
+        assert [loc.slot for loc in before["ssd"].locations.rows()] == list(range(12))
 
         stop(index, signal.SIGKILL)  # no goodbye snapshot: recovery must come from the log
         index = start_index(nats_server, subject_root)

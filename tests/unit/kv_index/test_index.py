@@ -44,8 +44,8 @@ def test_match_is_the_longest_consecutive_prefix() -> None:
     index.apply(stored("p0", 1, HASHES[:5] + HASHES[6:9]), now=0)
     [result] = index.match(HASHES, now=1)
     assert result.first_miss_index == 5  # block 5 is missing: 6..8 do not count
-    assert [loc.slot for loc in result.locations] == [0, 1, 2, 3, 4]
-    assert {loc.writer_id for loc in result.locations} == {"p0"}
+    assert [loc.slot for loc in result.locations.rows()] == [0, 1, 2, 3, 4]
+    assert {loc.writer_id for loc in result.locations.rows()} == {"p0"}
     assert prefix_len(index, HASHES[:3]) == 3
     other_prompt = BlockHasher("m", block_size_tokens=4).hashes(range(1, 4 * 20))
     assert prefix_len(index, other_prompt) == 0
@@ -136,8 +136,9 @@ def test_shards_fan_out_and_merge_to_the_unsharded_answer(num_shards: int) -> No
     ]
     merged = merge(replies, len(HASHES))
     assert merged["ssd"].num_blocks == 7 and merged["dram"].num_blocks == 3
-    assert [loc.block_hash for loc in merged["ssd"].locations] == HASHES[:7]
-    assert {loc.tier for loc in merged["dram"].locations} == {"dram"}
+    assert [loc.block_hash for loc in merged["ssd"].locations.rows()] == HASHES[:7]
+    assert {loc.writer_id for loc in merged["ssd"].locations.rows()} == {"p0"}
+    assert {loc.writer_id for loc in merged["dram"].locations.rows()} == {"d0"}
 
 
 def test_snapshot_restores_the_same_answers() -> None:
@@ -147,6 +148,7 @@ def test_snapshot_restores_the_same_answers() -> None:
     copy = KvIndex(capacity_bytes={"ssd": 10**9})
     copy.restore(index.snapshot())
     assert copy.match(HASHES, now=7) == index.match(HASHES, now=7)
+    assert len(copy.match(HASHES, now=7)[0].locations) == 8
     assert copy.writer_seq == {"p0": 4, "p1": 2}
     assert copy.apply(stored("p0", 4, HASHES[8:9]), now=8) is None  # seq survives: a repeat
     assert prefix_len(copy, HASHES) == 8
