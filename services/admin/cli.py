@@ -15,6 +15,7 @@ from pathlib import Path
 
 import typer
 
+from services.admin import cache_cli
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of, parse_replicas
 from services.admin.status import render
 from shared.bus import Bus
@@ -23,6 +24,7 @@ from shared.schema import ServiceError
 from shared.subjects import DEFAULT_ROOT, SERVICES
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
+app.add_typer(cache_cli.app, name="cache")
 
 NATS_URL_HELP = "URL of a running NATS server (default: start an embedded one)"
 

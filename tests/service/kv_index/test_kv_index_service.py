@@ -191,3 +191,49 @@ async def test_gap_asks_the_writer_to_resync_and_eviction_notifies_it(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_cache_cli_stats_evict_flush(
+    nats_server: NatsServer, subject_root: str, bus_factory: BusFactory
+) -> None:
+    shards = [start_index(nats_server, subject_root, s, 2) for s in range(2)]
+    kvfabric = str(Path(sys.executable).parent / "kvfabric")
+    target = ["--nats-url", nats_server.url, "--root", subject_root]
+    try:
+        writer = await bus_factory("prefill", "prefill-0")
+        await wait_ready(writer, num_shards=2)
+        for shard in range(2):  # discovery registers after the endpoints answer
+            await eventually(lambda s=shard: _discovered(writer, s))
+        await publish(writer, batch("prefill-0", 1, HASHES[:20]))
+        assert await eventually(lambda: _is(prefix(writer, HASHES, 2), 20))
+
+        def cli(*args: str) -> str:
+            done = subprocess.run([kvfabric, "cache", *args, *target], capture_output=True,
+                                  text=True, timeout=60, check=True)  # fmt: skip
+            return done.stdout
+
+        def ssd_blocks(out: str) -> list[int]:
+            rows = [line.split() for line in out.splitlines()[1:]]
+            return [
+                int(row[2].replace(",", "")) for row in rows if len(row) > 2 and row[1] == "ssd"
+            ]
+
+        out = await asyncio.to_thread(cli, "stats")
+        assert len(ssd_blocks(out)) == 2 and sum(ssd_blocks(out)) == 20
+        assert "num_blocks_stored=20" in out
+        await asyncio.to_thread(cli, "evict", "--fraction", "0.5")
+        assert await prefix(writer, HASHES, 2) < 20
+        out = await asyncio.to_thread(cli, "flush")
+        assert ssd_blocks(out) == [0, 0]
+        assert await prefix(writer, HASHES, 2) == 0
+    finally:
+        for shard in shards:
+            stop(shard)
+
+
+async def _discovered(bus: Bus, shard: int) -> bool:
+    from shared.discovery import discover
+
+    return any(
+        i.metadata.get("shard") == f"{shard}/2" for i in await discover(bus, service="kv-index")
+    )
