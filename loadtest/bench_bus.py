@@ -132,7 +132,10 @@ async def main(num_requests: int, num_events: int, trace: bool) -> None:
     # to show what tracing costs.
     processor = SimpleSpanProcessor(InMemorySpanExporter()) if trace else None
     telemetry.setup_tracing("bench", "bench-0", processor=processor)
-    with NatsServer(Path(tempfile.mkdtemp(prefix="kvf-bench-"))) as server:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvf-bench-") as state_dir,
+        NatsServer(Path(state_dir)) as server,
+    ):
         print(
             f"nats-server {server.url}; {num_requests} requests, {num_events} events per side; "
             f"tracing {'on (every span recorded)' if trace else 'off (the default)'}"
