@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shared.engine.block_manager import BlockAllocator, BlockManager
 from shared.engine.config import ModelConfig
+from shared.engine.engine import Engine, FinishReason, RequestError, RequestOutput, StepOutput
 from shared.engine.errors import (
     CheckpointError,
     DraftError,
@@ -18,6 +19,12 @@ from shared.engine.kv_cache import KVBlockLayout, PagedKVPool, SlidingWindowStat
 from shared.engine.model import CausalLM
 from shared.engine.runner import DraftScore, ModelRunner
 from shared.engine.sampler import SampleOutput, SamplingParams, make_generator, sample
+from shared.engine.scheduler import (
+    ScheduledBatch,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerConfigError,
+)
 from shared.engine.sequence import Sequence
 from shared.engine.speculative import verify_draft, verify_greedy, verify_sampled
 from shared.engine.weights import load_model, load_weights
@@ -29,19 +36,28 @@ __all__ = [
     "CheckpointError",
     "DraftError",
     "DraftScore",
+    "Engine",
     "EngineError",
+    "FinishReason",
     "KVBlockLayout",
     "KVLayoutError",
     "ModelConfig",
     "ModelRunner",
     "OutOfBlocksError",
     "PagedKVPool",
+    "RequestError",
+    "RequestOutput",
     "SampleOutput",
     "SamplingParams",
     "SamplingParamsError",
+    "ScheduledBatch",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerConfigError",
     "Sequence",
     "SequenceStateError",
     "SlidingWindowState",
+    "StepOutput",
     "UnsupportedModelError",
     "load_model",
     "load_weights",

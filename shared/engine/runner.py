@@ -57,6 +57,7 @@ class ModelRunner:
         self.pool = PagedKVPool(self.layout, num_blocks)
         self.allocator = BlockAllocator(num_blocks)
         self.block_manager = BlockManager(self.allocator, block_size_tokens)
+        self._last_stack: tuple[list[SlidingWindowState], torch.Tensor] | None = None
 
     def empty_window(self, end_position: int = 0) -> SlidingWindowState:
         return SlidingWindowState.empty(self.config, end_position, self.dtype)
@@ -82,9 +83,25 @@ class ModelRunner:
         seq.window = seq.window.appended(new_kv)
         seq.num_computed_tokens += new_kv.shape[2]
 
-    def prefill(self, seqs: list[Sequence], return_all_logits: bool = False) -> list[torch.Tensor]:
-        """Per sequence: logits of the last token [vocab], or of every new token [n, vocab]."""
-        chunks = [seq.token_ids[seq.num_computed_tokens :] for seq in seqs]
+    @torch.inference_mode()
+    def prefill(
+        self,
+        seqs: list[Sequence],
+        return_all_logits: bool = False,
+        num_new_tokens: list[int] | None = None,
+    ) -> list[torch.Tensor]:
+        """Per sequence: logits of the last token [vocab], or of every new token [n, vocab].
+
+        `num_new_tokens[i]` caps the chunk of sequence i (chunked prefill); by default every
+        uncomputed token is computed. The logits are those of the chunk's last token.
+        """
+        if num_new_tokens is None:
+            chunks = [seq.token_ids[seq.num_computed_tokens :] for seq in seqs]
+        else:
+            chunks = [
+                seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n]
+                for seq, n in zip(seqs, num_new_tokens, strict=True)
+            ]
         for seq, chunk in zip(seqs, chunks, strict=True):
             if not chunk:
                 raise SequenceStateError(
@@ -102,6 +119,7 @@ class ModelRunner:
             self._commit(seq, backend.new_window_kv(i))
         return out
 
+    @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits [batch, vocab] after each sequence's last (just sampled) token."""
         for seq in seqs:
@@ -111,12 +129,28 @@ class ModelRunner:
                     f"has {seq.num_tokens - seq.num_computed_tokens}"
                 )
         inputs, token_ids, positions = self._inputs(seqs, [[s.last_token_id] for s in seqs])
-        backend = DecodeAttention(self.config, self.pool, inputs)
+        backend = DecodeAttention(self.config, self.pool, inputs, self._reusable_stack(seqs))
         logits = self.model.compute_logits(self.model(token_ids, positions, backend))
-        for i, seq in enumerate(seqs):
-            self._commit(seq, backend.new_window_kv(i))
+        windows, stacked = backend.appended_windows()
+        for seq, window in zip(seqs, windows, strict=True):
+            seq.window = window
+            seq.num_computed_tokens += 1
+        self._last_stack = (windows, stacked) if stacked is not None else None
         return logits
 
+    def _reusable_stack(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """Last step's stacked windows, if this batch is the same sequences in the same order
+        and none of their windows changed since (identity, not equality: O(batch))."""
+        if self._last_stack is None:
+            return None
+        windows, stacked = self._last_stack
+        if len(windows) != len(seqs) or any(
+            s.window is not w for s, w in zip(seqs, windows, strict=True)
+        ):
+            return None
+        return stacked
+
+    @torch.inference_mode()
     def score_drafts(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[DraftScore]:
         """Score [last token] + draft per sequence; nothing is committed to the window yet."""
         chunks = [[seq.last_token_id, *draft] for seq, draft in zip(seqs, drafts, strict=True)]
@@ -143,6 +177,7 @@ class ModelRunner:
         self._commit(seq, score.pending_window_kv[:, :, : 1 + num_accepted])
         seq.token_ids.extend(accepted_token_ids)
 
+    @torch.inference_mode()
     def forward_dense(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
         """Logits [n, vocab] of every position, each sequence from scratch, no cache."""
         backend = DenseAttention(self.config, [len(t) for t in token_ids])

@@ -1,0 +1,197 @@
+"""Engine: continuous batching over one ModelRunner.
+
+    engine = Engine(runner)
+    seq_id = engine.add_request(prompt_ids, SamplingParams(temperature=0, max_new_tokens=64))
+    while engine.has_unfinished():
+        for out in engine.step():  # new tokens of every sequence that advanced
+            ...
+
+Each `step` runs at most two model calls: one decode over every decoding sequence and one
+packed prefill over the chunks the scheduler picked. A request can start after a cached
+prefix (full-layer blocks already in the pool + the sliding window state at the prefix end,
+the runner's `attach_prefix` path); its prefill then computes only the suffix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+from shared.engine.errors import EngineError, OutOfBlocksError
+from shared.engine.kv_cache import SlidingWindowState
+from shared.engine.runner import ModelRunner
+from shared.engine.sampler import SampleOutput, SamplingParams, make_generator, sample
+from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.sequence import Sequence
+
+
+class RequestError(EngineError):
+    """A request cannot be served as given: empty prompt, or longer than the engine allows."""
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # eos or one of the request's stop token ids (the token is included)
+    LENGTH = "length"  # max_new_tokens, or the engine's max_model_len
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    seq_id: int
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    new_samples: tuple[SampleOutput, ...] = ()  # with logprobs when the request asked
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    seq_id: int
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    finish_reason: FinishReason
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: SchedulerConfig | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = Scheduler(runner.block_manager, config or SchedulerConfig())
+        model_eos = runner.config.eos_token_ids
+        self.eos_token_ids = frozenset(model_eos if eos_token_ids is None else eos_token_ids)
+        # A sequence must always fit the pool alone, or preemption could not make room.
+        capacity = runner.pool.num_blocks * runner.layout.block_size_tokens
+        self.max_model_len = min(max_model_len or runner.config.max_position_embeddings, capacity)
+        self._seqs: dict[int, Sequence] = {}
+        self._pending: list[StepOutput] = []  # finished outside a step: abort, 0 new tokens
+        self._next_seq_id = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs) or bool(self._pending)
+
+    def add_request(
+        self,
+        token_ids: Seq[int],
+        params: SamplingParams | None = None,
+        *,
+        prefix_block_ids: Seq[int] | None = None,
+        prefix_window: SlidingWindowState | None = None,
+    ) -> int:
+        """Queue a request; with a prefix, its blocks gain this sequence as an owner."""
+        params = params or SamplingParams()
+        if not token_ids:
+            raise RequestError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt of {len(token_ids)} tokens leaves no room to generate "
+                f"(max_model_len {self.max_model_len})"
+            )
+        if (prefix_block_ids is None) != (prefix_window is None):
+            raise RequestError("a cached prefix needs both its block ids and its window state")
+        seq = Sequence(self._next_seq_id, list(token_ids), params)
+        self._next_seq_id += 1
+        if params.max_new_tokens == 0:
+            self._pending.append(StepOutput(seq.seq_id, (), True, FinishReason.LENGTH))
+            return seq.seq_id
+        if not params.is_greedy:
+            seq.generator = make_generator(params.seed)
+        if prefix_block_ids is not None:
+            self.runner.block_manager.attach_prefix(seq, list(prefix_block_ids), prefix_window)
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> bool:
+        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        self._pending.append(StepOutput(seq_id, (), True, FinishReason.ABORT))
+        return True
+
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            if self._seqs:
+                raise OutOfBlocksError(
+                    f"{len(self._seqs)} requests wait but none can be scheduled: "
+                    f"{self.runner.allocator.num_free_blocks} blocks free"
+                )
+            return outputs
+        ready: list[Sequence] = []
+        rows: list[torch.Tensor] = []
+        if batch.decode_seqs:
+            ready.extend(batch.decode_seqs)
+            rows.append(self.runner.decode(batch.decode_seqs))
+        if batch.prefill_seqs:
+            logits = self.runner.prefill(
+                batch.prefill_seqs, num_new_tokens=batch.prefill_num_tokens
+            )
+            for seq, row in zip(batch.prefill_seqs, logits, strict=True):
+                if seq.num_computed_tokens == seq.num_tokens:  # last chunk: predict a token
+                    ready.append(seq)
+                    rows.append(row[None])
+        if ready:
+            samples = self._sample(ready, torch.cat(rows) if len(rows) > 1 else rows[0])
+            outputs.extend(self._advance(seq, s) for seq, s in zip(ready, samples, strict=True))
+        return outputs
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampleOutput]:
+        # Greedy without logprobs: one argmax over the batch (batch 32: 0.26 ms, the per-row
+        # sampler 0.42 ms).
+        if all(s.params.is_greedy and s.params.num_logprobs is None for s in seqs):
+            return [SampleOutput(t) for t in logits.argmax(-1).tolist()]
+        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+
+    def _advance(self, seq: Sequence, sampled: SampleOutput) -> StepOutput:
+        seq.append(sampled.token_id)
+        params = seq.params
+        reason = None
+        if sampled.token_id in params.stop_token_ids or sampled.token_id in self.eos_token_ids:
+            reason = FinishReason.STOP
+        elif (
+            len(seq.token_ids) - seq.num_prompt_tokens >= params.max_new_tokens
+            or seq.num_tokens >= self.max_model_len
+        ):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            del self._seqs[seq.seq_id]
+            self.scheduler.remove(seq)
+        return StepOutput(seq.seq_id, (sampled.token_id,), reason is not None, reason, (sampled,))
+
+    def generate(
+        self,
+        prompts: Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run `prompts` to completion (alongside any requests already queued)."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        seq_ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        tokens: dict[int, list[int]] = {i: [] for i in seq_ids}
+        reasons: dict[int, FinishReason] = {}
+        while len(reasons) < len(seq_ids):
+            for out in self.step():
+                if out.seq_id in tokens:
+                    tokens[out.seq_id].extend(out.new_token_ids)
+                    if out.finished:
+                        reasons[out.seq_id] = out.finish_reason
+        return [
+            RequestOutput(i, list(p), tokens[i], reasons[i])
+            for i, p in zip(seq_ids, prompts, strict=True)
+        ]
