@@ -47,6 +47,7 @@ from shared.schema import (
     pack_block_hashes,
     pack_token_ids,
 )
+from shared.schema.transfer import NixlAgentInfo, NixlMetadataRequest, NixlRegion
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 
@@ -184,6 +185,12 @@ EXAMPLES: dict[str, Message] = {
     "SwaPutReply": SwaPutReply(stored=False),
     "SwaContains": SwaContains(block_hashes=pack_block_hashes([7, 8])),
     "SwaContainsReply": SwaContainsReply(found=b"\x01\x00"),
+    "NixlMetadataRequest": NixlMetadataRequest(requester_agent="prefill-prefill-0"),
+    "NixlAgentInfo": NixlAgentInfo(
+        agent_name="decode-decode-0",
+        metadata=b"\x00nixl-md",
+        regions=(NixlRegion(addr=0x7F0000000000, num_bytes=1 << 30),),
+    ),
     "ErrorReply": ErrorReply(
         code=ErrorCode.OVERLOADED, message="queues full", request_id="req-0001", retry_after_s=2.0
     ),
