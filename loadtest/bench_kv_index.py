@@ -24,17 +24,20 @@ PREFIX_BLOCKS = 1200  # 77K tokens at 64 tokens per block
 
 
 def batches(num_blocks: int, seed: int) -> list[KvEventBatch]:
+    """Random hashes in batches of 64, round-robin over 8 writers, each in sequence."""
     rng = random.Random(seed)
-    out, seq = [], 0
-    for start in range(0, num_blocks, BLOCKS_PER_BATCH):
-        seq += 1
+    out = []
+    for batch_index, start in enumerate(range(0, num_blocks, BLOCKS_PER_BATCH), start=1):
+        count = min(BLOCKS_PER_BATCH, num_blocks - start)
         blocks = tuple(
-            StoredBlock(block_hash=rng.getrandbits(64), file_id=start // 65536, slot=start % 65536 + i,
-                        generation=1, num_bytes=98_304)  # fmt: skip
-            for i in range(min(BLOCKS_PER_BATCH, num_blocks - start))
+            StoredBlock(rng.getrandbits(64), start // 65536, start % 65536 + i, 1, 98_304)
+            for i in range(count)
         )
-        out.append(KvEventBatch(writer_id=f"prefill-{seq % 8}", seq=seq // 8 + 1, ts_ms=0,
-                                events=(BlocksStored(tier="ssd", blocks=blocks),)))  # fmt: skip
+        event = BlocksStored(tier="ssd", blocks=blocks)
+        writer = f"prefill-{batch_index % 8}"
+        out.append(
+            KvEventBatch(writer_id=writer, seq=batch_index // 8 + 1, ts_ms=0, events=(event,))
+        )
     return out
 
 
