@@ -102,6 +102,9 @@ class Subjects:
     def kv_index_admin(self, shard_id: int) -> str:
         return f"{self.endpoint(KV_INDEX, 'admin')}.shard{shard_id}"
 
+    def kv_index_rebuild(self, shard_id: int) -> str:
+        return f"{self.endpoint(KV_INDEX, 'rebuild')}.shard{shard_id}"
+
     def kv_resync(self, writer_id: str) -> str:
         """kv-index -> a writer: `ResyncRequest`, answered by a full-state `KvEventBatch`."""
         return f"{self.root}.kv.resync.{check_token(writer_id, 'writer id')}"
@@ -125,6 +128,11 @@ class Subjects:
     @property
     def swa_contains(self) -> str:
         return self.endpoint(SWA_MEMCACHE, "contains")
+
+    @property
+    def swa_release(self) -> str:
+        """A reader -> the memcache instance that leased it a snapshot (`SwaRelease`)."""
+        return self.endpoint(SWA_MEMCACHE, "release")
 
     def nixl_metadata(self, service: str) -> str:
         """A worker's NIXL agent metadata (`NixlMetadataRequest` -> `NixlAgentInfo`); a

@@ -1,4 +1,4 @@
-"""`kvfabric cache stats|evict|flush`: the KV cache as kv-index sees it, shard by shard.
+"""`kvfabric cache stats|evict|flush|rebuild`: the KV cache as kv-index sees it, shard by shard.
 
 The shards are found through discovery (each kv-index instance publishes `shard: i/n` in its
 metadata); each command goes to every shard's admin endpoint.
@@ -7,13 +7,15 @@ metadata); each command goes to every shard's admin endpoint.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import typer
 
 from shared.bus import Bus
 from shared.discovery import discover
-from shared.schema import ServiceError
-from shared.schema.kv_index import CacheCommand, CacheStats
+from shared.kvstore.scan import infer_payload_nbytes, scan_headers
+from shared.schema import ServiceError, StoredBlock
+from shared.schema.kv_index import CacheCommand, CacheStats, RebuildBatch, RebuildReply
 from shared.subjects import DEFAULT_ROOT, KV_INDEX
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
@@ -22,15 +24,20 @@ NATS_URL = typer.Option(
 )
 ROOT = typer.Option(DEFAULT_ROOT, help="subject root of the cluster", envvar="KVF_ROOT")
 TIER = typer.Option("", help="one tier (ssd, dram); default: every tier")
+REBUILD_BATCH_BLOCKS = 20_000  # ~40 bytes a block: well under the 8 MB max payload
+
+
+async def _num_shards(bus: Bus) -> int:
+    shards = {i.metadata.get("shard", "0/1") for i in await discover(bus, service=KV_INDEX)}
+    if not shards:
+        raise typer.BadParameter(f"no kv-index instance under root {bus.subjects.root!r}")
+    return int(next(iter(shards)).split("/")[1])
 
 
 async def _send(nats_url: str, root: str, command: CacheCommand) -> list[CacheStats]:
     bus = await Bus.connect(nats_url, service="admin", root=root, connect_timeout_s=3.0)
     try:
-        shards = {i.metadata.get("shard", "0/1") for i in await discover(bus, service=KV_INDEX)}
-        if not shards:
-            raise typer.BadParameter(f"no kv-index instance under root {root!r} at {nats_url}")
-        num_shards = int(next(iter(shards)).split("/")[1])
+        num_shards = await _num_shards(bus)
         return [
             await bus.request(bus.subjects.kv_index_admin(shard), command, CacheStats, timeout_s=30)
             for shard in range(num_shards)
@@ -85,3 +92,63 @@ def evict(
 def flush(tier: str = TIER, nats_url: str = NATS_URL, root: str = ROOT) -> None:
     """Forget every cached block (of one tier); writers are told to free the slots."""
     _run(nats_url, root, CacheCommand(action="flush", tier=tier))
+
+
+@app.command()
+def rebuild(
+    store_dir: Path = typer.Option(..., help="the SSD store's root (the shared mount)"),
+    payload_bytes: int = typer.Option(0, help="a block's KV bytes (0: read from a slot header)"),
+    tier: str = typer.Option("ssd", help="the tier the store is"),
+    nats_url: str = NATS_URL,
+    root: str = ROOT,
+) -> None:
+    """Rebuild the index from the store's slot headers, when its event log is lost."""
+    if not store_dir.is_dir():
+        raise typer.BadParameter(f"{store_dir} is not a directory", param_hint="--store-dir")
+    payload_nbytes = payload_bytes or infer_payload_nbytes(store_dir)
+    if not payload_nbytes:
+        raise typer.BadParameter(f"no slot header under {store_dir}: pass --payload-bytes")
+    try:
+        num_slots, num_indexed = asyncio.run(
+            _rebuild(store_dir, payload_nbytes, tier, nats_url, root)
+        )
+    except ServiceError as exc:
+        typer.echo(f"cache rebuild: {exc.message}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"rebuilt: {num_slots:,} valid slots found, {num_indexed:,} blocks indexed")
+
+
+async def _rebuild(
+    store_dir: Path, payload_nbytes: int, tier: str, nats_url: str, root: str
+) -> tuple[int, int]:
+    bus = await Bus.connect(nats_url, service="admin", root=root, connect_timeout_s=3.0)
+    try:
+        num_shards = await _num_shards(bus)
+        num_slots = num_indexed = 0
+
+        async def send(writer_id: str, blocks: list[StoredBlock], is_last: bool) -> None:
+            nonlocal num_indexed
+            batch = RebuildBatch(
+                tier=tier, writer_id=writer_id, blocks=tuple(blocks), is_last=is_last
+            )
+            for shard in range(num_shards):  # each shard keeps the hashes it owns
+                reply = await bus.request(
+                    bus.subjects.kv_index_rebuild(shard), batch, RebuildReply, timeout_s=60
+                )
+                num_indexed += reply.num_indexed
+
+        pending: list[StoredBlock] = []
+        writer = ""
+        for found in scan_headers(store_dir, payload_nbytes):
+            if pending and (found.writer_id != writer or len(pending) == REBUILD_BATCH_BLOCKS):
+                await send(writer, pending, is_last=False)
+                pending = []
+            writer = found.writer_id
+            pending.append(found.stored_block)
+            num_slots += 1
+            if num_slots % 100_000 == 0:
+                typer.echo(f"  {num_slots:,} slots scanned ...")
+        await send(writer, pending, is_last=True)
+        return num_slots, num_indexed
+    finally:
+        await bus.close()

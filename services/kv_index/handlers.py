@@ -20,7 +20,15 @@ from shared.schema import (
     pack_block_hashes,
     unpack_block_hashes,
 )
-from shared.schema.kv_index import CacheCommand, CacheStats, MatchReply, MatchRequest, ResyncRequest
+from shared.schema.kv_index import (
+    CacheCommand,
+    CacheStats,
+    MatchReply,
+    MatchRequest,
+    RebuildBatch,
+    RebuildReply,
+    ResyncRequest,
+)
 
 log = get_logger(__name__)
 SNAPSHOT_VERSION = 1
@@ -74,6 +82,13 @@ class KvIndexService:
         elif command.action != "stats":
             raise BadRequest(f"unknown cache action {command.action!r}: stats, evict or flush")
         return self.stats()
+
+    async def handle_rebuild(self, batch: RebuildBatch, ctx: Context) -> RebuildReply:
+        num_indexed = self.index.adopt(batch.tier, batch.writer_id, batch.blocks, time.time())
+        if batch.is_last:
+            # The log that would have replayed this is gone: persist it at once.
+            await self.save_snapshot()
+        return RebuildReply(num_indexed=num_indexed)
 
     def stats(self) -> CacheStats:
         return CacheStats(

@@ -20,7 +20,13 @@ import msgspec
 import numpy as np
 
 from services.kv_index.table import TierTable
-from shared.schema import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEventBatch
+from shared.schema import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KvEventBatch,
+    StoredBlock,
+)
 from shared.schema.inference import BlockLocations
 from shared.schema.tokens import unpack_block_hashes
 
@@ -134,6 +140,17 @@ class KvIndex:
                 rows = table.live_rows()
                 table.remove_rows(rows[table.cols["writer"][rows] == writer])
         return gap
+
+    def adopt(self, tier: str, writer_id: str, blocks: tuple[StoredBlock, ...], now: float) -> int:
+        """Index blocks found in a writer's slot headers (a rebuild); returns how many."""
+        table, writer = self._table(tier), self._writer(writer_id)
+        num_indexed = 0
+        for block in blocks:
+            if self.owns(block.block_hash):
+                table.put(block.block_hash, writer, block.file_id, block.slot, block.generation,
+                          block.num_bytes, now)  # fmt: skip
+                num_indexed += 1
+        return num_indexed
 
     # -- questions -------------------------------------------------------------------------
     def match(self, block_hashes: list[int], now: float, refresh: bool = True) -> list[TierResult]:

@@ -4,6 +4,7 @@ LRU/TTL/capacity eviction. DESIGN.md section 4. Metadata only: KV bytes never pa
 Serves (per shard, replicas of a shard in one queue group):
   <root>.kv-index.match.shard<N>   MatchRequest -> MatchReply
   <root>.kv-index.admin.shard<N>   CacheCommand (stats | evict | flush) -> CacheStats
+  <root>.kv-index.rebuild.shard<N> RebuildBatch (slot headers, `kvfabric cache rebuild`)
 Consumes: the JetStream stream of `KvEventBatch`es on <root>.kv.events.* (every replica of
   every shard reads all of it and keeps the hashes its shard owns).
 Publishes: BlocksRemoved to <root>.kv.evict.<writer_id> after eviction (the writer frees the
@@ -24,7 +25,7 @@ from shared.bus import Endpoint
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import KvEventBatch
-from shared.schema.kv_index import CacheCommand, MatchRequest
+from shared.schema.kv_index import CacheCommand, MatchRequest, RebuildBatch
 from shared.subjects import KV_INDEX
 
 log = get_logger(__name__)
@@ -67,6 +68,9 @@ async def setup(runtime: ServiceRuntime) -> None:
     )
     await bus.serve(
         Endpoint("admin", subjects.kv_index_admin(shard), CacheCommand, service.handle_admin)
+    )
+    await bus.serve(
+        Endpoint("rebuild", subjects.kv_index_rebuild(shard), RebuildBatch, service.handle_rebuild)
     )
     runtime.metadata["shard"] = f"{shard}/{config.num_shards}"
     runtime.every(config.evict_interval_s, service.evict_once)

@@ -96,3 +96,14 @@ def _scan_file(
             yield ScannedSlot(writer_id, header)
     finally:
         os.close(fd)
+
+
+def infer_payload_nbytes(root: Path) -> int | None:
+    """A block's payload size, read from the first valid header at the start of any slot
+    file (slot 0 sits at offset 0 whatever the slot size); None if no file has one."""
+    for path in sorted(root.glob(f"*/*{FILE_SUFFIX}")):
+        with path.open("rb") as file:
+            header = parse_header(memoryview(file.read(HEADER_NBYTES).ljust(HEADER_NBYTES, b"\0")))
+        if isinstance(header, SlotHeader):
+            return header.payload_nbytes
+    return None

@@ -45,6 +45,8 @@ from shared.schema.kv_index import (
     CacheStats,
     MatchReply,
     MatchRequest,
+    RebuildBatch,
+    RebuildReply,
     ResyncRequest,
     TierMatch,
 )
@@ -53,8 +55,10 @@ from shared.schema.swa import (
     SwaContainsReply,
     SwaGet,
     SwaGetReply,
+    SwaNixlRef,
     SwaPut,
     SwaPutReply,
+    SwaRelease,
 )
 from shared.schema.tokens import (
     num_packed_tokens,
@@ -65,8 +69,12 @@ from shared.schema.tokens import (
 )
 
 __all__ = [
+    "RebuildReply",
+    "RebuildBatch",
     "SwaPutReply",
     "SwaPut",
+    "SwaRelease",
+    "SwaNixlRef",
     "SwaGetReply",
     "SwaGet",
     "SwaContainsReply",

@@ -6,6 +6,7 @@ import msgspec
 
 from shared.schema.base import Message
 from shared.schema.inference import BlockLocations
+from shared.schema.kv_events import StoredBlock
 
 
 class MatchRequest(Message, tag="match_request"):
@@ -50,3 +51,17 @@ class CacheStats(Message, tag="cache_stats"):
     instance_id: str
     tiers: dict[str, dict[str, int]] = {}
     counters: dict[str, int] = {}
+
+
+class RebuildBatch(Message, tag="rebuild_batch"):
+    """`kvfabric cache rebuild`: blocks found in one writer's slot headers, for an index whose
+    event log is lost. Indexed as that writer's; its event sequence is left alone."""
+
+    tier: str
+    writer_id: str
+    blocks: tuple[StoredBlock, ...]
+    is_last: bool = False  # the index snapshots its state after the last batch
+
+
+class RebuildReply(Message, tag="rebuild_reply"):
+    num_indexed: int
