@@ -3,67 +3,77 @@ capacity). DESIGN.md section 5. Never written to SSD. One instance per prefill n
 `swa-memcache-<node>` so the node's prefill workers (and the router) address it directly.
 
 Serves (pooled in queue group `swa-memcache`, and on `<subject>.<instance_id>`):
-  <root>.swa-memcache.get        SwaGet -> SwaGetReply
-  <root>.swa-memcache.put        SwaPut -> SwaPutReply
-  <root>.swa-memcache.contains   SwaContains -> SwaContainsReply (no counting, no refresh)
-Snapshots ride inline in the messages; the NIXL path for snapshots past a size threshold
-comes with the transfer module.
+  <root>.swa-memcache.get            SwaGet -> SwaGetReply
+  <root>.swa-memcache.put            SwaPut -> SwaPutReply
+  <root>.swa-memcache.release        SwaRelease (published, no reply): a reader's lease ends
+  <root>.swa-memcache.contains       SwaContains -> SwaContainsReply (no counting, no refresh)
+  <root>.swa-memcache.nixl-metadata  NixlMetadataRequest -> NixlAgentInfo (our NIXL agent)
+
+Snapshots up to `inline_max_bytes` (256 KiB) ride inline in the messages. Larger ones move
+over NIXL (UCX) in and out of one registered buffer of `capacity_bytes` that holds every
+entry (`SnapshotCache` over `Arena`):
+- put: the caller's `SwaPut.source` names the range in its own registered region; we reserve
+  room, pull it (`KvTransferAgent.read`), check its XXH3-64, then commit and reply
+  stored=True. A pull that fails or times out (`transfer_timeout_s`) or a mismatch stores
+  nothing and replies stored=False with the reason.
+- get (`SwaGet.can_read_nixl`): we pin the entry for `lease_s` (5 s) and reply its range in
+  our region; the reader pulls and checks it, then publishes `SwaRelease`. A pinned entry is
+  never evicted or overwritten; a reader that finishes past its lease treats it as a miss.
+`shared.kvstore.swa_client.SwaClient` is the caller's side. Where NIXL cannot start, the
+memcache serves inline only (large puts refused, large gets inline while NATS carries them).
 """
 
 from __future__ import annotations
 
-import time
-
 from services.swa_memcache.cache import SnapshotCache
 from services.swa_memcache.config import SwaMemcacheConfig
-from shared.bus import Context, Endpoint
+from services.swa_memcache.handlers import SwaHandlers
+from shared.bus import Endpoint
+from shared.kvstore import BackendUnavailable, TransferError
+from shared.kvstore.transfer import KvTransferAgent
+from shared.logging import get_logger
 from shared.runtime import ServiceRuntime, service_main
-from shared.schema import BadRequest, unpack_block_hashes
-from shared.schema.swa import (
-    SwaContains,
-    SwaContainsReply,
-    SwaGet,
-    SwaGetReply,
-    SwaPut,
-    SwaPutReply,
-)
+from shared.schema.swa import SwaContains, SwaGet, SwaPut, SwaRelease
 from shared.subjects import SWA_MEMCACHE
+
+log = get_logger(__name__)
 
 
 async def setup(runtime: ServiceRuntime) -> None:
     config = runtime.config
     assert isinstance(config, SwaMemcacheConfig)  # service_main built it from SwaMemcacheConfig
     cache = SnapshotCache(config.capacity_bytes, config.ttl_s)
+    bus = runtime.bus
+    agent: KvTransferAgent | None = None
+    try:
+        agent = KvTransferAgent(bus, cache.buffer, service=SWA_MEMCACHE)
+    except (BackendUnavailable, TransferError) as exc:
+        log.warning("NIXL unavailable: every snapshot rides inline", error=str(exc))
+    handlers = SwaHandlers(
+        cache, config, instance_id=runtime.instance_id, agent=agent,
+        max_payload_bytes=bus.max_payload_bytes,
+    )  # fmt: skip
 
-    async def handle_get(request: SwaGet, ctx: Context) -> SwaGetReply:
-        data = cache.get(request.block_hash, time.monotonic())
-        return SwaGetReply(found=data is not None, snapshot=data or b"")
+    subjects = bus.subjects
+    await bus.serve(Endpoint("get", subjects.swa_get, SwaGet, handlers.get))
+    await bus.serve(Endpoint("put", subjects.swa_put, SwaPut, handlers.put))
+    await bus.serve(Endpoint("release", subjects.swa_release, SwaRelease, handlers.release))
+    await bus.serve(Endpoint("contains", subjects.swa_contains, SwaContains, handlers.contains))
+    if agent is not None:
+        await agent.serve()
+        close = agent.close
 
-    async def handle_put(request: SwaPut, ctx: Context) -> SwaPutReply:
-        return SwaPutReply(stored=cache.put(request.block_hash, request.snapshot, time.monotonic()))
+        async def close_agent() -> None:
+            close()
 
-    async def handle_contains(request: SwaContains, ctx: Context) -> SwaContainsReply:
-        try:
-            hashes = unpack_block_hashes(request.block_hashes).tolist()
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from exc
-        now = time.monotonic()
-        return SwaContainsReply(found=bytes(cache.contains(h, now) for h in hashes))
-
-    async def expire() -> None:
-        cache.expire(time.monotonic())
-
-    subjects = runtime.bus.subjects
-    await runtime.bus.serve(Endpoint("get", subjects.swa_get, SwaGet, handle_get))
-    await runtime.bus.serve(Endpoint("put", subjects.swa_put, SwaPut, handle_put))
-    await runtime.bus.serve(
-        Endpoint("contains", subjects.swa_contains, SwaContains, handle_contains)
-    )
-    runtime.every(config.expire_interval_s, expire)
+        runtime.on_stop(close_agent)
+    runtime.every(config.expire_interval_s, handlers.expire)
     runtime.counters = lambda: (
         vars(cache.counters)
+        | vars(handlers.counters)
         | {
             "num_entries": len(cache),
+            "num_pinned": cache.num_pinned,
             "used_bytes": cache.used_bytes,
         }
     )

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.swa_memcache.cache import SnapshotCache
+from services.swa_memcache.cache import Snapshot, SnapshotCache, checksum
 
 
 def test_hit_miss_and_ttl_expiry() -> None:
@@ -37,3 +37,68 @@ def test_put_replaces_and_sweep_returns_memory() -> None:
     assert cache.expire(now=12) == 1 and len(cache) == 1  # 2 expired at 10, 1 lives to 15
     with pytest.raises(ValueError):
         SnapshotCache(capacity_bytes=0, ttl_s=1)
+
+
+def test_reservation_is_invisible_until_committed_and_abort_returns_it() -> None:
+    cache = SnapshotCache(capacity_bytes=100, ttl_s=10)
+    cache.put(1, b"a" * 40, now=0)
+    region = cache.reserve(50, now=1)  # a put whose bytes are still arriving
+    assert region is not None and cache.used_bytes == 90
+    cache.view(region)[:] = 7
+    assert not cache.contains(2, now=1) and cache.get(1, now=1) == b"a" * 40
+    cache.commit(2, region, checksum(b"\x07" * 50), now=2)
+    found = cache.find(2, now=2)
+    assert found is not None and found.checksum == checksum(b"\x07" * 50)
+    assert cache.get(2, now=2) == b"\x07" * 50
+    failed = cache.reserve(10, now=3)
+    assert failed is not None
+    cache.abort(failed)  # a failed pull: nothing stored, the room is back
+    assert len(cache) == 2 and cache.used_bytes == 90 and cache.counters.num_puts == 2
+
+
+def test_pinned_entry_survives_eviction_until_its_lease_ends() -> None:
+    cache = SnapshotCache(capacity_bytes=30, ttl_s=180)
+    cache.put(1, b"1" * 10, now=0)
+    snapshot = cache.find(1, now=0)
+    assert snapshot is not None
+    lease_id = cache.pin(snapshot, now=0, lease_s=5)
+    for key in (2, 3, 4, 5):  # a flood: 1 is least recent, but pinned
+        assert cache.put(key, bytes([key]) * 10, now=1 + key / 10)
+    assert cache.contains(1, now=2) and cache.view(snapshot).tobytes() == b"1" * 10
+    assert cache.counters.num_evicted == 2  # 2 and 3 went instead
+    assert cache.release(lease_id, now=3) and cache.num_pinned == 0
+    assert cache.put(6, b"6" * 10, now=4) and not cache.contains(1, now=4)  # evictable again
+
+
+def test_lease_running_out_unpins_and_everything_pinned_refuses() -> None:
+    cache = SnapshotCache(capacity_bytes=20, ttl_s=180)
+    for key in (1, 2):
+        cache.put(key, b"." * 10, now=0)
+        found = cache.find(key, now=0)
+        assert found is not None
+        cache.pin(found, now=0, lease_s=5)
+    assert cache.reserve(10, now=1) is None and cache.counters.num_no_room == 1
+    assert not cache.put(3, b"." * 10, now=1) and len(cache) == 2
+    assert cache.put(3, b"." * 10, now=5)  # both leases ran out at 5: 1 is evicted
+    assert cache.num_pinned == 0 and not cache.contains(1, now=5)
+    assert not cache.release(1, now=6)  # already over
+
+
+def test_replaced_or_expired_while_pinned_keeps_bytes_until_release() -> None:
+    cache = SnapshotCache(capacity_bytes=40, ttl_s=10)
+    cache.put(1, b"old" * 5, now=0)
+    old = cache.find(1, now=0)
+    assert old is not None
+    lease_id = cache.pin(old, now=0, lease_s=5)
+    assert cache.put(1, b"new" * 5, now=1)  # new bytes elsewhere, old range retired
+    assert cache.get(1, now=1) == b"new" * 5 and cache.view(old).tobytes() == b"old" * 5
+    assert cache.used_bytes == 30
+    assert cache.release(lease_id, now=2) and cache.used_bytes == 15
+    newer = cache.find(1, now=2)
+    assert newer is not None
+    cache.pin(newer, now=2, lease_s=100)
+    assert cache.expire(now=11) == 1 and len(cache) == 0  # TTL wins for new gets...
+    assert cache.used_bytes == 15  # ...but the reader's range stays until its lease ends
+    assert cache.expire(now=102) == 0 and cache.used_bytes == 0
+    with pytest.raises(ValueError):
+        cache.pin(Snapshot(0, 0, 0), now=0, lease_s=1)

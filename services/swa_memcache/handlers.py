@@ -1,0 +1,146 @@
+"""swa-memcache's endpoints: thin over `SnapshotCache`, plus the NIXL leg of large snapshots.
+
+A put naming a `source` region is pulled from the caller's agent into a reservation, checked
+against its XXH3-64 and only then committed: a failed pull (dead or stuck caller, UCX error),
+a timeout or a mismatch leaves nothing stored and answers `stored=False` with the reason. A
+get of a large snapshot pins it for `lease_s` and answers where it lies in our region.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from services.swa_memcache.cache import SnapshotCache, checksum
+from services.swa_memcache.config import SwaMemcacheConfig
+from shared.bus import Context
+from shared.kvstore import TransferError
+from shared.kvstore.swa_client import read_snapshot
+from shared.kvstore.transfer import KvTransferAgent
+from shared.logging import get_logger
+from shared.schema import BadRequest, unpack_block_hashes
+from shared.schema.swa import (
+    SwaContains,
+    SwaContainsReply,
+    SwaGet,
+    SwaGetReply,
+    SwaNixlRef,
+    SwaPut,
+    SwaPutReply,
+    SwaRelease,
+)
+from shared.subjects import SWA_MEMCACHE
+
+log = get_logger(__name__)
+
+# Room left in a NATS message for the envelope and headers of an inline reply.
+_ENVELOPE_BYTES = 4096
+
+
+@dataclass
+class NixlCounters:
+    num_pulled: int = 0  # large puts pulled from the caller and stored
+    num_pull_failures: int = 0  # timeout, dead caller, UCX error: nothing stored
+    num_checksum_mismatches: int = 0
+    num_leased_gets: int = 0
+    num_released: int = 0  # leases ended by the reader before they ran out
+    num_too_large_inline: int = 0  # a reader without NIXL asked for more than NATS carries
+
+
+class SwaHandlers:
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        config: SwaMemcacheConfig,
+        *,
+        instance_id: str,
+        agent: KvTransferAgent | None,
+        max_payload_bytes: int,
+    ) -> None:
+        self.cache = cache
+        self.config = config
+        self.instance_id = instance_id
+        self.agent = agent  # None: NIXL unavailable here, every snapshot rides inline
+        self.max_inline_reply_bytes = max_payload_bytes - _ENVELOPE_BYTES
+        self.counters = NixlCounters()
+
+    async def get(self, request: SwaGet, ctx: Context) -> SwaGetReply:
+        now = time.monotonic()
+        snapshot = self.cache.find(request.block_hash, now)
+        if snapshot is None:
+            return SwaGetReply(found=False)
+        if (
+            snapshot.nbytes <= self.config.inline_max_bytes
+            or not request.can_read_nixl
+            or self.agent is None
+        ):
+            if snapshot.nbytes > self.max_inline_reply_bytes:
+                self.counters.num_too_large_inline += 1
+                return SwaGetReply(found=False)
+            return SwaGetReply(found=True, snapshot=self.cache.view(snapshot).tobytes())
+        lease_id = self.cache.pin(snapshot, now, self.config.lease_s)
+        self.counters.num_leased_gets += 1
+        location = SwaNixlRef(
+            SWA_MEMCACHE, self.instance_id, snapshot.offset, snapshot.nbytes, snapshot.checksum
+        )
+        return SwaGetReply(
+            found=True, location=location, lease_id=lease_id, lease_s=self.config.lease_s
+        )
+
+    async def release(self, request: SwaRelease, ctx: Context) -> None:
+        if self.cache.release(request.lease_id, time.monotonic()):
+            self.counters.num_released += 1
+
+    async def put(self, request: SwaPut, ctx: Context) -> SwaPutReply:
+        source = request.source
+        if source is None:
+            stored = self.cache.put(request.block_hash, request.snapshot, time.monotonic())
+            return SwaPutReply(
+                stored=stored, reason="" if stored else self._no_room(len(request.snapshot))
+            )
+        if source.nbytes <= 0 or source.offset < 0:
+            raise BadRequest(
+                f"a NIXL put needs a non-empty range, got {source.offset}+{source.nbytes}"
+            )
+        if self.agent is None:
+            return SwaPutReply(stored=False, reason="this memcache has no NIXL agent")
+        region = self.cache.reserve(source.nbytes, time.monotonic())
+        if region is None:
+            return SwaPutReply(stored=False, reason=self._no_room(source.nbytes))
+        try:
+            try:
+                await read_snapshot(
+                    self.agent, source, region.offset, timeout_s=self.config.transfer_timeout_s
+                )
+            except TransferError as exc:
+                self.counters.num_pull_failures += 1
+                log.warning("snapshot pull failed", source=source.instance_id, error=exc.message)
+                return SwaPutReply(stored=False, reason=f"pull failed: {exc.message}")
+            except ValueError as exc:  # the range lies outside the caller's region
+                raise BadRequest(str(exc)) from exc
+            if checksum(self.cache.view(region)) != source.checksum:
+                self.counters.num_checksum_mismatches += 1
+                return SwaPutReply(stored=False, reason="checksum mismatch")
+            self.cache.commit(request.block_hash, region, source.checksum, time.monotonic())
+            region = None
+            self.counters.num_pulled += 1
+            return SwaPutReply(stored=True)
+        finally:
+            if region is not None:  # failed, or cancelled at the request's deadline
+                self.cache.abort(region)
+
+    async def contains(self, request: SwaContains, ctx: Context) -> SwaContainsReply:
+        try:
+            hashes = unpack_block_hashes(request.block_hashes).tolist()
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        now = time.monotonic()
+        return SwaContainsReply(found=bytes(self.cache.contains(h, now) for h in hashes))
+
+    async def expire(self) -> None:
+        self.cache.expire(time.monotonic())
+
+    def _no_room(self, nbytes: int) -> str:
+        if nbytes > self.cache.capacity_bytes:
+            return f"{nbytes} bytes is more than the whole capacity"
+        return "no room: every entry that would make room is pinned by a reader"
