@@ -112,10 +112,12 @@ def load_sequences(model_dir: Path, files: list[Path], seq_len: int, num: int) -
     return sequences
 
 
-def heldout_files(model_dir: Path) -> list[Path]:
-    """The files the model never trained on, as its training script recorded them."""
-    listing = model_dir / "heldout_files.txt"
-    return [Path(line) for line in listing.read_text().splitlines() if line.strip()]
+def heldout_files() -> list[Path]:
+    """The files tiny-coder never trained on (its training script's own split)."""
+    from models.tiny_coder.data import list_sources, split
+
+    _, held_out = split(list_sources())
+    return [source.path for source in held_out]
 
 
 def main() -> None:
@@ -130,9 +132,7 @@ def main() -> None:
     boundaries = [int(b) for b in args.boundaries.split(",")]
     if any(b % BLOCK for b in boundaries):
         parser.error(f"boundaries must be multiples of the block size {BLOCK}")
-    sequences = load_sequences(
-        args.model, heldout_files(args.model), args.seq_len, args.num_sequences
-    )
+    sequences = load_sequences(args.model, heldout_files(), args.seq_len, args.num_sequences)
     print(f"{len(sequences)} held-out sequences of {args.seq_len} tokens, boundaries {boundaries}")
     tallies, window, exact_r = measure(args.model, sequences, boundaries, args.num_following)
     num = len(tallies[exact_r].kl_all)
