@@ -1,0 +1,171 @@
+"""What the router knows of each worker's load: its latest heartbeat plus work in flight.
+
+Pure and synchronous; the caller passes `now_s` (a monotonic clock of its own) everywhere, so
+heartbeat ages are measured on the router's clock, never against a worker's `ts_ms` (clocks of
+two hosts can be off by more than a heartbeat).
+
+In flight: a job the router just sent is not in the worker's heartbeat until the worker has
+received it and published its next report (every `heartbeat_s`, 1 s by default). Without
+counting it, a burst of requests within one heartbeat would all see the same idle worker and
+pile onto it. Each job sent is recorded (`record_sent`) and announced to the other router
+replicas (`InflightDelta`, applied with `apply_peer`), and counts until a heartbeat arrives
+`inflight_settle_s` after it was sent: by then the worker holds the job and its report shows
+it (queued or done). One NATS hop on one host is ~0.1 ms; the 50 ms default leaves room for
+a worker whose event loop is busy in a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.schema.control import InstanceState, LoadReport
+
+
+@dataclass(frozen=True)
+class InflightDelta:
+    """Work one router replica sent to one instance; announced to the other replicas.
+
+    A wire message for it can be added to shared/schema later; the fields are all it needs.
+    """
+
+    router_id: str
+    instance_id: str
+    num_tokens: int = 0  # prefill: tokens the job adds to the worker's compute queue
+    num_kv_pages: int = 0  # decode: KV pages the job will hold
+    num_requests: int = 1
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One instance as the policy sees it: reported load plus what is in flight to it."""
+
+    instance_id: str
+    service: str
+    node_id: str
+    state: InstanceState
+    num_reported_queued_tokens: int
+    num_running: int
+    num_kv_pages_total: int
+    num_kv_pages_free_reported: int
+    num_inflight_tokens: int = 0
+    num_inflight_kv_pages: int = 0
+    num_inflight_requests: int = 0
+
+    @property
+    def num_queued_tokens(self) -> int:
+        return self.num_reported_queued_tokens + self.num_inflight_tokens
+
+    @property
+    def num_kv_pages_free(self) -> int:
+        return max(self.num_kv_pages_free_reported - self.num_inflight_kv_pages, 0)
+
+    @property
+    def num_batch_seqs(self) -> int:
+        """Sequences a decode worker will be stepping once what is in flight lands."""
+        return self.num_running + self.num_inflight_requests
+
+
+@dataclass
+class _Instance:
+    report: LoadReport
+    received_s: float
+    # (sent_s, delta) of work not yet reflected in a heartbeat, oldest first.
+    inflight: list[tuple[float, InflightDelta]] = field(default_factory=list)
+
+
+class LoadTable:
+    def __init__(
+        self,
+        router_id: str,
+        *,
+        heartbeat_timeout_s: float = 3.0,
+        inflight_settle_s: float = 0.05,
+    ) -> None:
+        if heartbeat_timeout_s <= 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
+        if inflight_settle_s < 0:
+            raise ValueError(f"inflight_settle_s must be >= 0, got {inflight_settle_s}")
+        self.router_id = router_id
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.inflight_settle_s = inflight_settle_s
+        self._instances: dict[str, _Instance] = {}
+
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    def observe(self, report: LoadReport, now_s: float) -> bool:
+        """Take a heartbeat; False if it is older than one already seen (reordered, repeated)."""
+        known = self._instances.get(report.instance_id)
+        if known is None:
+            self._instances[report.instance_id] = _Instance(report, now_s)
+            return True
+        if report.seq <= known.report.seq:
+            return False
+        known.report = report
+        known.received_s = now_s
+        settled_before_s = now_s - self.inflight_settle_s
+        known.inflight = [(t, d) for t, d in known.inflight if t > settled_before_s]
+        return True
+
+    def record_sent(self, delta: InflightDelta, now_s: float) -> bool:
+        """Count work this router sent; False if the instance is unknown (nothing counted)."""
+        return self._add(delta, now_s)
+
+    def apply_peer(self, delta: InflightDelta, now_s: float) -> bool:
+        """Count work another router replica announced; our own announcements echo back and
+        are ignored (they were counted when sent)."""
+        if delta.router_id == self.router_id:
+            return False
+        return self._add(delta, now_s)
+
+    def _add(self, delta: InflightDelta, now_s: float) -> bool:
+        known = self._instances.get(delta.instance_id)
+        if known is None:
+            return False
+        known.inflight.append((now_s, delta))
+        return True
+
+    def remove(self, instance_id: str) -> bool:
+        """Forget an instance known to be gone (its job failed with no responders)."""
+        return self._instances.pop(instance_id, None) is not None
+
+    def prune(self, now_s: float) -> list[str]:
+        """Drop the instances whose heartbeats stopped; returns their ids, sorted."""
+        dead = sorted(i for i, known in self._instances.items() if self._is_stale(known, now_s))
+        for instance_id in dead:
+            del self._instances[instance_id]
+        return dead
+
+    def _is_stale(self, known: _Instance, now_s: float) -> bool:
+        return now_s - known.received_s > self.heartbeat_timeout_s
+
+    def view(self, instance_id: str, now_s: float) -> WorkerView | None:
+        """The instance if its heartbeat is fresh (whatever its state), else None."""
+        known = self._instances.get(instance_id)
+        if known is None or self._is_stale(known, now_s):
+            return None
+        report = known.report
+        deltas = [d for _, d in known.inflight]
+        return WorkerView(
+            instance_id=report.instance_id,
+            service=report.service,
+            node_id=report.node_id,
+            state=report.state,
+            num_reported_queued_tokens=report.num_queued_tokens,
+            num_running=report.num_running,
+            num_kv_pages_total=report.num_kv_pages_total,
+            num_kv_pages_free_reported=report.num_kv_pages_free,
+            num_inflight_tokens=sum(d.num_tokens for d in deltas),
+            num_inflight_kv_pages=sum(d.num_kv_pages for d in deltas),
+            num_inflight_requests=sum(d.num_requests for d in deltas),
+        )
+
+    def workers(self, service: str, now_s: float) -> list[WorkerView]:
+        """Instances of `service` that take new work: fresh heartbeat and SERVING (draining
+        and starting ones get none), sorted by instance id."""
+        views = (self.view(i, now_s) for i in sorted(self._instances))
+        return [
+            v
+            for v in views
+            if v is not None and v.service == service and v.state == InstanceState.SERVING
+        ]
