@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.subjects import DEFAULT_ROOT, Subjects, check_token
 
 SHARED_ENV_PREFIX = "KVF_"
@@ -79,6 +80,7 @@ def load_config(
     cls: type[C],
     argv: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
+    prog: str | None = None,
     **overrides: Any,
 ) -> C:
     """Build and validate `cls` from defaults, `environ`, `argv` flags and `overrides`."""
@@ -95,9 +97,24 @@ def load_config(
                 values[field.name] = _convert(environ[env_name], hints[field.name], env_name)
                 break
     if argv:
-        parser = argparse.ArgumentParser(prog=cls.__name__, add_help=True)
+        parser = argparse.ArgumentParser(prog=prog or cls.__name__, description=cls.__doc__)
         for field in dataclasses.fields(cls):
-            parser.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, default=None)
+            default = (
+                field.default_factory()
+                if field.default is dataclasses.MISSING
+                and field.default_factory is not dataclasses.MISSING
+                else field.default
+            )
+            env_name = f"{cls.env_prefix}{field.name.upper()}"
+            parser.add_argument(
+                f"--{field.name.replace('_', '-')}",
+                dest=field.name,
+                default=None,
+                metavar=typing.get_type_hints(cls)[field.name].__name__
+                if isinstance(typing.get_type_hints(cls)[field.name], type)
+                else "VALUE",
+                help=f"default {_jsonable(default)!r}; env {env_name}",
+            )
         parsed = parser.parse_args(list(argv))
         for name, raw in vars(parsed).items():
             if raw is not None:
@@ -143,3 +160,25 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
     return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineWorkerConfig(ServiceConfig):
+    """Fields of the services that run the model (prefill, decode)."""
+
+    model_dir: Path = BUNDLED_MODEL_DIR
+    kv_block_size_tokens: int = 64
+    # Pages of the worker's KV pool. tiny-coder's block is 192 KiB (3 full layers x K/V x 64
+    # tokens x 2 heads x 64 dims x 4 bytes), so 512 pages are 96 MiB per worker.
+    num_kv_blocks: int = 512
+    num_threads: int = 1  # torch threads: one per worker on a 2-core machine
+
+    def validate(self) -> None:
+        super().validate()
+        if not (self.model_dir / "config.json").is_file():
+            raise ConfigError(
+                f"model_dir {self.model_dir} has no config.json (an HF model directory)"
+            )
+        for name in ("kv_block_size_tokens", "num_kv_blocks", "num_threads"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")

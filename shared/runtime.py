@@ -192,7 +192,9 @@ def service_main(
     from shared.config import ConfigError, load_config
 
     try:
-        config = load_config(config_type, sys.argv[1:] if argv is None else argv)
+        config = load_config(
+            config_type, sys.argv[1:] if argv is None else argv, prog=f"kvfabric serve {service}"
+        )
     except ConfigError as exc:
         print(f"{service}: bad config: {exc}", file=sys.stderr)
         return 2

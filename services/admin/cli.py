@@ -20,8 +20,9 @@ from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of
 from services.admin.status import render
 from shared.bus import Bus
 from shared.discovery import discover
+from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.schema import ServiceError
-from shared.subjects import DEFAULT_ROOT, SERVICES
+from shared.subjects import DECODE, DEFAULT_ROOT, PREFILL, SERVICES
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
 app.add_typer(cache_cli.app, name="cache")
@@ -42,6 +43,7 @@ def up(
     root: str = typer.Option(DEFAULT_ROOT, help="subject root"),
     log_level: str = typer.Option("info", help="debug|info|warning|error"),
     shutdown_grace_s: float = typer.Option(10.0, help="how long each service may drain"),
+    model: Path = typer.Option(BUNDLED_MODEL_DIR, help="HF model directory prefill and decode run"),
 ) -> None:
     """Run the whole cluster on this machine until Ctrl-C or SIGTERM."""
     spec = _spec(
@@ -55,6 +57,7 @@ def up(
         log_level,
         shutdown_grace_s,
     )
+    spec.extra_args = _model_args(model)
     raise typer.Exit(asyncio.run(_up(spec, serve_forever=True)))
 
 
@@ -65,17 +68,28 @@ def demo(
     """Bring the cluster up on free ports, serve a request, show its status, stop it."""
     state_dir = state_dir or Path(tempfile.mkdtemp(prefix="kvfabric-"))
     spec = ClusterSpec(state_dir=state_dir, nats_port=0, http_port=0)
+    spec.extra_args = _model_args(BUNDLED_MODEL_DIR)
     raise typer.Exit(asyncio.run(_up(spec, serve_forever=False)))
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(
+    context_settings={
+        "allow_extra_args": True,
+        "ignore_unknown_options": True,
+        "help_option_names": [],  # `serve <service> --help` lists that service's flags
+    }
+)
 def serve(
     ctx: typer.Context,
     service: str = typer.Argument(..., help=f"one of: {', '.join(SERVICES)}"),
 ) -> None:
     """Run one service instance against an existing NATS. Further flags go to the service
     (e.g. --nats-url, --instance-id, --root; `kvfabric serve router --help` lists them);
-    every flag also reads from the environment (KVF_NATS_URL, KVF_ROUTER_HEARTBEAT_S...)."""
+    every flag also reads from the environment (KVF_NATS_URL, KVF_ROUTER_HEARTBEAT_S...).
+    Ctrl-C or SIGTERM drains it."""
+    if service in ("--help", "-h"):
+        typer.echo(ctx.get_help())
+        raise typer.Exit(0)
     name = service.replace("_", "-")
     if name not in SERVICES:
         typer.echo(f"unknown service {service!r}; one of: {', '.join(SERVICES)}", err=True)
@@ -113,6 +127,12 @@ def status(
         typer.echo(f"no kvfabric instances under root {root!r} at {nats_url}")
     else:
         typer.echo(render(instances))
+
+
+def _model_args(model: Path) -> dict[str, list[str]]:
+    if not (model / "config.json").is_file():
+        raise typer.BadParameter(f"{model} is not an HF model directory", param_hint="--model")
+    return {PREFILL: ["--model-dir", str(model)], DECODE: ["--model-dir", str(model)]}
 
 
 def _spec(
