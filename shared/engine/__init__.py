@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from shared.engine.block_manager import BlockAllocator, BlockManager
 from shared.engine.config import ModelConfig
+from shared.engine.drafter import (
+    DraftLength,
+    PromptLookup,
+    RequestDrafter,
+    SpecDecodeConfig,
+    SpecDecodeConfigError,
+    SpecStats,
+    verify_lookup_draft,
+)
 from shared.engine.engine import Engine, FinishReason, RequestError, RequestOutput, StepOutput
 from shared.engine.errors import (
     CheckpointError,
@@ -35,6 +44,7 @@ __all__ = [
     "CausalLM",
     "CheckpointError",
     "DraftError",
+    "DraftLength",
     "DraftScore",
     "Engine",
     "EngineError",
@@ -45,6 +55,8 @@ __all__ = [
     "ModelRunner",
     "OutOfBlocksError",
     "PagedKVPool",
+    "PromptLookup",
+    "RequestDrafter",
     "RequestError",
     "RequestOutput",
     "SampleOutput",
@@ -57,6 +69,9 @@ __all__ = [
     "Sequence",
     "SequenceStateError",
     "SlidingWindowState",
+    "SpecDecodeConfig",
+    "SpecDecodeConfigError",
+    "SpecStats",
     "StepOutput",
     "UnsupportedModelError",
     "load_model",
@@ -65,5 +80,6 @@ __all__ = [
     "sample",
     "verify_draft",
     "verify_greedy",
+    "verify_lookup_draft",
     "verify_sampled",
 ]

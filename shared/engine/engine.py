@@ -6,10 +6,15 @@
         for out in engine.step():  # new tokens of every sequence that advanced
             ...
 
-Each `step` runs at most two model calls: one decode over every decoding sequence and one
+Each `step` runs at most three model calls: one decode over the decoding sequences without
+a draft, one `score_drafts` over those with a speculative draft (drafter.py: prompt lookup,
+adaptive length; on by default, `SpecDecodeConfig(enabled=False)` turns it off), and one
 packed prefill over the chunks the scheduler picked. A request can start after a cached
 prefix (full-layer blocks already in the pool + the sliding window state at the prefix end,
 the runner's `attach_prefix` path); its prefill then computes only the suffix.
+
+Drafts are verified by `verify_lookup_draft` (drafter.py): the target's distribution is
+kept exactly, and a seeded request gives the same tokens with or without speculation.
 """
 
 from __future__ import annotations
@@ -21,9 +26,16 @@ from enum import StrEnum
 
 import torch
 
+from shared.engine.drafter import (
+    RequestDrafter,
+    SpecDecodeConfig,
+    SpecStats,
+    num_accepted,
+    verify_lookup_draft,
+)
 from shared.engine.errors import EngineError, OutOfBlocksError
 from shared.engine.kv_cache import SlidingWindowState
-from shared.engine.runner import ModelRunner
+from shared.engine.runner import DraftScore, ModelRunner
 from shared.engine.sampler import SampleOutput, SamplingParams, make_generator, sample
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.sequence import Sequence
@@ -46,6 +58,7 @@ class StepOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     new_samples: tuple[SampleOutput, ...] = ()  # with logprobs when the request asked
+    spec_stats: SpecStats | None = None  # the request's draft counters, once finished
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
     finish_reason: FinishReason
+    spec_stats: SpecStats | None = None
 
 
 class Engine:
@@ -63,9 +77,12 @@ class Engine:
         config: SchedulerConfig | None = None,
         eos_token_ids: Iterable[int] | None = None,
         max_model_len: int | None = None,
+        spec_decode: SpecDecodeConfig | None = None,
     ) -> None:
         self.runner = runner
-        self.scheduler = Scheduler(runner.block_manager, config or SchedulerConfig())
+        self.spec_decode = spec_decode or SpecDecodeConfig()
+        propose = self._propose if self.spec_decode.enabled else None
+        self.scheduler = Scheduler(runner.block_manager, config or SchedulerConfig(), propose)
         model_eos = runner.config.eos_token_ids
         self.eos_token_ids = frozenset(model_eos if eos_token_ids is None else eos_token_ids)
         # A sequence must always fit the pool alone, or preemption could not make room.
@@ -74,6 +91,9 @@ class Engine:
         self._seqs: dict[int, Sequence] = {}
         self._pending: list[StepOutput] = []  # finished outside a step: abort, 0 new tokens
         self._next_seq_id = 0
+        self._drafters: dict[int, RequestDrafter] = {}
+        self._num_drafted = 0  # sequences that drafted in the last step
+        self.spec_stats = SpecStats()  # engine-wide, over every request so far
 
     @property
     def num_preemptions(self) -> int:
@@ -111,8 +131,14 @@ class Engine:
         if prefix_block_ids is not None:
             self.runner.block_manager.attach_prefix(seq, list(prefix_block_ids), prefix_window)
         self._seqs[seq.seq_id] = seq
+        self._drafters[seq.seq_id] = RequestDrafter(self.spec_decode)
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def request_spec_stats(self, seq_id: int) -> SpecStats | None:
+        """Draft counters of an unfinished request (finished ones report them in outputs)."""
+        drafter = self._drafters.get(seq_id)
+        return None if drafter is None else drafter.stats
 
     def abort(self, seq_id: int) -> bool:
         """Stop a request and free its blocks; False if it is unknown or already finished."""
@@ -120,7 +146,8 @@ class Engine:
         if seq is None:
             return False
         self.scheduler.remove(seq)
-        self._pending.append(StepOutput(seq_id, (), True, FinishReason.ABORT))
+        stats = self._drafters.pop(seq_id).stats
+        self._pending.append(StepOutput(seq_id, (), True, FinishReason.ABORT, spec_stats=stats))
         return True
 
     def step(self) -> list[StepOutput]:
@@ -135,9 +162,16 @@ class Engine:
             return outputs
         ready: list[Sequence] = []
         rows: list[torch.Tensor] = []
-        if batch.decode_seqs:
-            ready.extend(batch.decode_seqs)
-            rows.append(self.runner.decode(batch.decode_seqs))
+        drafts = batch.draft_token_ids
+        drafted = [s for s in batch.decode_seqs if s.seq_id in drafts]
+        self._num_drafted = len(drafted)
+        plain = [s for s in batch.decode_seqs if s.seq_id not in drafts]
+        if drafted:
+            scores = self.runner.score_drafts(drafted, [drafts[s.seq_id] for s in drafted])
+            outputs.extend(self._verify(s, sc) for s, sc in zip(drafted, scores, strict=True))
+        if plain:
+            ready.extend(plain)
+            rows.append(self.runner.decode(plain))
         if batch.prefill_seqs:
             logits = self.runner.prefill(
                 batch.prefill_seqs, num_new_tokens=batch.prefill_num_tokens
@@ -148,8 +182,40 @@ class Engine:
                     rows.append(row[None])
         if ready:
             samples = self._sample(ready, torch.cat(rows) if len(rows) > 1 else rows[0])
-            outputs.extend(self._advance(seq, s) for seq, s in zip(ready, samples, strict=True))
+            for seq, sampled in zip(ready, samples, strict=True):
+                seq.append(sampled.token_id)
+                outputs.append(self._advance(seq, [sampled], 0))
         return outputs
+
+    def _num_tokens_left(self, seq: Sequence) -> int:
+        """How many more tokens `seq` may emit before max_new_tokens or max_model_len."""
+        num_generated = seq.num_tokens - seq.num_prompt_tokens
+        return min(seq.params.max_new_tokens - num_generated, self.max_model_len - seq.num_tokens)
+
+    def _propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        # One token is always emitted, so a draft of k can yield k + 1.
+        limit = min(max_tokens, self._num_tokens_left(seq) - 1)
+        num_seqs = len(self.scheduler.running)  # an upper bound on those decoding
+        # Last step's drafters: who will likely share this step's score_drafts call.
+        drafter = self._drafters[seq.seq_id]
+        return drafter.propose(seq.token_ids, limit, num_seqs, self._num_drafted + 1)
+
+    def _verify(self, seq: Sequence, score: DraftScore) -> StepOutput:
+        draft = score.draft_token_ids
+        samples = verify_lookup_draft(
+            draft,
+            score.logits,
+            seq.params,
+            seq.generator,
+            self._num_tokens_left(seq),
+            self.eos_token_ids,
+        )
+        self.runner.accept_draft(seq, score, [s.token_id for s in samples])
+        self.scheduler.trim(seq)
+        return self._advance(seq, samples, len(draft), num_accepted(draft, samples))
+
+    def _is_stop(self, token_id: int, params: SamplingParams) -> bool:
+        return token_id in params.stop_token_ids or token_id in self.eos_token_ids
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampleOutput]:
         # Greedy without logprobs: one argmax over the batch (batch 32: 0.26 ms, the per-row
@@ -158,21 +224,31 @@ class Engine:
             return [SampleOutput(t) for t in logits.argmax(-1).tolist()]
         return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
 
-    def _advance(self, seq: Sequence, sampled: SampleOutput) -> StepOutput:
-        seq.append(sampled.token_id)
-        params = seq.params
+    def _advance(
+        self,
+        seq: Sequence,
+        samples: list[SampleOutput],
+        num_draft_tokens: int,
+        num_accepted: int = 0,
+    ) -> StepOutput:
+        """`samples` are already appended to `seq`; only the last can end it."""
+        drafter = self._drafters[seq.seq_id]
+        drafter.length.record(num_draft_tokens, num_accepted)
+        drafter.stats.add(num_draft_tokens, num_accepted, len(samples))
+        self.spec_stats.add(num_draft_tokens, num_accepted, len(samples))
+        last = samples[-1].token_id
         reason = None
-        if sampled.token_id in params.stop_token_ids or sampled.token_id in self.eos_token_ids:
+        if self._is_stop(last, seq.params):
             reason = FinishReason.STOP
-        elif (
-            len(seq.token_ids) - seq.num_prompt_tokens >= params.max_new_tokens
-            or seq.num_tokens >= self.max_model_len
-        ):
+        elif self._num_tokens_left(seq) <= 0:
             reason = FinishReason.LENGTH
+        stats = None
         if reason is not None:
             del self._seqs[seq.seq_id]
+            stats = self._drafters.pop(seq.seq_id).stats
             self.scheduler.remove(seq)
-        return StepOutput(seq.seq_id, (sampled.token_id,), reason is not None, reason, (sampled,))
+        token_ids = tuple(s.token_id for s in samples)
+        return StepOutput(seq.seq_id, token_ids, reason is not None, reason, tuple(samples), stats)
 
     def generate(
         self,
@@ -184,14 +260,14 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         seq_ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         tokens: dict[int, list[int]] = {i: [] for i in seq_ids}
-        reasons: dict[int, FinishReason] = {}
-        while len(reasons) < len(seq_ids):
+        finished: dict[int, StepOutput] = {}
+        while len(finished) < len(seq_ids):
             for out in self.step():
                 if out.seq_id in tokens:
                     tokens[out.seq_id].extend(out.new_token_ids)
                     if out.finished:
-                        reasons[out.seq_id] = out.finish_reason
+                        finished[out.seq_id] = out
         return [
-            RequestOutput(i, list(p), tokens[i], reasons[i])
+            RequestOutput(i, list(p), tokens[i], finished[i].finish_reason, finished[i].spec_stats)
             for i, p in zip(seq_ids, prompts, strict=True)
         ]

@@ -12,11 +12,16 @@ Continuous batching with chunked prefill, as vLLM's v1 scheduler does it:
   recomputed from its tokens (prompt + what it generated so far) when it is admitted again.
 
 Blocks are reserved here, before the runner is called, so the runner never runs out.
+
+Speculative decoding: with a `propose` callback, each decoding sequence may carry a draft
+(`batch.draft_token_ids`). Its tokens count against the step's budget and get blocks only if
+they fit without preempting anyone: a draft is a guess and never worth evicting a sequence.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.engine.block_manager import BlockManager
@@ -51,10 +56,13 @@ class ScheduledBatch:
     prefill_seqs: list[Sequence] = field(default_factory=list)
     prefill_num_tokens: list[int] = field(default_factory=list)
     preempted_seqs: list[Sequence] = field(default_factory=list)
+    # seq_id -> draft of a decoding sequence (non-empty); those without one decode plainly.
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
-        return len(self.decode_seqs) + sum(self.prefill_num_tokens)
+        num_draft = sum(len(d) for d in self.draft_token_ids.values())
+        return len(self.decode_seqs) + num_draft + sum(self.prefill_num_tokens)
 
     @property
     def is_empty(self) -> bool:
@@ -66,10 +74,20 @@ def is_decoding(seq: Sequence) -> bool:
     return seq.num_computed_tokens == seq.num_tokens - 1
 
 
+# (sequence, most draft tokens the step can take) -> draft, possibly empty.
+Proposer = Callable[[Sequence, int], list[int]]
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, config: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        config: SchedulerConfig,
+        propose: Proposer | None = None,
+    ) -> None:
         self.block_manager = block_manager
         self.config = config
+        self.propose = propose
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -102,6 +120,9 @@ class Scheduler:
                 break  # `seq` itself was the youngest and was preempted
             if is_decoding(seq):
                 batch.decode_seqs.append(seq)
+                # Leave a block for each later running sequence, which may need one.
+                num_later = len(self.running) - self.running.index(seq) - 1
+                budget -= self._add_draft(seq, budget - num_new, num_later, batch)
             else:
                 batch.prefill_seqs.append(seq)
                 batch.prefill_num_tokens.append(num_new)
@@ -124,6 +145,34 @@ class Scheduler:
             batch.prefill_num_tokens.append(num_new)
             budget -= num_new
         return batch
+
+    def _add_draft(
+        self, seq: Sequence, max_tokens: int, num_blocks_kept: int, batch: ScheduledBatch
+    ) -> int:
+        """Ask for a draft of at most `max_tokens`; keep what fits the spare blocks."""
+        if self.propose is None or max_tokens <= 0:
+            return 0
+        draft = self.propose(seq, max_tokens)
+        if not draft:
+            return 0
+        block = self.block_manager.block_size_tokens
+        num_spare = max(self.block_manager.allocator.num_free_blocks - num_blocks_kept, 0)
+        num_fit = (len(seq.block_table) + num_spare) * block - seq.num_tokens
+        draft = draft[: max(num_fit, 0)]
+        if not draft:
+            return 0
+        self.block_manager.reserve(seq, seq.num_tokens + len(draft))
+        batch.draft_token_ids[seq.seq_id] = draft
+        return len(draft)
+
+    def trim(self, seq: Sequence) -> None:
+        """Free blocks reserved for rejected draft tokens (the tail past `seq`'s tokens).
+
+        Only the tail goes: shared prefix blocks lie below the computed tokens."""
+        num_needed = self.block_manager.num_blocks_for(seq.num_tokens)
+        if len(seq.block_table) > num_needed:
+            self.block_manager.allocator.free(seq.block_table[num_needed:])
+            del seq.block_table[num_needed:]
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Reserve blocks for `seq`, preempting the youngest running sequences if needed."""
