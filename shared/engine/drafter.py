@@ -38,6 +38,12 @@ class SpecDecodeConfigError(EngineError):
 @dataclass(frozen=True)
 class SpecDecodeConfig:
     enabled: bool = True
+    # Draft only while at most this many sequences decode. On this CPU, scoring drafts beside
+    # a decode of 8 costs a second forward's fixed overhead and lost more than it saved
+    # (bench_engine with tiny-coder: 1.94x over transformers at batch 1 with drafts, 0.99x
+    # at 8 and 0.84x at 32 against 1.05-1.26x without; bench_spec_decode: 0.79x at 8).
+    # A batched multi-token decode path would lift this.
+    max_batch_size: int = 4
     min_ngram: int = 2  # 1-grams of BPE code tokens ("(", ".") match almost anywhere
     max_ngram: int = 6
     max_draft_tokens: int = 16

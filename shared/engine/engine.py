@@ -196,6 +196,8 @@ class Engine:
         # One token is always emitted, so a draft of k can yield k + 1.
         limit = min(max_tokens, self._num_tokens_left(seq) - 1)
         num_seqs = len(self.scheduler.running)  # an upper bound on those decoding
+        if num_seqs > self.spec_decode.max_batch_size:
+            return []
         # Last step's drafters: who will likely share this step's score_drafts call.
         drafter = self._drafters[seq.seq_id]
         return drafter.propose(seq.token_ids, limit, num_seqs, self._num_drafted + 1)
