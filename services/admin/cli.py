@@ -21,7 +21,9 @@ from services.admin.status import render
 from shared.bus import Bus
 from shared.discovery import discover
 from shared.engine.bundled import BUNDLED_MODEL_DIR
-from shared.schema import ServiceError
+from shared.kvstore import index_client
+from shared.kvstore.hashing import BlockHasher
+from shared.schema import ServiceError, SwaGet, SwaGetReply, SwaPut, SwaPutReply
 from shared.subjects import DECODE, DEFAULT_ROOT, PREFILL, SERVICES
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
@@ -65,7 +67,8 @@ def up(
 def demo(
     state_dir: Path | None = typer.Option(None, help="default: a fresh temporary directory"),
 ) -> None:
-    """Bring the cluster up on free ports, serve a request, show its status, stop it."""
+    """Bring the cluster up on free ports, serve requests (health over HTTP, a kv-index match
+    of a tokenized prompt, a swa-memcache round trip), show its status, stop it."""
     state_dir = state_dir or Path(tempfile.mkdtemp(prefix="kvfabric-"))
     spec = ClusterSpec(state_dir=state_dir, nats_port=0, http_port=0)
     spec.extra_args = _model_args(BUNDLED_MODEL_DIR)
@@ -197,10 +200,28 @@ async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
         await asyncio.to_thread(cluster.stop, echo)
 
 
+DEMO_PROMPT = "import os\n\n\ndef list_files(path):\n    return sorted(os.listdir(path))\n" * 8
+
+
 async def _demo_requests(cluster: Cluster, bus: Bus, echo) -> int:  # noqa: ANN001
     url = f"{cluster.http_urls[0]}/health"
     body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
     echo(f"GET {url} -> {body}")
+    # A prompt as ingress will see it: tokenized with the bundled model's tokenizer, hashed
+    # into blocks, looked up in kv-index; then a sliding-window snapshot through swa-memcache.
+    from tokenizers import Tokenizer
+
+    token_ids = (
+        Tokenizer.from_file(str(BUNDLED_MODEL_DIR / "tokenizer.json")).encode(DEMO_PROMPT).ids
+    )
+    hashes = BlockHasher(BUNDLED_MODEL_DIR.name, block_size_tokens=16).hashes(token_ids)
+    matched = await index_client.match(bus, hashes, num_shards=1)
+    cached = max((m.num_blocks for m in matched.values()), default=0)
+    echo(f"kv-index match: {len(token_ids)} tokens, {len(hashes)} blocks, {cached} cached")
+    snapshot = SwaPut(block_hash=hashes[-1], snapshot=b"\x00" * 4096)
+    stored = await bus.request(bus.subjects.swa_put, snapshot, SwaPutReply)
+    got = await bus.request(bus.subjects.swa_get, SwaGet(block_hash=hashes[-1]), SwaGetReply)
+    echo(f"swa-memcache put {stored.stored}, get found {got.found} ({len(got.snapshot)} bytes)")
     echo(render(await discover(bus, timeout_s=0.5)))
     return 0
 

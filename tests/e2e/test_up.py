@@ -111,3 +111,21 @@ def test_serve_rejects_bad_config() -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "--heartbeat-s='soon'" in result.stderr
+
+
+def test_demo_serves_requests_and_stops(tmp_path: Path) -> None:
+    """`make demo`'s command: the cluster comes up, answers health, a kv-index match for a
+    tokenized prompt and a swa-memcache round trip, then stops everything it started."""
+    result = subprocess.run(
+        [KVFABRIC, "demo", "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    out = result.stdout
+    assert '"status": "ok"' in out
+    match = re.search(r"kv-index match: (\d+) tokens, (\d+) blocks, (\d+) cached", out)
+    assert match and int(match.group(2)) == int(match.group(1)) // 16 and match.group(3) == "0"
+    assert "swa-memcache put True, get found True (4096 bytes)" in out
+    assert out.rstrip().endswith("stopped nats-server")
+    pids = [int(p) for p in re.findall(r"pid (\d+)", out)]
+    assert len(pids) == 8 and not [pid for pid in pids if _is_alive(pid)]
