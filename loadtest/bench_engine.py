@@ -40,29 +40,30 @@ STDLIB_FILES = ("os.py", "argparse.py", "typing.py", "dataclasses.py", "inspect.
 BLOCK_SIZE_TOKENS = 64
 
 
-def build_stand_in(out_dir: Path) -> Path:
-    """Random weights with tiny-coder's shape (the trained model may not exist yet)."""
+def build_stand_in(out_dir: Path, **overrides: object) -> Path:
+    """Random weights with tiny-coder's shape (the trained model may not exist yet);
+    `overrides` change Qwen3Config fields (bench_spec_decode builds a copier from it)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=16384,
-        tie_word_embeddings=True,
-        use_sliding_window=True,
-        sliding_window=64,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"] * 3,
+    fields: dict[str, object] = {
+        "vocab_size": 8192,
+        "hidden_size": 256,
+        "intermediate_size": 704,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 16384,
+        "tie_word_embeddings": True,
+        "use_sliding_window": True,
+        "sliding_window": 64,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"] * 3,
         # Wider than the 0.02 default so logits are not flat: with flat logits greedy
         # agreement would only measure round-off ties.
-        initializer_range=0.08,
-    )
-    Qwen3ForCausalLM(config).save_pretrained(out_dir)
+        "initializer_range": 0.08,
+    }
+    Qwen3ForCausalLM(Qwen3Config(**(fields | overrides))).save_pretrained(out_dir)
     return out_dir
 
 

@@ -52,26 +52,12 @@ INSTRUCTION = "\n\n# The same code, with the fix applied:\n"
 
 def build_copier(out_dir: Path) -> Path:
     """tiny-coder's size with sliding windows only: a copier by construction (see above)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
+    return build_stand_in(
+        out_dir,
         max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        use_sliding_window=True,
         sliding_window=32,
         layer_types=["sliding_attention"] * 6,
-        initializer_range=0.08,
     )
-    Qwen3ForCausalLM(config).save_pretrained(out_dir)
-    return out_dir
 
 
 def run(runner, prompts, new_tokens, spec: SpecDecodeConfig, num_slots: int | None = None):
