@@ -17,18 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# DESIGN.md section 6: one prefill GPU computes ~60K tokens/s without the cache and serves
-# 1.5M tokens/s at 96% hit, i.e. it reads 0.96 x 1.5M = 1.44M hit tokens/s.
-REFERENCE_PREFILL_TOKENS_PER_S = 60_000.0
-REFERENCE_LOAD_TOKENS_PER_S = 1_440_000.0
-# DESIGN.md section 5: bounded replay recomputes R = 128 tokens through the sliding layers
-# (exact replay would be 20 layers x 128 = 2,560).
-REFERENCE_REPLAY_TOKENS = 128
-# A decode GPU emits ~14K tokens/s (DESIGN.md section 6). The batch it does that at is not
-# published; assuming 256 sequences, a step is 256 / 14K = 18.3 ms, split here into a fixed
-# 10 ms (weights, communication) and 32 us per sequence. An assumption, not a measurement.
-REFERENCE_DECODE_STEP_BASE_S = 0.010
-REFERENCE_DECODE_STEP_PER_SEQ_S = 0.0000325
+from shared import reference_costs as reference
 
 
 class CostModelError(ValueError):
@@ -56,14 +45,14 @@ class PrefillEstimate:
 
 @dataclass(frozen=True)
 class CostModel:
-    prefill_tokens_per_s: float = REFERENCE_PREFILL_TOKENS_PER_S
-    load_tokens_per_s: float = REFERENCE_LOAD_TOKENS_PER_S
-    replay_tokens: int = REFERENCE_REPLAY_TOKENS
+    prefill_tokens_per_s: float = reference.PREFILL_TOKENS_PER_S
+    load_tokens_per_s: float = reference.LOAD_TOKENS_PER_S
+    replay_tokens: int = reference.REPLAY_TOKENS
     # A replayed token runs only the sliding layers, so it is cheaper than a full token; the
     # default charges it as a full one (an upper bound) until the ratio is measured.
-    replay_tokens_per_s: float = REFERENCE_PREFILL_TOKENS_PER_S
-    decode_step_base_s: float = REFERENCE_DECODE_STEP_BASE_S
-    decode_step_per_seq_s: float = REFERENCE_DECODE_STEP_PER_SEQ_S
+    replay_tokens_per_s: float = reference.PREFILL_TOKENS_PER_S
+    decode_step_base_s: float = reference.DECODE_STEP_BASE_S
+    decode_step_per_seq_s: float = reference.DECODE_STEP_PER_SEQ_S
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "load_tokens_per_s", "replay_tokens_per_s"):

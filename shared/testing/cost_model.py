@@ -6,23 +6,15 @@ router's `CostModel` estimates, so a router driven against mock engines is judge
 its own assumptions, not a different model). A decode step costs a fixed part, a part per
 sequence in the batch and a part per context token the batch's attention reads.
 
-Defaults are DESIGN.md section 6's per-GPU figures, the same ones `services.router.cost`
-starts from (kept equal by a unit test; `shared` never imports `services`).
+Defaults are DESIGN.md's per-GPU figures from `shared.reference_costs`, the same ones
+`services.router.cost` starts from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# One prefill GPU: ~60K tokens/s computed without the cache; 1.5M tokens/s served at 96% hit,
-# so 0.96 x 1.5M = 1.44M hit tokens/s loaded (DESIGN.md section 6).
-PREFILL_TOKENS_PER_S = 60_000.0
-LOAD_TOKENS_PER_S = 1_440_000.0
-REPLAY_TOKENS = 128  # bounded replay, DESIGN.md section 5
-# ~14K output tokens/s per decode GPU (DESIGN.md section 6) at an assumed batch of 256:
-# 256 / 14K = 18.3 ms a step = 10 ms fixed + 32.5 us a sequence. The batch is an assumption.
-DECODE_STEP_BASE_S = 0.010
-DECODE_STEP_PER_SEQ_S = 0.0000325
+from shared import reference_costs as reference
 
 
 class MockCostModelError(ValueError):
@@ -31,13 +23,13 @@ class MockCostModelError(ValueError):
 
 @dataclass(frozen=True)
 class MockCostModel:
-    prefill_tokens_per_s: float = PREFILL_TOKENS_PER_S
-    load_tokens_per_s: float = LOAD_TOKENS_PER_S
-    replay_tokens: int = REPLAY_TOKENS
+    prefill_tokens_per_s: float = reference.PREFILL_TOKENS_PER_S
+    load_tokens_per_s: float = reference.LOAD_TOKENS_PER_S
+    replay_tokens: int = reference.REPLAY_TOKENS
     # A replayed token runs only the sliding layers; charged as a full token until measured.
-    replay_tokens_per_s: float = PREFILL_TOKENS_PER_S
-    decode_step_base_s: float = DECODE_STEP_BASE_S
-    decode_step_per_seq_s: float = DECODE_STEP_PER_SEQ_S
+    replay_tokens_per_s: float = reference.PREFILL_TOKENS_PER_S
+    decode_step_base_s: float = reference.DECODE_STEP_BASE_S
+    decode_step_per_seq_s: float = reference.DECODE_STEP_PER_SEQ_S
     # Attention reads every context token's KV each step. No published figure to derive it
     # from, so off by default; tests and load generators set it.
     decode_step_per_context_token_s: float = 0.0
