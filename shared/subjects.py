@@ -92,6 +92,21 @@ class Subjects:
         return self.endpoint(DECODE, "run")
 
     @property
+    def decode_suffix(self) -> str:
+        """prefill -> the job's decode worker (per instance): `SuffixReady`, pull the KV."""
+        return self.endpoint(DECODE, "suffix")
+
+    @property
+    def router_inflight(self) -> str:
+        """`InflightNotice`s among router replicas (each ignores its own)."""
+        return f"{self.root}.router.inflight"
+
+    @property
+    def cancel(self) -> str:
+        """`CancelRequest` broadcast: every prefill and decode worker listens."""
+        return f"{self.root}.request.cancel"
+
+    @property
     def kv_index_match(self) -> str:
         return self.endpoint(KV_INDEX, "match")
 

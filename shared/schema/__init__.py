@@ -2,7 +2,7 @@
 
 from shared.schema.base import SCHEMA_VERSION, Message, decode, encode, schema_header
 from shared.schema.billing import UsageRecord, UsageStatus
-from shared.schema.control import InstanceState, LoadReport
+from shared.schema.control import InflightNotice, InstanceState, LoadReport
 from shared.schema.errors import (
     BadRequest,
     Cancelled,
@@ -23,12 +23,18 @@ from shared.schema.errors import (
 from shared.schema.inference import (
     BlockLocation,
     BlockLocations,
+    CancelRequest,
     DecodeJob,
+    DecodeStats,
     GenerateRequest,
+    JobAccepted,
     KvTransfer,
+    PrefillDone,
     PrefillJob,
+    PrefillTimings,
     RouteDecision,
     SamplingParams,
+    SuffixReady,
     TokenChunk,
     TokenUsage,
 )
@@ -69,6 +75,13 @@ from shared.schema.tokens import (
 )
 
 __all__ = [
+    "InflightNotice",
+    "CancelRequest",
+    "DecodeStats",
+    "JobAccepted",
+    "PrefillDone",
+    "PrefillTimings",
+    "SuffixReady",
     "RebuildReply",
     "RebuildBatch",
     "SwaPutReply",

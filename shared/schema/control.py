@@ -26,3 +26,14 @@ class LoadReport(Message, tag="load_report"):
     num_running: int = 0
     num_kv_pages_total: int = 0
     num_kv_pages_free: int = 0
+
+
+class InflightNotice(Message, tag="inflight_notice"):
+    """router replica -> its peers: work it just sent to one worker, not yet in that worker's
+    heartbeats. Peers add it to their load view until the worker's next reports cover it."""
+
+    router_id: str
+    instance_id: str
+    num_tokens: int = 0  # prefill: tokens the job adds to the worker's compute queue
+    num_kv_pages: int = 0  # decode: KV pages the job will hold
+    num_requests: int = 1

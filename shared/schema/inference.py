@@ -146,10 +146,78 @@ class DecodeJob(Message, tag="decode_job"):
     kv_transfer: KvTransfer | None = None
 
 
+class JobAccepted(Message, tag="job_accepted"):
+    """prefill or decode -> router: the job is queued on this worker."""
+
+    request_id: str
+    instance_id: str
+
+
+class PrefillTimings(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one request's prefill time went (milliseconds), reported back to the caller."""
+
+    queue_ms: float = 0.0  # accepted -> first chunk computed
+    load_ms: float = 0.0  # the cached prefix's full-layer KV read from the store
+    restore_ms: float = 0.0  # the sliding-window state: memcache get, or replay
+    swa_restore: str = ""  # snapshot | exact | bounded | none (nothing cached)
+    num_replay_tokens: int = 0
+    compute_ms: float = 0.0  # the uncached suffix
+    store_ms: float = 0.0  # new complete blocks written to the store
+    transfer_ms: float = 0.0  # staged for decode -> decode pulled it (NIXL)
+
+
+class SuffixReady(Message, tag="suffix_ready"):
+    """prefill -> the decode worker holding the job: the suffix KV lies staged in prefill's
+    NIXL region; decode pulls it and replies `JobAccepted`, after which prefill reuses the
+    staging. The staged bytes are `num_blocks` whole pages (blocks `first_block_index`..) of
+    `block_nbytes` each, then the sliding-window snapshot (`window_nbytes`) at
+    `num_computed_tokens`: every prompt token but the last, which decode computes."""
+
+    request_id: str
+    attempt: int
+    prefill_worker_id: str
+    num_computed_tokens: int
+    first_block_index: int
+    num_blocks: int
+    block_nbytes: int
+    region_offset: int
+    window_nbytes: int
+    timings: PrefillTimings = PrefillTimings()
+
+
+class PrefillDone(Message, tag="prefill_done"):
+    """prefill -> router, once decode holds the suffix: the router's retry window closes."""
+
+    request_id: str
+    timings: PrefillTimings = PrefillTimings()
+
+
+class CancelRequest(Message, tag="cancel_request"):
+    """Anyone -> every worker (broadcast): stop work on this request. With `error_code` the
+    decode worker ends the stream with that error instead of finish_reason "cancelled"."""
+
+    request_id: str
+    reason: str = "cancelled"
+    error_code: str = ""
+    error_message: str = ""
+
+
 class TokenUsage(msgspec.Struct, frozen=True, kw_only=True):
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+
+
+class DecodeStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The final chunk's account of one request's decode (milliseconds)."""
+
+    prefill: PrefillTimings = PrefillTimings()
+    prefix_load_ms: float = 0.0  # decode's own read of the cached prefix from the store
+    ttft_ms: float = 0.0  # decode accepted the job -> first token sent
+    decode_ms: float = 0.0  # first token -> last token
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_forward_passes: int = 0
 
 
 class TokenChunk(Message, tag="token_chunk"):
@@ -163,3 +231,4 @@ class TokenChunk(Message, tag="token_chunk"):
     final: bool = False
     finish_reason: str | None = None  # stop | length | cancelled | error
     usage: TokenUsage | None = None
+    stats: DecodeStats | None = None  # on the final chunk
