@@ -168,10 +168,22 @@ class EngineWorkerConfig(ServiceConfig):
 
     model_dir: Path = BUNDLED_MODEL_DIR
     kv_block_size_tokens: int = 64
-    # Pages of the worker's KV pool. tiny-coder's block is 192 KiB (3 full layers x K/V x 64
-    # tokens x 2 heads x 64 dims x 4 bytes), so 512 pages are 96 MiB per worker.
+    # Pages of the worker's KV pool. tiny-coder's block is 96 KiB (3 full layers x K/V x 64
+    # tokens x 2 heads x 64 dims x 2 bytes), so 512 pages are 48 MiB per worker.
     num_kv_blocks: int = 512
     num_threads: int = 1  # torch threads: one per worker on a 2-core machine
+    # Longest sequence served; 0: the model's max_position_embeddings (its training context).
+    # Larger values run RoPE past what the model was trained on: right for timing (the
+    # 8K-context benchmarks on the 512-token tiny-coder), not for quality.
+    max_model_len: int = 0
+    # The SSD tier: one directory shared by every worker (a 3FS mount in a cluster); each
+    # worker writes its own subdirectory and reads everyone's.
+    store_dir: Path = Path("/tmp/kvfabric/kvstore")
+    store_capacity_bytes: int = 8 << 30  # this worker's share
+    store_file_nbytes: int = 256 << 20
+    store_backend: str = "nixl:POSIX"  # nixl:GDS, nixl:GDS_MT, nixl:HF3FS, aiofiles
+    # NIXL-registered host memory for the prefill -> decode KV handoff (and SWA snapshots).
+    handoff_staging_bytes: int = 64 << 20
 
     def validate(self) -> None:
         super().validate()
@@ -179,6 +191,11 @@ class EngineWorkerConfig(ServiceConfig):
             raise ConfigError(
                 f"model_dir {self.model_dir} has no config.json (an HF model directory)"
             )
-        for name in ("kv_block_size_tokens", "num_kv_blocks", "num_threads"):
+        if self.max_model_len < 0:
+            raise ConfigError("max_model_len must be >= 0")
+        for name in (
+            "kv_block_size_tokens", "num_kv_blocks", "num_threads", "store_capacity_bytes",
+            "store_file_nbytes", "handoff_staging_bytes",
+        ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")

@@ -76,17 +76,31 @@ class BlockManager:
             seq.block_table.extend(self.allocator.allocate(missing))
 
     def attach_prefix(
-        self, seq: Sequence, block_ids: list[int], window: SlidingWindowState
+        self,
+        seq: Sequence,
+        block_ids: list[int],
+        window: SlidingWindowState,
+        num_tokens: int | None = None,
     ) -> None:
-        """Start `seq` after a cached prefix: shared full-layer blocks + its window state."""
-        num_cached = len(block_ids) * self.block_size_tokens
+        """Start `seq` after a computed prefix: shared full-layer blocks + its window state.
+
+        The prefix is `num_tokens` long (default: the blocks' whole length); its last block
+        may be partly filled, and then this sequence must be its only writer.
+        """
+        block_size = self.block_size_tokens
+        num_cached = len(block_ids) * block_size if num_tokens is None else num_tokens
         if seq.block_table or seq.num_computed_tokens:
             raise SequenceStateError(f"sequence {seq.seq_id} already has cached state")
-        if num_cached >= seq.num_tokens or window.end_position != num_cached:
+        if (
+            num_cached >= seq.num_tokens
+            or window.end_position != num_cached
+            or self.num_blocks_for(num_cached) != len(block_ids)
+        ):
             raise SequenceStateError(
-                f"sequence {seq.seq_id}: prefix of {num_cached} tokens with a window ending at "
-                f"{window.end_position} does not fit {seq.num_tokens} tokens (need a prefix "
-                f"shorter than the sequence and a window ending where the prefix ends)"
+                f"sequence {seq.seq_id}: prefix of {num_cached} tokens in {len(block_ids)} "
+                f"blocks with a window ending at {window.end_position} does not fit "
+                f"{seq.num_tokens} tokens (need a prefix shorter than the sequence, blocks "
+                f"that just cover it and a window ending where it ends)"
             )
         self.allocator.share(block_ids)
         seq.block_table = list(block_ids)

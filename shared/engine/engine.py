@@ -19,7 +19,7 @@ kept exactly, and a seeded request gives the same tokens with or without specula
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from enum import StrEnum
@@ -78,8 +78,16 @@ class Engine:
         eos_token_ids: Iterable[int] | None = None,
         max_model_len: int | None = None,
         spec_decode: SpecDecodeConfig | None = None,
+        track_block_boundaries: bool = False,
+        on_finish: Callable[[Sequence, FinishReason], None] | None = None,
     ) -> None:
         self.runner = runner
+        # Keep each sequence's window at the last block boundary it reached (what swa-memcache
+        # stores for the next turn). Drafts are then cut so no step jumps over a boundary.
+        self.track_block_boundaries = track_block_boundaries
+        # Called with a finished or aborted sequence while its pages still hold its K/V
+        # (in the thread running `step`, or in `abort`'s caller), just before they are freed.
+        self.on_finish = on_finish
         self.spec_decode = spec_decode or SpecDecodeConfig()
         propose = self._propose if self.spec_decode.enabled else None
         self.scheduler = Scheduler(runner.block_manager, config or SchedulerConfig(), propose)
@@ -109,8 +117,13 @@ class Engine:
         *,
         prefix_block_ids: Seq[int] | None = None,
         prefix_window: SlidingWindowState | None = None,
+        num_prefix_tokens: int | None = None,
     ) -> int:
-        """Queue a request; with a prefix, its blocks gain this sequence as an owner."""
+        """Queue a request; with a prefix, its blocks gain this sequence as an owner.
+
+        The prefix is `num_prefix_tokens` long (default: its blocks' whole length); a partly
+        filled last block must belong to this sequence alone (it is written on).
+        """
         params = params or SamplingParams()
         if not token_ids:
             raise RequestError("prompt is empty")
@@ -129,11 +142,28 @@ class Engine:
         if not params.is_greedy:
             seq.generator = make_generator(params.seed)
         if prefix_block_ids is not None:
-            self.runner.block_manager.attach_prefix(seq, list(prefix_block_ids), prefix_window)
+            self.runner.block_manager.attach_prefix(
+                seq, list(prefix_block_ids), prefix_window, num_prefix_tokens
+            )
+            self._note_boundary(seq)
         self._seqs[seq.seq_id] = seq
         self._drafters[seq.seq_id] = RequestDrafter(self.spec_decode)
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def sequence(self, seq_id: int) -> Sequence | None:
+        """An unfinished request's state (read it between steps only)."""
+        return self._seqs.get(seq_id)
+
+    def _note_boundary(self, seq: Sequence) -> None:
+        window = seq.window
+        block_size = self.runner.layout.block_size_tokens
+        if (
+            self.track_block_boundaries
+            and window is not None
+            and window.end_position % block_size == 0
+        ):
+            seq.boundary_window = window
 
     def request_spec_stats(self, seq_id: int) -> SpecStats | None:
         """Draft counters of an unfinished request (finished ones report them in outputs)."""
@@ -145,6 +175,8 @@ class Engine:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return False
+        if self.on_finish is not None:
+            self.on_finish(seq, FinishReason.ABORT)
         self.scheduler.remove(seq)
         stats = self._drafters.pop(seq_id).stats
         self._pending.append(StepOutput(seq_id, (), True, FinishReason.ABORT, spec_stats=stats))
@@ -195,6 +227,10 @@ class Engine:
     def _propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         # One token is always emitted, so a draft of k can yield k + 1.
         limit = min(max_tokens, self._num_tokens_left(seq) - 1)
+        if self.track_block_boundaries:  # the step computes 1 + draft tokens: stop at the edge
+            block_size = self.runner.layout.block_size_tokens
+            edge = (seq.num_computed_tokens // block_size + 1) * block_size
+            limit = min(limit, edge - seq.num_computed_tokens - 1)
         num_seqs = len(self.scheduler.running)  # an upper bound on those decoding
         if num_seqs > self.spec_decode.max_batch_size:
             return []
@@ -210,14 +246,17 @@ class Engine:
             seq.params,
             seq.generator,
             self._num_tokens_left(seq),
-            self.eos_token_ids,
+            self._eos_for(seq.params),
         )
         self.runner.accept_draft(seq, score, [s.token_id for s in samples])
         self.scheduler.trim(seq)
         return self._advance(seq, samples, len(draft), num_accepted(draft, samples))
 
+    def _eos_for(self, params: SamplingParams) -> frozenset[int]:
+        return frozenset() if params.ignore_eos else self.eos_token_ids
+
     def _is_stop(self, token_id: int, params: SamplingParams) -> bool:
-        return token_id in params.stop_token_ids or token_id in self.eos_token_ids
+        return token_id in params.stop_token_ids or token_id in self._eos_for(params)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampleOutput]:
         # Greedy without logprobs: one argmax over the batch (batch 32: 0.26 ms, the per-row
@@ -234,6 +273,7 @@ class Engine:
         num_accepted: int = 0,
     ) -> StepOutput:
         """`samples` are already appended to `seq`; only the last can end it."""
+        self._note_boundary(seq)
         drafter = self._drafters[seq.seq_id]
         drafter.length.record(num_draft_tokens, num_accepted)
         drafter.stats.add(num_draft_tokens, num_accepted, len(samples))
@@ -246,6 +286,8 @@ class Engine:
             reason = FinishReason.LENGTH
         stats = None
         if reason is not None:
+            if self.on_finish is not None:
+                self.on_finish(seq, reason)
             del self._seqs[seq.seq_id]
             stats = self._drafters.pop(seq.seq_id).stats
             self.scheduler.remove(seq)

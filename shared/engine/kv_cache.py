@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.engine.config import ModelConfig
@@ -109,6 +110,11 @@ class PagedKVPool:
                 f"pool expects {self.layout.block_shape} {self.layout.dtype}"
             )
         self.kv[block_id].copy_(data)
+
+    def block_view(self, block_id: int) -> np.ndarray:
+        """One block's bytes as a writable uint8 array sharing the pool's memory (CPU pools):
+        what the store reads into and the KV handoff copies from, without a bytes copy."""
+        return self.kv[block_id].view(torch.uint8).numpy().reshape(-1)
 
     def block_to_bytes(self, block_id: int) -> bytes:
         return self.kv[block_id].contiguous().view(torch.uint8).numpy().tobytes()

@@ -25,6 +25,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     # None: no logprobs; 0: the sampled token's; k > 0: also the k most likely tokens'.
     num_logprobs: int | None = None
+    ignore_eos: bool = False  # generate through end-of-sequence tokens (benchmarks, tests)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -26,6 +26,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     window: SlidingWindowState | None = None
     generator: torch.Generator | None = None
+    # The window as it was at the last block boundary reached (engines that track them).
+    boundary_window: SlidingWindowState | None = None
     num_prompt_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:

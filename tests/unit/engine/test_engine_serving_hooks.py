@@ -1,0 +1,85 @@
+"""What the decode service asks of the engine beyond generate: a prefix that ends mid-block
+(every prompt token but the last, computed elsewhere), the window at each block boundary,
+a callback while a finished sequence's pages still hold its K/V, and ignore_eos."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine import Engine, ModelRunner, SamplingParams, SchedulerConfig
+from shared.engine.drafter import SpecDecodeConfig
+from shared.engine.errors import SequenceStateError
+from shared.engine.sequence import Sequence
+from tests.unit.engine.engine_helpers import random_tokens
+from tests.unit.engine.test_engine_scheduler import BLOCK, make_engine, model, solo  # noqa: F401
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=20)
+
+
+def _run(engine: Engine, seq_id: int) -> list[int]:
+    out = []
+    while engine.has_unfinished():
+        out.extend(t for o in engine.step() if o.seq_id == seq_id for t in o.new_token_ids)
+    return out
+
+
+def test_prefix_ending_mid_block_resumes_exactly(model) -> None:  # noqa: F811
+    engine = make_engine(model, num_blocks=32)
+    prompt = random_tokens(41, seed=5)
+    holder = Sequence(99, prompt)  # prefill's side: every token but the last
+    engine.runner.prefill([holder], num_new_tokens=[len(prompt) - 1])
+    assert holder.num_computed_tokens == 40 and len(holder.block_table) == 3
+    seq_id = engine.add_request(
+        prompt, GREEDY, prefix_block_ids=holder.block_table, prefix_window=holder.window,
+        num_prefix_tokens=40,
+    )  # fmt: skip
+    engine.runner.allocator.free(holder.block_table)  # the sequence holds its own reference
+    assert _run(engine, seq_id) == solo(model, prompt, GREEDY)
+    assert engine.runner.allocator.num_free_blocks == 32
+
+
+def test_prefix_blocks_must_just_cover_the_prefix(model) -> None:  # noqa: F811
+    engine = make_engine(model, num_blocks=8)
+    holder = Sequence(1, random_tokens(40, seed=1))
+    engine.runner.prefill([holder])
+    seq = Sequence(2, random_tokens(50, seed=1))
+    with pytest.raises(SequenceStateError):  # 40 tokens need 3 blocks, not 2
+        engine.runner.block_manager.attach_prefix(seq, holder.block_table[:2], holder.window, 40)
+
+
+def test_boundary_windows_on_finish_and_drafts_that_stop_at_block_edges(model) -> None:  # noqa: F811
+    finished: list[tuple[int, int, int | None, list[int]]] = []
+    runner = ModelRunner(model, num_blocks=32, block_size_tokens=BLOCK)
+    engine = Engine(
+        runner, SchedulerConfig(), eos_token_ids=(),
+        spec_decode=SpecDecodeConfig(enabled=True), track_block_boundaries=True,
+        on_finish=lambda seq, reason: finished.append((
+            seq.seq_id, seq.num_computed_tokens,
+            None if seq.boundary_window is None else seq.boundary_window.end_position,
+            list(seq.block_table),
+        )),
+    )  # fmt: skip
+    # A repeating prompt: prompt lookup drafts long runs, which must not cross block edges.
+    prompt = random_tokens(12, seed=3) * 4
+    seq_id = engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=40))
+    out = _run(engine, seq_id)
+    assert out == solo(model, prompt, SamplingParams(temperature=0, max_new_tokens=40))
+    assert engine.spec_stats.num_accepted_tokens > 0  # drafting did happen
+    [(sid, num_computed, boundary, pages)] = finished
+    assert sid == seq_id and pages  # called before the pages were freed
+    assert boundary == (num_computed // BLOCK) * BLOCK  # the last edge was seen exactly
+    assert engine.runner.allocator.num_free_blocks == 32
+
+
+def test_ignore_eos_generates_through_end_of_sequence(model) -> None:  # noqa: F811
+    prompt = random_tokens(10, seed=4)
+    first = solo(model, prompt, SamplingParams(temperature=0, max_new_tokens=8))
+    # Pretend the first token that is new after position 0 ends the sequence.
+    cut = next(i for i in range(1, len(first)) if first[i] not in first[:i])
+    eos = first[cut]
+    runner = ModelRunner(model, num_blocks=16, block_size_tokens=BLOCK)
+    stops = Engine(runner, eos_token_ids=(eos,))
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    assert stops.generate([prompt], params)[0].completion_token_ids == first[: cut + 1]
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    assert stops.generate([prompt], params)[0].completion_token_ids == first
