@@ -178,16 +178,22 @@ class Bus:
         connected: list[Client] = []
         while True:
             try:
-                nc = await nats.connect(
-                    servers=[url],
-                    name=f"{service}/{instance_id}",
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=reconnect_wait_s,
-                    connect_timeout=min(2.0, connect_timeout_s),
-                    error_cb=_log_error,
-                    disconnected_cb=_log_disconnected(connected),
-                    reconnected_cb=_log_reconnected,
+                # nats-py retries a first connection forever when reconnects are unlimited:
+                # bound it ourselves, or a wrong URL hangs the caller.
+                remaining_s = max(deadline - time.monotonic(), 0.1)
+                nc = await asyncio.wait_for(
+                    nats.connect(
+                        servers=[url],
+                        name=f"{service}/{instance_id}",
+                        allow_reconnect=True,
+                        max_reconnect_attempts=-1,
+                        reconnect_time_wait=reconnect_wait_s,
+                        connect_timeout=min(2.0, connect_timeout_s),
+                        error_cb=_log_error,
+                        disconnected_cb=_log_disconnected(connected),
+                        reconnected_cb=_log_reconnected,
+                    ),
+                    remaining_s,
                 )
                 connected.append(nc)
                 break
@@ -452,6 +458,12 @@ class Bus:
         subscription = await self._nc.subscribe(subject, cb=on_message)
         self._event_subscriptions.append(subscription)
         return subscription
+
+    async def unsubscribe(self, subscription: Subscription) -> None:
+        """End a subscription made with `subscribe`/`subscribe_raw` (per-request ones)."""
+        if subscription in self._event_subscriptions:
+            self._event_subscriptions.remove(subscription)
+        await subscription.unsubscribe()
 
     async def open_inbox(self) -> Inbox:
         subject = self._nc.new_inbox()

@@ -7,6 +7,7 @@ message when the producer learns only after its last chunk that it is done). An 
 stream as a final message with the error headers. The reader raises `StreamGap` when a
 sequence number is skipped, `StreamStalled` when nothing arrives within the idle timeout,
 `DeadlineExceeded` past the absolute deadline and `NoResponders` when nobody took the request.
+`ChunkReader` does that checking on any open inbox; `Stream` sends the request and reads.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from shared.bus import (
+    ERROR_CODE_HEADER,
     HEADER_FINAL,
     HEADER_REQUEST_ID,
     HEADER_SEQ,
@@ -84,6 +86,84 @@ class StreamWriter:
         self.is_finished = True
 
 
+class ChunkReader(Generic[T]):
+    """Reads one stream's chunks from an inbox that is already open, checking what every
+    reader must: sequence numbers, the final marker, error messages, idle and first-chunk
+    timeouts, the absolute deadline. `Stream` uses it for its own inbox; a caller whose
+    request goes to one service while the chunks come from another (the router hands the
+    inbox on to a decode worker) uses it directly.
+
+    `subject` only names the producer in error messages.
+    """
+
+    def __init__(
+        self,
+        inbox: Inbox,
+        chunk_type: type[T],
+        subject: str,
+        *,
+        first_chunk_timeout_s: float = 30.0,
+        idle_timeout_s: float = 30.0,
+        deadline_ms: int | None = None,
+    ) -> None:
+        self.inbox = inbox
+        self._chunk_type = chunk_type
+        self._subject = subject
+        self._first_chunk_timeout_s = first_chunk_timeout_s
+        self._idle_timeout_s = idle_timeout_s
+        self._deadline_ms = deadline_ms
+        self.num_received = 0  # stream messages accepted, the final one included
+        self.is_done = False  # nothing more will be returned
+        self.has_final = False  # the producer ended the stream (normally or with an error)
+
+    async def next(self) -> T | None:
+        """The next chunk, or None once the stream has ended; raises the stream's typed error,
+        or `StreamGap` / `StreamStalled` / `DeadlineExceeded` / `NoResponders`."""
+        if self.is_done:
+            return None
+        timeout_s = self._first_chunk_timeout_s if self.num_received == 0 else self._idle_timeout_s
+        is_deadline_bound = False
+        if self._deadline_ms is not None:
+            remaining_s = (self._deadline_ms - now_ms()) / 1000
+            if remaining_s <= timeout_s:
+                timeout_s, is_deadline_bound = max(remaining_s, 0.0), True
+        started = time.monotonic()
+        msg = await self.inbox.next(timeout_s)
+        if msg is None:
+            self.is_done = True
+            if is_deadline_bound:
+                raise DeadlineExceeded(f"stream from {self._subject} passed its deadline")
+            raise StreamStalled(
+                f"no chunk {self.num_received} from {self._subject} "
+                f"within {time.monotonic() - started:.1f}s"
+            )
+        if msg.headers.get(STATUS_HEADER) == NO_RESPONDERS_STATUS:
+            self.is_done = True
+            raise NoResponders(f"no instance serves {self._subject}")
+        seq_header = msg.headers.get(HEADER_SEQ, "")
+        if not seq_header:  # an error from a hop that never streamed (router: OVERLOADED)
+            self.is_done = True
+            self.has_final = ERROR_CODE_HEADER in msg.headers
+            raise_if_error(msg)
+        if not seq_header.isdigit():
+            self.is_done = True
+            raise InternalError(f"stream message without a valid {HEADER_SEQ} header")
+        if int(seq_header) != self.num_received:
+            self.is_done = True
+            raise StreamGap(f"expected chunk {self.num_received}, got {seq_header}")
+        self.num_received += 1
+        if msg.headers.get(HEADER_FINAL) == "1":
+            self.is_done = self.has_final = True
+        raise_if_error(msg)
+        if self.is_done and not msg.data:
+            return None
+        try:
+            return decode(msg.data, self._chunk_type)
+        except msgspec.DecodeError as exc:
+            self.is_done = True
+            raise InternalError(f"malformed {self._chunk_type.__name__} chunk: {exc}") from exc
+
+
 class Stream(Generic[T]):
     """`async with Stream(bus, subject, request, ChunkType) as chunks: async for c in chunks`."""
 
@@ -108,8 +188,7 @@ class Stream(Generic[T]):
         self._first_chunk_timeout_s = first_chunk_timeout_s
         self._idle_timeout_s = idle_timeout_s
         self._inbox: Inbox | None = None
-        self._expected_seq = 0
-        self._is_done = False
+        self._reader: ChunkReader[T] | None = None
 
     @property
     def inbox(self) -> str:
@@ -134,46 +213,18 @@ class Stream(Generic[T]):
         return self
 
     async def __anext__(self) -> T:
-        if self._is_done or self._inbox is None:
+        if self._inbox is None:
             raise StopAsyncIteration
-        timeout_s = self._first_chunk_timeout_s if self._expected_seq == 0 else self._idle_timeout_s
-        is_deadline_bound = False
-        if self._deadline_ms is not None:
-            remaining_s = (self._deadline_ms - now_ms()) / 1000
-            if remaining_s <= timeout_s:
-                timeout_s, is_deadline_bound = max(remaining_s, 0.0), True
-        started = time.monotonic()
-        msg = await self._inbox.next(timeout_s)
-        if msg is None:
-            self._is_done = True
-            if is_deadline_bound:
-                raise DeadlineExceeded(f"stream from {self._subject} passed its deadline")
-            raise StreamStalled(
-                f"no chunk {self._expected_seq} from {self._subject} "
-                f"within {time.monotonic() - started:.1f}s"
+        if self._reader is None:  # made on first read: the inbox is known by then
+            self._reader = ChunkReader(
+                self._inbox,
+                self._chunk_type,
+                self._subject,
+                first_chunk_timeout_s=self._first_chunk_timeout_s,
+                idle_timeout_s=self._idle_timeout_s,
+                deadline_ms=self._deadline_ms,
             )
-        if msg.headers.get(STATUS_HEADER) == NO_RESPONDERS_STATUS:
-            self._is_done = True
-            raise NoResponders(f"no instance serves {self._subject}")
-        seq_header = msg.headers.get(HEADER_SEQ, "")
-        if not seq_header:  # an error from a hop that never streamed (router: OVERLOADED)
-            self._is_done = True
-            raise_if_error(msg)
-        if not seq_header.isdigit():
-            self._is_done = True
-            raise InternalError(f"stream message without a valid {HEADER_SEQ} header")
-        if int(seq_header) != self._expected_seq:
-            self._is_done = True
-            raise StreamGap(f"expected chunk {self._expected_seq}, got {seq_header}")
-        self._expected_seq += 1
-        is_final = msg.headers.get(HEADER_FINAL) == "1"
-        if is_final:
-            self._is_done = True
-        raise_if_error(msg)
-        if is_final and not msg.data:
+        chunk = await self._reader.next()
+        if chunk is None:
             raise StopAsyncIteration
-        try:
-            return decode(msg.data, self._chunk_type)
-        except msgspec.DecodeError as exc:
-            self._is_done = True
-            raise InternalError(f"malformed {self._chunk_type.__name__} chunk: {exc}") from exc
+        return chunk

@@ -1,0 +1,303 @@
+"""The caller's side of one generation (docs/request-flow.md): what ingress and
+`kvfabric generate` do between a tokenized prompt and its text.
+
+The caller opens an inbox, sends the `GenerateRequest` to the router with `stream_inbox` set
+to it, and reads the `TokenChunk`s the chosen decode worker streams there. The router's
+`RouteDecision` and the chunks come from different senders in no fixed order (the router may
+answer after the first chunks), so both are awaited at once.
+
+The stream belongs to the decode worker; if that worker dies, nobody will end the stream, so
+the caller watches its heartbeats (`LoadReport`, ~1 s): silence for `liveness_timeout_s`
+means the worker is gone. The caller then bills what it received (a FAILED `UsageRecord`
+with the request id as JetStream message id: if the worker did publish its own record
+first, JetStream keeps that one) and raises `Unavailable`, well before the idle timeout.
+
+Whenever the caller stops waiting before the stream ended (cancelled, deadline, stall, lost
+worker) it broadcasts `CancelRequest`, so every hop stops work it no longer owes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from shared.bus import Bus, now_ms
+from shared.kvstore.hashing import BlockHasher
+from shared.logging import get_logger
+from shared.schema import (
+    CancelRequest,
+    DeadlineExceeded,
+    DecodeStats,
+    GenerateRequest,
+    LoadReport,
+    RouteDecision,
+    SamplingParams,
+    ServiceError,
+    TokenChunk,
+    TokenUsage,
+    Unavailable,
+    UsageRecord,
+    UsageStatus,
+    pack_block_hashes,
+    pack_token_ids,
+    unpack_token_ids,
+)
+from shared.streams import ChunkReader
+from shared.subjects import DECODE, INGRESS
+
+log = get_logger(__name__)
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    decision: RouteDecision
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: TokenUsage | None = None
+    stats: DecodeStats | None = None
+    ttft_s: float | None = None  # request sent -> first chunk with tokens (None: no tokens)
+    total_s: float = 0.0
+
+
+def build_request(
+    token_ids: Sequence[int],
+    *,
+    model: str,
+    block_size_tokens: int = 64,
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    cache_salt: str = "",
+    request_id: str | None = None,
+    deadline_s: float | None = None,
+    api_key_id: str = "",
+) -> GenerateRequest:
+    """A `GenerateRequest` for a tokenized prompt: packed ids, the chained block hashes the
+    router matches against the KV cache, arrival and (relative `deadline_s`) deadline."""
+    hasher = BlockHasher(model_id=model, block_size_tokens=block_size_tokens, salt=cache_salt)
+    packed = pack_token_ids(token_ids)
+    arrival_ms = now_ms()
+    return GenerateRequest(
+        request_id=request_id or uuid.uuid4().hex,
+        model=model,
+        prompt_token_ids=packed,
+        block_hashes=pack_block_hashes(hasher.hashes(packed)),
+        block_size_tokens=block_size_tokens,
+        sampling=SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, seed=seed, stop=tuple(stop)
+        ),
+        api_key_id=api_key_id,
+        cache_salt=cache_salt,
+        arrival_ms=arrival_ms,
+        deadline_ms=None if deadline_s is None else arrival_ms + round(deadline_s * 1000),
+    )
+
+
+async def generate(
+    bus: Bus,
+    request: GenerateRequest,
+    *,
+    on_chunk: Callable[[TokenChunk], object] | None = None,
+    liveness_timeout_s: float = 3.0,
+    first_chunk_timeout_s: float = 600.0,
+    idle_timeout_s: float = 60.0,
+    route_timeout_s: float = 30.0,
+) -> GenerateResult:
+    """Run one request through the cluster; `on_chunk(chunk)` sees every chunk as it comes.
+
+    Raises the router's typed error (`Overloaded` with `retry_after_s`, `BadRequest`,
+    `NoResponders` when no router runs), the stream's (`StreamWriter.fail` on decode, or an
+    error the router sent through it), `Unavailable` when the decode worker stops
+    heartbeating, `StreamStalled` / `DeadlineExceeded` from the reader.
+    """
+    inbox = await bus.open_inbox()
+    try:
+        request = msgspec.structs.replace(request, stream_inbox=inbox.subject)
+        reader = ChunkReader(
+            inbox,
+            TokenChunk,
+            f"the stream of {request.request_id}",
+            first_chunk_timeout_s=first_chunk_timeout_s,
+            idle_timeout_s=idle_timeout_s,
+            deadline_ms=request.deadline_ms,
+        )
+        call = _Generation(bus, request, reader, on_chunk, liveness_timeout_s, route_timeout_s)
+        return await call.run()
+    finally:
+        await inbox.close()
+
+
+class _Generation:
+    """The state of one `generate` call: what arrived so far and the tasks awaiting more."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        request: GenerateRequest,
+        reader: ChunkReader[TokenChunk],
+        on_chunk: Callable[[TokenChunk], object] | None,
+        liveness_timeout_s: float,
+        route_timeout_s: float,
+    ) -> None:
+        self.bus = bus
+        self.request = request
+        self.reader = reader
+        self.on_chunk = on_chunk
+        self.liveness_timeout_s = liveness_timeout_s
+        self.route_timeout_s = route_timeout_s
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+        self.last_chunk: TokenChunk | None = None
+        self.started_at = time.monotonic()  # made just before `run` sends the request
+        self.started_ms = now_ms()
+        self.first_token_at: float | None = None
+        self.last_beat_at = 0.0
+
+    async def run(self) -> GenerateResult:
+        bus, request = self.bus, self.request
+        route = asyncio.create_task(
+            bus.request(
+                bus.subjects.router_generate,
+                request,
+                RouteDecision,
+                timeout_s=self.route_timeout_s,
+                request_id=request.request_id,
+                deadline_ms=request.deadline_ms,
+            )
+        )
+        read = asyncio.create_task(self._read())
+        watch: asyncio.Task[None] | None = None
+        heartbeats = None
+        try:
+            await asyncio.wait({route, read}, return_when=asyncio.FIRST_COMPLETED)
+            if not route.done():  # the stream ended first: an error, or a very short answer
+                read.result()
+            decision = await route
+            if not read.done():
+                self.last_beat_at = time.monotonic()
+                heartbeats = await bus.subscribe(
+                    bus.subjects.load(DECODE, decision.decode_worker_id),
+                    LoadReport,
+                    self._on_heartbeat,
+                )
+                watch = asyncio.create_task(self._watch_heartbeats())
+                await asyncio.wait({read, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():
+                    await self._bill_lost_stream(decision)
+                    raise Unavailable(
+                        f"decode worker {decision.decode_worker_id} stopped responding "
+                        f"(no heartbeat for {self.liveness_timeout_s:.1f}s) after "
+                        f"{len(self.token_ids)} tokens"
+                    )
+            read.result()
+            return self._result(decision)
+        except asyncio.CancelledError:
+            await self._cancel(CancelRequest(request_id=request.request_id))
+            raise
+        except Exception as exc:
+            if not self.reader.has_final and not _router_refused(route):
+                code = exc.code if isinstance(exc, ServiceError) else "INTERNAL"
+                await self._cancel(
+                    CancelRequest(
+                        request_id=request.request_id,
+                        reason="caller stopped waiting",
+                        error_code=str(code),
+                        error_message=str(exc),
+                    )
+                )
+            raise
+        finally:
+            for task in (route, read, watch):
+                if task is not None and not task.done():
+                    task.cancel()
+            await asyncio.gather(route, read, *([watch] if watch else []), return_exceptions=True)
+            if heartbeats is not None:
+                await self.bus.unsubscribe(heartbeats)
+
+    async def _read(self) -> None:
+        while (chunk := await self.reader.next()) is not None:
+            ids = unpack_token_ids(chunk.token_ids).tolist()
+            if ids and self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            self.token_ids.extend(ids)
+            self.texts.append(chunk.text)
+            self.last_chunk = chunk
+            if self.on_chunk is not None:
+                self.on_chunk(chunk)
+
+    async def _on_heartbeat(self, report: LoadReport) -> None:
+        self.last_beat_at = time.monotonic()
+
+    async def _watch_heartbeats(self) -> None:
+        """Returns once the decode worker has been silent for `liveness_timeout_s`."""
+        while (silent_s := time.monotonic() - self.last_beat_at) < self.liveness_timeout_s:
+            await asyncio.sleep(self.liveness_timeout_s - silent_s)
+
+    async def _bill_lost_stream(self, decision: RouteDecision) -> None:
+        """Publish the usage of what arrived, as the decode worker would have."""
+        record = UsageRecord(
+            request_id=self.request.request_id,
+            api_key_id=self.request.api_key_id,
+            model=self.request.model,
+            num_cache_hit_tokens=decision.num_cached_tokens,
+            num_cache_miss_tokens=decision.num_prompt_tokens - decision.num_cached_tokens,
+            num_output_tokens=len(self.token_ids),
+            status=UsageStatus.FAILED,
+            finish_reason="error",
+            started_ms=self.request.arrival_ms or self.started_ms,
+            finished_ms=now_ms(),
+            prefill_worker_id=decision.prefill_worker_id,
+            decode_worker_id=decision.decode_worker_id,
+        )
+        subjects = self.bus.subjects
+        try:
+            try:
+                await self.bus.js_publish(subjects.usage(INGRESS), record, msg_id=record.request_id)
+            except Unavailable:
+                # Created on a miss only: `ensure_stream` brings an existing stream to the
+                # default config, which would undo limits billing may have set on it.
+                await self.bus.ensure_stream(subjects.usage_stream, [subjects.usage_all])
+                await self.bus.js_publish(subjects.usage(INGRESS), record, msg_id=record.request_id)
+        except ServiceError as exc:
+            log.warning(
+                "usage of a lost stream not recorded",
+                request_id=record.request_id,
+                error=exc.message,
+            )
+
+    async def _cancel(self, cancel: CancelRequest) -> None:
+        try:
+            await self.bus.publish(self.bus.subjects.cancel, cancel)
+        except Exception as exc:  # a closed connection must not hide the original error
+            log.warning("cancel not sent", request_id=cancel.request_id, error=str(exc))
+
+    def _result(self, decision: RouteDecision) -> GenerateResult:
+        final = self.last_chunk
+        return GenerateResult(
+            request_id=self.request.request_id,
+            decision=decision,
+            token_ids=self.token_ids,
+            text="".join(self.texts),
+            finish_reason=final.finish_reason if final else None,
+            usage=final.usage if final else None,
+            stats=final.stats if final else None,
+            ttft_s=None if self.first_token_at is None else self.first_token_at - self.started_at,
+            total_s=time.monotonic() - self.started_at,
+        )
+
+
+def _router_refused(route: asyncio.Task[RouteDecision]) -> bool:
+    """The router answered with an error: no worker took the job, nothing to cancel. (A
+    timeout is not a refusal: the router may have forwarded the job.)"""
+    if not route.done() or route.cancelled():
+        return False
+    error = route.exception()
+    return error is not None and not isinstance(error, DeadlineExceeded)

@@ -1,0 +1,147 @@
+"""`shared.client.generate` against a fake router and a fake decode worker on a real
+nats-server: the result, router errors, a decode worker that dies, stream errors, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared.bus import Context, now_ms
+from shared.client import build_request, generate
+from shared.kvstore.hashing import BlockHasher
+from shared.schema import (
+    CancelRequest,
+    GenerateRequest,
+    NoResponders,
+    Overloaded,
+    RouteDecision,
+    TokenChunk,
+    TokenUsage,
+    Unavailable,
+    UsageRecord,
+    UsageStatus,
+    unpack_block_hashes,
+)
+from shared.testing.fixtures import BusFactory
+from tests.service.fake_cluster import DECODE_ID, FakeDecode, cluster, collect
+
+pytestmark = pytest.mark.nats
+
+PROMPT = list(range(100, 300))  # 200 tokens: 3 complete blocks of 64
+
+
+def a_request(**overrides) -> GenerateRequest:  # noqa: ANN003
+    return build_request(PROMPT, model="tiny-coder", api_key_id="key-1", **overrides)
+
+
+@pytest.mark.parametrize("reply_delay_s", [0.0, 0.3])  # 0.3: the stream ends before the reply
+async def test_a_full_stream_becomes_the_result(
+    bus_factory: BusFactory, reply_delay_s: float
+) -> None:
+    decode = FakeDecode(await bus_factory("decode", DECODE_ID), [[0, 1], [2], [3]])
+    decode.reply_delay_s = reply_delay_s
+    client = await bus_factory("client")
+    seen: list[int] = []
+    async with cluster(bus_factory, decode):
+        result = await generate(client, a_request(), on_chunk=lambda c: seen.append(c.seq))
+    assert seen == [0, 1, 2]
+    assert result.token_ids == [0, 1, 2, 3]
+    assert result.text == "abcd"
+    assert result.finish_reason == "length"
+    assert result.usage == TokenUsage(
+        num_prompt_tokens=200, num_cached_tokens=128, num_output_tokens=4
+    )
+    assert result.stats is not None and result.stats.num_forward_passes == 4
+    assert result.decision.decode_worker_id == DECODE_ID
+    assert result.ttft_s is not None and 0 <= result.ttft_s <= result.total_s
+
+
+async def test_router_error_is_raised_typed(bus_factory: BusFactory) -> None:
+    async def refuse(request: GenerateRequest, ctx: Context) -> RouteDecision:
+        raise Overloaded("all decode workers are full", retry_after_s=2.5)
+
+    client = await bus_factory("client")
+    async with cluster(bus_factory, route=refuse):
+        with pytest.raises(Overloaded, match="full") as caught:
+            await generate(client, a_request())
+    assert caught.value.retry_after_s == 2.5
+
+
+async def test_no_router_is_no_responders(bus_factory: BusFactory) -> None:
+    with pytest.raises(NoResponders):
+        await generate(await bus_factory("client"), a_request())
+
+
+async def test_a_decode_worker_that_stops_heartbeating_is_billed_and_raised(
+    bus_factory: BusFactory,
+) -> None:
+    decode = FakeDecode(await bus_factory("decode", DECODE_ID), [[5, 6], [7]], end="die")
+    client = await bus_factory("client")
+    cancels = await collect(client, client.subjects.cancel, CancelRequest)
+    request = a_request()
+    async with cluster(bus_factory, decode):
+        with pytest.raises(Unavailable, match=f"decode worker {DECODE_ID} stopped") as caught:
+            # The idle timeout (30 s) is far off: only the heartbeats can end this in time.
+            async with asyncio.timeout(10):
+                await generate(client, request, liveness_timeout_s=0.5, idle_timeout_s=30)
+    assert type(caught.value) is Unavailable  # not StreamStalled
+    usage: asyncio.Queue[UsageRecord] = asyncio.Queue()
+
+    async def on_usage(record: UsageRecord, stream_seq: int) -> None:
+        await usage.put(record)
+
+    subjects = client.subjects
+    await client.consume(subjects.usage_stream, subjects.usage_all, UsageRecord, on_usage)
+    record = await asyncio.wait_for(usage.get(), 5)
+    assert record.request_id == request.request_id
+    assert record.status is UsageStatus.FAILED and record.finish_reason == "error"
+    assert record.num_output_tokens == 3
+    assert (record.num_cache_hit_tokens, record.num_cache_miss_tokens) == (128, 72)
+    assert (record.prefill_worker_id, record.decode_worker_id) == ("prefill-a", DECODE_ID)
+    assert (record.api_key_id, record.model) == ("key-1", "tiny-coder")
+    cancel = await asyncio.wait_for(cancels.get(), 5)  # the worker may only be unreachable
+    assert cancel.request_id == request.request_id
+
+
+async def test_an_error_chunk_is_raised_typed(bus_factory: BusFactory) -> None:
+    decode = FakeDecode(await bus_factory("decode", DECODE_ID), [[1]], end="fail")
+    client = await bus_factory("client")
+    seen: list[TokenChunk] = []
+    async with cluster(bus_factory, decode):
+        with pytest.raises(Unavailable, match="out of pages"):
+            await generate(client, a_request(), on_chunk=seen.append)
+    assert [c.seq for c in seen] == [0]
+
+
+async def test_cancelling_the_call_broadcasts_cancel_request(bus_factory: BusFactory) -> None:
+    decode = FakeDecode(await bus_factory("decode", DECODE_ID), [[1]], end="hang")
+    client = await bus_factory("client")
+    cancels = await collect(client, client.subjects.cancel, CancelRequest)
+    first_chunk = asyncio.Event()
+    request = a_request()
+    async with cluster(bus_factory, decode):
+        call = asyncio.create_task(
+            generate(client, request, on_chunk=lambda _: first_chunk.set(), liveness_timeout_s=1)
+        )
+        await asyncio.wait_for(first_chunk.wait(), 5)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        cancel = await asyncio.wait_for(cancels.get(), 5)
+    assert cancel.request_id == request.request_id
+    assert cancel.reason == "cancelled" and not cancel.error_code
+
+
+def test_build_request_packs_ids_hashes_and_deadline() -> None:
+    request = build_request(
+        PROMPT, model="tiny-coder", block_size_tokens=64, cache_salt="t1", stop=["\n"], seed=3,
+        deadline_s=2.0, request_id="r-1",
+    )  # fmt: skip
+    expected = BlockHasher("tiny-coder", block_size_tokens=64, salt="t1").hashes(PROMPT)
+    assert unpack_block_hashes(request.block_hashes).tolist() == expected
+    assert len(expected) == 3
+    assert request.request_id == "r-1" and request.cache_salt == "t1"
+    assert request.sampling.stop == ("\n",) and request.sampling.seed == 3
+    assert request.deadline_ms == request.arrival_ms + 2000
+    assert request.arrival_ms <= now_ms()
