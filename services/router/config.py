@@ -3,7 +3,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from shared.config import ServiceConfig
+from services.router.policy import PolicyConfig
+from shared.config import ConfigError, ServiceConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -11,3 +12,46 @@ class RouterConfig(ServiceConfig):
     """Environment prefix KVF_ROUTER_; the fields every service has are in ServiceConfig."""
 
     env_prefix: ClassVar[str] = "KVF_ROUTER_"
+
+    kv_index_shards: int = 1
+    match_timeout_s: float = 0.5  # kv-index match; past it the request is routed cold
+    # One NATS round trip on a host is ~0.1 ms: a memcache that needs 50 ms is as good as gone.
+    swa_contains_timeout_s: float = 0.05
+    heartbeat_timeout_s: float = 3.0  # a worker without a LoadReport for this long is gone
+    ttft_objective_s: float = 2.0  # reject (OVERLOADED) past this estimated TTFT; 0 = off
+    max_queued_tokens: int = 240_000  # per prefill worker, see PolicyConfig
+    decode_retry_after_s: float = 5.0
+    decode_page_size_tokens: int = 64  # the decode workers' KV page (kv_block_size_tokens)
+    max_attempts: int = 2  # prefill tries per request: the first and one retry
+    accept_timeout_s: float = 5.0  # DecodeJob -> JobAccepted
+    prefill_timeout_s: float = 600.0  # PrefillJob -> PrefillDone when the request has no deadline
+
+    def validate(self) -> None:
+        super().validate()
+        for name in (
+            "kv_index_shards",
+            "match_timeout_s",
+            "swa_contains_timeout_s",
+            "heartbeat_timeout_s",
+            "max_queued_tokens",
+            "decode_retry_after_s",
+            "decode_page_size_tokens",
+            "max_attempts",
+            "accept_timeout_s",
+            "prefill_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.ttft_objective_s < 0:
+            raise ConfigError(
+                f"ttft_objective_s must be >= 0 (0 turns it off), got {self.ttft_objective_s}"
+            )
+
+    def policy_config(self) -> PolicyConfig:
+        return PolicyConfig(
+            ttft_objective_s=self.ttft_objective_s or None,
+            max_queued_tokens=self.max_queued_tokens,
+            decode_page_size_tokens=self.decode_page_size_tokens,
+            decode_retry_after_s=self.decode_retry_after_s,
+            max_attempts=self.max_attempts,
+        )

@@ -1,20 +1,43 @@
 """router: picks a prefill and a decode worker for each request (cache-, load- and
-SLO-aware) and forwards the job. DESIGN.md sections 1 and 3.
+SLO-aware) and forwards the job. DESIGN.md sections 1 and 3, docs/request-flow.md.
 
-Runs today: registration, `$SRV` discovery, `LoadReport` heartbeats on
-`<root>.load.<service>.<instance_id>`, drain on SIGTERM. Its request endpoints are wired here
-as they land.
+Serves (pooled in queue group `router`, and on `<subject>.<instance_id>`):
+  <root>.router.generate      GenerateRequest -> RouteDecision, once the decode worker accepted
+                              the job; errors: BAD_REQUEST (empty prompt, no stream inbox,
+                              block hashes that do not match the tokens), OVERLOADED with a
+                              retry-after (TTFT objective, full queues, no free decode pages),
+                              UNAVAILABLE (no worker serving)
+Asks: kv-index match (every shard; no answer within `match_timeout_s` = routed cold), the
+  swa-memcache of every node (`contains` the hit's boundary block, `swa_contains_timeout_s`).
+Sends: DecodeJob to <root>.decode.run.<id> (-> JobAccepted), then in the background
+  PrefillJob to <root>.prefill.run.<id> (-> PrefillDone), sent once more to another prefill
+  worker when the first answers no-responders or its heartbeats stop; on a final failure
+  CancelRequest with the error code on <root>.request.cancel.
+Listens: LoadReport heartbeats on <root>.load.> (prefill, decode, swa-memcache; an instance
+  silent for `heartbeat_timeout_s` is dropped), InflightNotice on <root>.router.inflight
+  (work the other replicas just sent, published for ours), CancelRequest (stops awaiting
+  that request's prefill).
+Plus what every service has: registration, `$SRV` discovery, heartbeats, drain on SIGTERM.
 """
 
 from __future__ import annotations
 
 from services.router.config import RouterConfig
+from services.router.handler import Router
 from shared.runtime import ServiceRuntime, service_main
 from shared.subjects import ROUTER
 
 
 async def setup(runtime: ServiceRuntime) -> None:
-    """No request endpoints yet: the shared runtime registers, heartbeats and drains."""
+    config = runtime.config
+    assert isinstance(config, RouterConfig)  # service_main built it from RouterConfig
+    router = Router(runtime.bus, config)
+    # One heartbeat period: every worker has reported once before the first request.
+    await router.start(warmup_s=config.heartbeat_s)
+    runtime.every(config.heartbeat_timeout_s / 2, router.prune)
+    runtime.on_stop(router.stop)
+    runtime.load_fields = router.load_fields
+    runtime.counters = router.counters.as_dict
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,290 @@
+"""The router over NATS: `GenerateRequest` in, a chosen prefill and decode worker, the jobs
+sent to them, `RouteDecision` back (docs/request-flow.md).
+
+One request: check the prompt's block hashes -> kv-index match (the hit length and where its
+blocks lie; no answer = routed cold) -> which nodes' swa-memcache hold the hit's boundary
+snapshot -> `RoutePolicy.choose` -> count the work in flight (and tell the other replicas)
+-> `DecodeJob` to the decode worker, awaiting `JobAccepted` -> reply; the `PrefillJob` is
+seen through in the background (`PrefillJobs`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from services.router.config import RouterConfig
+from services.router.cost import CostModel
+from services.router.counters import RouterCounters
+from services.router.load import InflightDelta, LoadTable
+from services.router.policy import Rejection, RequestFacts, RoutePolicy
+from services.router.prefill_jobs import PrefillJobs
+from shared.bus import Bus, Context, Endpoint
+from shared.kvstore import index_client
+from shared.kvstore.hashing import BlockHasher
+from shared.kvstore.index_client import PrefixMatch
+from shared.logging import get_logger
+from shared.schema import (
+    BadRequest,
+    BlockLocations,
+    CancelRequest,
+    DecodeJob,
+    GenerateRequest,
+    InflightNotice,
+    JobAccepted,
+    LoadReport,
+    NoResponders,
+    PrefillJob,
+    RouteDecision,
+    ServiceError,
+    SwaContains,
+    SwaContainsReply,
+    num_packed_tokens,
+    pack_block_hashes,
+)
+from shared.subjects import DECODE, PREFILL, SWA_MEMCACHE
+
+log = get_logger(__name__)
+
+# The services whose heartbeats the router keeps: the workers it routes to and the memcaches
+# it asks about sliding-window snapshots.
+WATCHED_SERVICES = frozenset({PREFILL, DECODE, SWA_MEMCACHE})
+
+
+def checked_request(request: GenerateRequest) -> tuple[GenerateRequest, list[int]]:
+    """`request` with its block hashes (computed when it carried none) and those hashes;
+    BadRequest when the prompt is empty or malformed or its hashes do not match its tokens."""
+    if len(request.prompt_token_ids) % 4:
+        raise BadRequest("prompt_token_ids must be packed u32 (a multiple of 4 bytes)")
+    if num_packed_tokens(request.prompt_token_ids) == 0:
+        raise BadRequest("the prompt is empty")
+    if not request.stream_inbox:
+        raise BadRequest("stream_inbox is required: the decode worker streams to it")
+    if request.block_size_tokens <= 0:
+        raise BadRequest(f"block_size_tokens must be > 0, got {request.block_size_tokens}")
+    hasher = BlockHasher(
+        model_id=request.model, block_size_tokens=request.block_size_tokens, salt=request.cache_salt
+    )
+    hashes = hasher.hashes(request.prompt_token_ids)
+    packed = pack_block_hashes(hashes)
+    if not request.block_hashes:
+        return msgspec.structs.replace(request, block_hashes=packed), hashes
+    if request.block_hashes != packed:
+        raise BadRequest(
+            "block_hashes do not match the prompt's tokens for this model, block size and "
+            "cache salt"
+        )
+    return request, hashes
+
+
+def cached_prefix(match: PrefixMatch | None, num_blocks: int) -> BlockLocations:
+    """The locations of the first `num_blocks` blocks of `match` (the ones the job reuses)."""
+    if match is None or num_blocks <= 0:
+        return BlockLocations()
+    locations = match.locations
+    if num_blocks >= len(locations):
+        return locations
+    columns = {name: column[:num_blocks] for name, column in locations.columns().items()}
+    used, columns["writer"] = np.unique(columns["writer"], return_inverse=True)
+    writer_ids = tuple(locations.writer_ids[w] for w in used.tolist())
+    return BlockLocations.from_columns(match.tier, writer_ids, columns)
+
+
+class Router:
+    def __init__(self, bus: Bus, config: RouterConfig, *, cost: CostModel | None = None) -> None:
+        self.bus = bus
+        self.config = config
+        self.table = LoadTable(bus.instance_id, heartbeat_timeout_s=config.heartbeat_timeout_s)
+        self.policy = RoutePolicy(cost or CostModel(), config.policy_config())
+        self.counters = RouterCounters()
+        self.prefill_jobs = PrefillJobs(
+            bus, self.table, self.policy, self.counters, self.record_sent,
+            prefill_timeout_s=config.prefill_timeout_s,
+        )  # fmt: skip
+
+    @property
+    def router_id(self) -> str:
+        return self.bus.instance_id
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self, *, warmup_s: float = 0.0) -> None:
+        """Listen to heartbeats, peers and cancellations; after `warmup_s` (time for every
+        worker's heartbeat to arrive, so a restarted router does not turn work away while its
+        table fills) serve `router.generate`."""
+        subjects = self.bus.subjects
+        await self.bus.subscribe(subjects.load_all, LoadReport, self.on_load_report)
+        await self.bus.subscribe(subjects.router_inflight, InflightNotice, self.on_inflight)
+        await self.bus.subscribe(subjects.cancel, CancelRequest, self.on_cancel)
+        if warmup_s > 0:
+            await asyncio.sleep(warmup_s)
+        await self.bus.serve(
+            Endpoint("generate", subjects.router_generate, GenerateRequest, self.generate)
+        )
+        await self.bus.flush()
+
+    async def stop(self) -> None:
+        """Give up the prefill jobs still awaited; safe to repeat."""
+        await self.prefill_jobs.stop()
+
+    async def prune(self) -> None:
+        """Forget instances whose heartbeats stopped (one that restarts under the same id is
+        taken again only once forgotten: its heartbeat sequence starts over)."""
+        for instance_id in self.table.prune(time.monotonic()):
+            log.warning("instance dropped: its heartbeats stopped", instance_id=instance_id)
+
+    def load_fields(self) -> dict[str, int]:
+        return {"num_running": len(self.prefill_jobs)}
+
+    # -- events --------------------------------------------------------------------------
+    async def on_load_report(self, report: LoadReport) -> None:
+        if report.service in WATCHED_SERVICES:
+            self.table.observe(report, time.monotonic())
+
+    async def on_inflight(self, notice: InflightNotice) -> None:
+        if notice.router_id == self.router_id:
+            return  # counted when we sent it
+        delta = InflightDelta(
+            notice.router_id, notice.instance_id, notice.num_tokens, notice.num_kv_pages,
+            notice.num_requests,
+        )  # fmt: skip
+        self.table.apply_peer(delta, time.monotonic())
+
+    async def on_cancel(self, notice: CancelRequest) -> None:
+        if self.prefill_jobs.cancel(notice.request_id):
+            log.info("prefill job no longer awaited: cancelled", request_id=notice.request_id)
+
+    async def record_sent(self, deltas: Sequence[InflightDelta]) -> None:
+        """Count work just sent to workers and announce it to the other replicas."""
+        now_s = time.monotonic()
+        for delta in deltas:
+            self.table.record_sent(delta, now_s)
+            notice = InflightNotice(
+                router_id=delta.router_id,
+                instance_id=delta.instance_id,
+                num_tokens=delta.num_tokens,
+                num_kv_pages=delta.num_kv_pages,
+                num_requests=delta.num_requests,
+            )
+            await self.bus.publish(self.bus.subjects.router_inflight, notice)
+
+    # -- router.generate -----------------------------------------------------------------
+    async def generate(self, request: GenerateRequest, ctx: Context) -> RouteDecision:
+        try:
+            return await self._route(request)
+        except ServiceError as exc:
+            self.counters.num_rejected[exc.code.value] += 1
+            raise
+
+    async def _route(self, request: GenerateRequest) -> RouteDecision:
+        request, hashes = checked_request(request)
+        match = await self._match(request.request_id, hashes)
+        facts = RequestFacts.from_request(request, match.num_blocks if match else 0)
+        swa_node_ids = await self._swa_holders(facts.boundary_block_hash)
+        cached = cached_prefix(match, facts.num_cached_tokens // request.block_size_tokens)
+        decision = await self._place(request, facts, swa_node_ids, cached)
+        self.prefill_jobs.start(
+            PrefillJob(request=request, decision=decision, cached_blocks=cached),
+            facts,
+            swa_node_ids,
+        )
+        self.counters.num_routed += 1
+        self.counters.num_prompt_tokens += facts.num_prompt_tokens
+        self.counters.num_hit_tokens += facts.num_cached_tokens
+        log.info(
+            "routed", request_id=request.request_id, prefill_worker_id=decision.prefill_worker_id,
+            decode_worker_id=decision.decode_worker_id, num_cached_tokens=facts.num_cached_tokens,
+            has_swa_snapshot=decision.has_swa_snapshot,
+        )  # fmt: skip
+        return decision
+
+    async def _match(self, request_id: str, hashes: list[int]) -> PrefixMatch | None:
+        """kv-index's longest hit. Whatever goes wrong there, the request is routed cold:
+        computing the whole prompt is always correct, only slower."""
+        if not hashes:
+            return None
+        try:
+            matches = await index_client.match(
+                self.bus,
+                hashes,
+                num_shards=self.config.kv_index_shards,
+                timeout_s=self.config.match_timeout_s,
+            )
+        except ServiceError as exc:
+            self.counters.num_cold_index += 1
+            log.warning(
+                "kv-index did not answer: routed cold", request_id=request_id,
+                code=exc.code.value, error=exc.message,
+            )  # fmt: skip
+            return None
+        if not matches:
+            return None
+        return max(matches.values(), key=lambda m: (m.num_blocks, m.tier == "ssd"))
+
+    async def _swa_holders(self, boundary_block_hash: int | None) -> frozenset[str]:
+        """Nodes whose swa-memcache holds the boundary's snapshot (no answer = not held)."""
+        if boundary_block_hash is None:
+            return frozenset()
+        memcaches = self.table.workers(SWA_MEMCACHE, time.monotonic())
+        ask = SwaContains(block_hashes=pack_block_hashes([boundary_block_hash]))
+        held = await asyncio.gather(*(self._holds(m.instance_id, ask) for m in memcaches))
+        return frozenset(m.node_id for m, is_held in zip(memcaches, held, strict=True) if is_held)
+
+    async def _holds(self, instance_id: str, ask: SwaContains) -> bool:
+        subjects = self.bus.subjects
+        try:
+            reply = await self.bus.request(
+                subjects.instance(subjects.swa_contains, instance_id),
+                ask,
+                SwaContainsReply,
+                timeout_s=self.config.swa_contains_timeout_s,
+            )
+        except ServiceError as exc:
+            log.warning("swa-memcache contains failed", instance_id=instance_id, error=exc.message)
+            return False
+        return reply.found[:1] == b"\x01"
+
+    async def _place(
+        self,
+        request: GenerateRequest,
+        facts: RequestFacts,
+        swa_node_ids: frozenset[str],
+        cached: BlockLocations,
+    ) -> RouteDecision:
+        """Choose and hand the request to its decode worker; once more if that one is gone."""
+        decision = await self._choose(facts, swa_node_ids)
+        try:
+            await self._send_decode(request, decision, cached)
+        except NoResponders as exc:
+            log.warning(
+                "decode worker gone: choosing again", request_id=request.request_id,
+                decode_worker_id=decision.decode_worker_id, error=exc.message,
+            )  # fmt: skip
+            self.table.remove(decision.decode_worker_id)
+            decision = await self._choose(facts, swa_node_ids)
+            await self._send_decode(request, decision, cached)
+        return decision
+
+    async def _choose(self, facts: RequestFacts, swa_node_ids: frozenset[str]) -> RouteDecision:
+        decision = self.policy.choose(facts, self.table, swa_node_ids, time.monotonic())
+        if isinstance(decision, Rejection):
+            raise decision.to_error()
+        # Counted before the job is sent: a burst within one heartbeat must see it.
+        await self.record_sent(self.policy.inflight_deltas(self.router_id, decision, facts))
+        return decision
+
+    async def _send_decode(
+        self, request: GenerateRequest, decision: RouteDecision, cached: BlockLocations
+    ) -> None:
+        subjects = self.bus.subjects
+        await self.bus.request(
+            subjects.instance(subjects.decode_run, decision.decode_worker_id),
+            DecodeJob(request=request, decision=decision, cached_blocks=cached),
+            JobAccepted,
+            timeout_s=self.config.accept_timeout_s,
+            request_id=request.request_id,
+            deadline_ms=request.deadline_ms,
+        )
