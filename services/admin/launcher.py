@@ -119,7 +119,11 @@ class Cluster:
         if service == INGRESS:
             port = self.spec.http_port + index if self.spec.http_port else 0
             args += ["--http-host", self.spec.http_host, "--http-port", str(port)]
-        args += self.spec.extra_args.get(service, [])
+        extra = self.spec.extra_args.get(service, [])
+        if service in (PREFILL, DECODE) and "--store-dir" not in extra:
+            # One SSD tier for the whole one-machine cluster: every worker reads every slot.
+            args += ["--store-dir", str(self.spec.state_dir / "kvstore")]
+        args += extra
         log_path = self.spec.state_dir / "logs" / f"{instance_id}.log"
         with log_path.open("ab") as log_file:
             process = subprocess.Popen(

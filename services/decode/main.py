@@ -1,28 +1,92 @@
 """decode: continuous batching over a paged KV pool, streams tokens, writes completed
-blocks to the store and emits usage. DESIGN.md section 3.
+blocks to the store and emits usage. DESIGN.md section 3, docs/request-flow.md.
 
-Runs today: loads the model (`--model-dir`, the bundled tiny-coder by default) into a paged
-KV pool, publishes the model and its KV block layout in discovery metadata and the pool's
-pages in `LoadReport` heartbeats, drains on SIGTERM. Its request endpoints are wired here as
-they land.
+Serves `<root>.decode.run[.<id>]` (`DecodeJob` -> `JobAccepted`), `<root>.decode.suffix.<id>`
+(`SuffixReady` -> `JobAccepted` after the NIXL pull) and its NIXL metadata; listens for
+`CancelRequest`s; streams `TokenChunk`s to each request's inbox; publishes a `UsageRecord`
+per request to JetStream. Speculative decoding with prompt-lookup drafts is on by default
+(`--no-spec-decode` turns it off); its acceptance rate and tokens per forward pass are in
+the counters (`kvfabric status --json`).
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+from tokenizers import Tokenizer
+
 from services.decode.config import DecodeConfig
-from shared.engine.worker import build_runner, describe, kv_load
+from services.decode.finish import Finisher
+from services.decode.worker import DecodeWorker
+from shared.bus import Endpoint
+from shared.engine.drafter import SpecDecodeConfig
+from shared.engine.engine import Engine
+from shared.engine.scheduler import SchedulerConfig
+from shared.engine.worker import build_runner, describe
+from shared.kvstore.swa_client import SwaClient
+from shared.kvstore.transfer import KvTransferAgent
+from shared.kvstore.writer import KvEventPublisher
 from shared.runtime import ServiceRuntime, service_main
+from shared.schema import CancelRequest, DecodeJob, SuffixReady
+from shared.serving.kv_io import open_store
+from shared.serving.staging import StagingSpace
 from shared.subjects import DECODE
+
+SWA_STAGING_BYTES = 4 << 20  # the head of the NIXL buffer: large snapshot puts
+USAGE_LOG_MAX_AGE_S = 7 * 24 * 3600.0
 
 
 async def setup(runtime: ServiceRuntime) -> None:
     config = runtime.config
     assert isinstance(config, DecodeConfig)  # service_main built it from DecodeConfig
+    bus = runtime.bus
     runner = await asyncio.to_thread(build_runner, config)
     runtime.metadata |= describe(runner, config)
-    runtime.load_fields = lambda: kv_load(runner)
+    tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
+    engine = Engine(
+        runner,
+        SchedulerConfig(
+            max_num_batched_tokens=config.max_batch_tokens, max_num_seqs=config.max_num_seqs
+        ),
+        spec_decode=SpecDecodeConfig(
+            enabled=config.spec_decode, max_batch_size=config.spec_max_batch_size
+        ),
+        max_model_len=config.max_model_len or None,
+        track_block_boundaries=True,
+    )
+    await bus.ensure_stream(
+        bus.subjects.usage_stream, [bus.subjects.usage_all], max_age_s=USAGE_LOG_MAX_AGE_S
+    )
+    store = await open_store(config, bus.instance_id, runner.layout.block_nbytes)
+    publisher = KvEventPublisher(bus, store)
+    await publisher.start()
+    buffer = np.zeros(config.handoff_staging_bytes + SWA_STAGING_BYTES, dtype=np.uint8)
+    agent = await asyncio.to_thread(KvTransferAgent, bus, buffer, service=DECODE)
+    await agent.serve()
+    swa = SwaClient(bus, agent, staging_offset=0, staging_nbytes=SWA_STAGING_BYTES)
+    staging = StagingSpace(SWA_STAGING_BYTES, config.handoff_staging_bytes)
+    worker = DecodeWorker(
+        bus, engine, tokenizer, agent, staging,
+        Finisher(bus, store, publisher, swa), model_name=config.model_dir.name,
+        retry_after_s=config.retry_after_s, pull_timeout_s=config.pull_timeout_s,
+        suffix_timeout_s=config.suffix_timeout_s,
+    )  # fmt: skip
+    worker.start()
+    subjects = bus.subjects
+    await bus.serve(Endpoint("run", subjects.decode_run, DecodeJob, worker.handle_job))
+    await bus.serve(Endpoint("suffix", subjects.decode_suffix, SuffixReady, worker.handle_suffix))
+    await bus.subscribe(subjects.cancel, CancelRequest, worker.on_cancel)
+    runtime.every(1.0, worker.expire)
+    runtime.load_fields = worker.load_fields
+    runtime.counters = lambda: worker.counters() | {"store": store.stats()}
+
+    async def close() -> None:
+        await worker.stop()
+        agent.close()
+        store.close()
+
+    runtime.on_stop(close)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,28 +1,74 @@
 """prefill: loads the cached prefix KV, restores the sliding-window state, computes the
-uncached suffix and hands it to decode. DESIGN.md sections 3 and 5.
+uncached suffix and hands it to decode. DESIGN.md sections 3 and 5, docs/request-flow.md.
 
-Runs today: loads the model (`--model-dir`, the bundled tiny-coder by default) into a paged
-KV pool, publishes the model and its KV block layout in discovery metadata and the pool's
-pages in `LoadReport` heartbeats, drains on SIGTERM. Its request endpoints are wired here as
-they land.
+Serves `<root>.prefill.run[.<id>]` (`PrefillJob` -> `PrefillDone`, once decode holds the
+suffix) and its NIXL metadata; listens for `CancelRequest`s; writes the blocks it computes
+to the store (`--store-dir`, shared by every worker) and logs them for kv-index; puts the
+window snapshot at each prompt's last block boundary into swa-memcache. Heartbeats report
+the tokens still to compute (`num_queued_tokens`) and the KV pool's pages.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+
 from services.prefill.config import PrefillConfig
-from shared.engine.worker import build_runner, describe, kv_load
+from services.prefill.restore import PrefixRestorer, RestorePolicy
+from services.prefill.worker import PrefillWorker
+from shared.bus import Endpoint
+from shared.engine.worker import build_runner, describe
+from shared.kvstore.swa_client import SwaClient
+from shared.kvstore.transfer import KvTransferAgent
+from shared.kvstore.writer import KvEventPublisher
 from shared.runtime import ServiceRuntime, service_main
+from shared.schema import CancelRequest, PrefillJob
+from shared.serving.kv_io import open_store
+from shared.serving.staging import StagingSpace
 from shared.subjects import PREFILL
+
+SWA_STAGING_BYTES = 4 << 20  # the head of the NIXL buffer: large snapshot puts
 
 
 async def setup(runtime: ServiceRuntime) -> None:
     config = runtime.config
     assert isinstance(config, PrefillConfig)  # service_main built it from PrefillConfig
+    bus = runtime.bus
     runner = await asyncio.to_thread(build_runner, config)
     runtime.metadata |= describe(runner, config)
-    runtime.load_fields = lambda: kv_load(runner)
+    store = await open_store(config, bus.instance_id, runner.layout.block_nbytes)
+    publisher = KvEventPublisher(bus, store)
+    await publisher.start()
+    buffer = np.zeros(config.handoff_staging_bytes + SWA_STAGING_BYTES, dtype=np.uint8)
+    agent = await asyncio.to_thread(KvTransferAgent, bus, buffer, service=PREFILL)
+    await agent.serve()
+    swa = SwaClient(bus, agent, staging_offset=0, staging_nbytes=SWA_STAGING_BYTES)
+    compute_lock = asyncio.Lock()
+    policy = RestorePolicy(
+        use_memcache=config.swa_use_memcache,
+        replay=config.swa_replay,
+        replay_tokens=config.swa_replay_tokens,
+    )
+    worker = PrefillWorker(
+        bus, runner, PrefixRestorer(runner, store, swa, policy, compute_lock), publisher, swa,
+        buffer, StagingSpace(SWA_STAGING_BYTES, config.handoff_staging_bytes),
+        model_name=config.model_dir.name, max_batch_tokens=config.max_batch_tokens,
+        max_model_len=config.max_model_len or runner.config.max_position_embeddings,
+        handoff_timeout_s=config.handoff_timeout_s, compute_lock=compute_lock,
+    )  # fmt: skip
+    worker.start()
+    await bus.serve(Endpoint("run", bus.subjects.prefill_run, PrefillJob, worker.handle_job))
+    await bus.subscribe(bus.subjects.cancel, CancelRequest, worker.on_cancel)
+    runtime.load_fields = worker.load_fields
+    runtime.counters = lambda: worker.counters() | {"store": store.stats()}
+
+    async def close() -> None:
+        await worker.stop()
+        agent.close()
+        store.close()
+
+    runtime.on_stop(close)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,103 @@
+"""One request's life in a decode worker, from `DecodeJob` to its last chunk and usage."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from shared.detokenizer import IncrementalDetokenizer
+from shared.engine.kv_cache import SlidingWindowState
+from shared.engine.sampler import SamplingParams
+from shared.kvstore.hashing import BlockHasher
+from shared.schema import (
+    DecodeJob,
+    DecodeStats,
+    PrefillTimings,
+    TokenUsage,
+    UsageRecord,
+    UsageStatus,
+)
+from shared.serving.kv_io import LoadedPrefix
+from shared.streams import StreamWriter
+
+
+@dataclass
+class Finished:
+    """What a finished sequence leaves behind, copied before the engine frees its pages."""
+
+    reason: str  # stop | length | cancelled
+    token_ids: list[int]
+    blocks: list[tuple[int, bytes]]  # (block index, payload) to write to the store
+    boundary_window: SlidingWindowState | None
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    job: DecodeJob
+    token_ids: list[int]  # the prompt
+    hasher: BlockHasher
+    stream: StreamWriter
+    detokenizer: IncrementalDetokenizer
+    params: SamplingParams
+    accepted_s: float = field(default_factory=time.perf_counter)
+    prefix_task: asyncio.Task[LoadedPrefix] | None = None
+    prefix_load_ms: float = 0.0
+    prefill: PrefillTimings = PrefillTimings()
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the store, not prefill
+    joined: bool = False  # the suffix arrived and the sequence is in the engine
+    seq_id: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    first_token_s: float | None = None
+    cancel_reason: str | None = None
+    error: Exception | None = None  # set: the stream ends with this error
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_forward_passes: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.job.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def usage(self) -> TokenUsage:
+        return TokenUsage(
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_output_tokens=len(self.output_ids),
+        )
+
+    def stats(self) -> DecodeStats:
+        now = time.perf_counter()
+        first = self.first_token_s
+        return DecodeStats(
+            prefill=self.prefill,
+            prefix_load_ms=self.prefix_load_ms,
+            ttft_ms=((first or now) - self.accepted_s) * 1000,
+            decode_ms=(now - first) * 1000 if first is not None else 0.0,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_draft_tokens=self.num_accepted_draft_tokens,
+            num_forward_passes=self.num_forward_passes,
+        )
+
+    def usage_record(
+        self, status: UsageStatus, finish_reason: str | None, instance_id: str
+    ) -> UsageRecord:
+        request = self.job.request
+        return UsageRecord(
+            request_id=request.request_id,
+            api_key_id=request.api_key_id,
+            model=request.model,
+            num_cache_hit_tokens=self.num_cached_tokens,
+            num_cache_miss_tokens=self.num_prompt_tokens - self.num_cached_tokens,
+            num_output_tokens=len(self.output_ids),
+            status=status,
+            finish_reason=finish_reason,
+            started_ms=request.arrival_ms,
+            finished_ms=int(time.time() * 1000),
+            prefill_worker_id=self.job.decision.prefill_worker_id,
+            decode_worker_id=instance_id,
+        )

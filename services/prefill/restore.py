@@ -1,0 +1,139 @@
+"""A prefill job's starting point: the cached prefix's pages from the store and the
+sliding-window state at its end (DESIGN.md section 5).
+
+Window state, best first: the snapshot in the node's swa-memcache (exact, free); else a
+replay of the last R tokens through the sliding layers -- bounded (R = one window by default,
+approximate) or exact (R = k x W). Every replayed token is counted and reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from shared.engine.errors import SequenceStateError
+from shared.engine.kv_cache import SlidingWindowState
+from shared.engine.runner import ModelRunner
+from shared.engine.swa_restore import exact_replay_tokens, replay_window, snapshot_from_bytes
+from shared.kvstore.store import KvStore
+from shared.kvstore.swa_client import SwaClient
+from shared.logging import get_logger
+from shared.schema import ServiceError
+from shared.schema.inference import BlockLocations
+from shared.serving.kv_io import load_prefix
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RestorePolicy:
+    use_memcache: bool = True
+    replay: str = "bounded"  # or "exact"
+    replay_tokens: int = 0  # bounded replay's R; 0: one window
+
+
+@dataclass
+class Restored:
+    pages: list[int]  # pool pages of blocks 0..n-1 of the prefix (the caller owns them)
+    window: SlidingWindowState | None  # at len(pages) * block size; None when nothing cached
+    mode: str  # snapshot | exact | bounded | none
+    num_replay_tokens: int
+    load_ms: float
+    restore_ms: float
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pages)
+
+
+class PrefixRestorer:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        store: KvStore,
+        swa: SwaClient | None,
+        policy: RestorePolicy,
+        compute_lock: asyncio.Lock,
+    ) -> None:
+        self.runner = runner
+        self.store = store
+        self.swa = swa
+        self.policy = policy
+        self.compute_lock = compute_lock  # model calls run one at a time, off the event loop
+        self.num_snapshot_hits = 0
+        self.num_snapshot_misses = 0
+        self.num_replayed_tokens = 0
+
+    def num_replay_tokens(self) -> int:
+        config = self.runner.config
+        if self.policy.replay == "exact":
+            return exact_replay_tokens(config)
+        return self.policy.replay_tokens or (config.sliding_window or 0)
+
+    async def restore(
+        self,
+        token_ids: list[int],
+        block_hashes: list[int],
+        locations: BlockLocations,
+        num_blocks: int,
+    ) -> Restored:
+        started = time.perf_counter()
+        prefix = await load_prefix(
+            self.store, self.runner.pool, self.runner.allocator, locations, num_blocks
+        )
+        loaded = time.perf_counter()
+        if prefix.num_blocks < num_blocks:
+            log.warning("cached prefix cut short by a store miss", asked=num_blocks,
+                        loaded=prefix.num_blocks)  # fmt: skip
+        if prefix.num_blocks == 0:
+            return Restored([], None, "none", 0, (loaded - started) * 1000, 0.0)
+        boundary = prefix.num_blocks * self.runner.layout.block_size_tokens
+        try:
+            window, mode, num_replayed = await self._window(
+                token_ids, block_hashes[prefix.num_blocks - 1], prefix.pages, boundary
+            )
+        except BaseException:
+            self.runner.allocator.free(prefix.pages)
+            raise
+        restored = time.perf_counter()
+        return Restored(
+            prefix.pages, window, mode, num_replayed,
+            (loaded - started) * 1000, (restored - loaded) * 1000,
+        )  # fmt: skip
+
+    async def _window(
+        self, token_ids: list[int], boundary_hash: int, pages: list[int], boundary: int
+    ) -> tuple[SlidingWindowState, str, int]:
+        config = self.runner.config
+        if not config.sliding_layer_ids:
+            return self.runner.empty_window(boundary), "none", 0
+        if self.policy.use_memcache and self.swa is not None:
+            snapshot = await self._snapshot(boundary_hash)
+            if snapshot is not None:
+                try:
+                    window = snapshot_from_bytes(config, snapshot)
+                except SequenceStateError as exc:
+                    log.warning("unusable sliding-window snapshot", error=str(exc))
+                else:
+                    if window.end_position == boundary and window.kv.dtype == self.runner.dtype:
+                        self.num_snapshot_hits += 1
+                        return window, "snapshot", 0
+            self.num_snapshot_misses += 1
+        num_replay = min(self.num_replay_tokens(), boundary)
+        async with self.compute_lock:
+            window = await asyncio.to_thread(
+                replay_window, self.runner.model, self.runner.pool, pages, token_ids,
+                boundary, num_replay, self.runner.dtype,
+            )  # fmt: skip
+        self.num_replayed_tokens += num_replay
+        mode = "exact" if num_replay >= exact_replay_tokens(config) else "bounded"
+        return window, mode, num_replay
+
+    async def _snapshot(self, boundary_hash: int) -> bytes | None:
+        assert self.swa is not None
+        try:
+            return await self.swa.get(boundary_hash)
+        except ServiceError as exc:  # no memcache on this node right now: replay instead
+            log.warning("swa-memcache unavailable", error=str(exc))
+            return None

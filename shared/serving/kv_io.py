@@ -1,0 +1,119 @@
+"""KV pages between a worker's pool, the SSD store and its NIXL staging buffer.
+
+A page of the pool and a block of the store hold the same bytes (KVBlockLayout: block-major,
+full-attention layers only), so every move here is one copy per block, never a re-layout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.config import EngineWorkerConfig
+from shared.engine.block_manager import BlockAllocator
+from shared.engine.kv_cache import PagedKVPool
+from shared.kvstore.hashing import BlockHasher
+from shared.kvstore.slots import SlotRef
+from shared.kvstore.store import KvStore, KvStoreConfig
+from shared.kvstore.writer import KvEventPublisher
+from shared.schema.inference import BlockLocations, GenerateRequest
+
+
+@dataclass(frozen=True)
+class LoadedPrefix:
+    pages: list[int]  # pool pages holding blocks 0..len(pages)-1 of the prompt
+    num_asked: int  # blocks the router found cached
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pages)
+
+
+def hasher_for(request: GenerateRequest) -> BlockHasher:
+    """The request's block-hash namespace (model, block size, tenant salt)."""
+    return BlockHasher(
+        model_id=request.model,
+        block_size_tokens=request.block_size_tokens,
+        salt=request.cache_salt,
+    )
+
+
+async def load_prefix(
+    store: KvStore,
+    pool: PagedKVPool,
+    allocator: BlockAllocator,
+    locations: BlockLocations,
+    num_blocks: int,
+) -> LoadedPrefix:
+    """Read the first `num_blocks` cached blocks into freshly allocated pages.
+
+    A block that reads as a miss (evicted, torn, corrupt) ends the prefix there: the pages
+    after it are freed and the caller computes from that block on.
+    """
+    num_blocks = min(num_blocks, len(locations))
+    if num_blocks == 0:
+        return LoadedPrefix([], 0)
+    refs = [SlotRef.from_location(row) for row in locations.rows()[:num_blocks]]
+    pages = allocator.allocate(num_blocks)
+    try:
+        results = await store.read_blocks(refs, [memoryview(pool.block_view(p)) for p in pages])
+    except BaseException:
+        allocator.free(pages)
+        raise
+    num_loaded = next((i for i, r in enumerate(results) if r is None), num_blocks)
+    allocator.free(pages[num_loaded:])
+    return LoadedPrefix(pages[:num_loaded], num_blocks)
+
+
+async def store_blocks(
+    publisher: KvEventPublisher,
+    pool: PagedKVPool,
+    pages: list[int],
+    token_ids: list[int],
+    hasher: BlockHasher,
+    first_block: int,
+    end_block: int,
+) -> int:
+    """Write blocks [first_block, end_block) of a sequence (page i holds block i) to the store
+    and log them for kv-index; returns how many were written."""
+    if end_block <= first_block:
+        return 0
+    hashes = hasher.hashes(token_ids[: end_block * hasher.block_size_tokens])
+    blocks = [
+        (hashes[i], memoryview(pool.block_view(pages[i]))) for i in range(first_block, end_block)
+    ]
+    parent = hashes[first_block - 1] if first_block > 0 else None
+    stored = await publisher.store_blocks(blocks, parent_block_hash=parent)
+    return sum(b is not None for b in stored)
+
+
+def stage_pages(pool: PagedKVPool, pages: list[int], buffer: np.ndarray, offset: int) -> int:
+    """Copy pages, in order, into `buffer` at `offset`; returns the bytes written."""
+    nbytes = pool.layout.block_nbytes
+    for i, page in enumerate(pages):
+        start = offset + i * nbytes
+        buffer[start : start + nbytes] = pool.block_view(page)
+    return len(pages) * nbytes
+
+
+def unstage_pages(buffer: np.ndarray, offset: int, pool: PagedKVPool, pages: list[int]) -> None:
+    nbytes = pool.layout.block_nbytes
+    for i, page in enumerate(pages):
+        start = offset + i * nbytes
+        pool.block_view(page)[:] = buffer[start : start + nbytes]
+
+
+async def open_store(config: EngineWorkerConfig, writer_id: str, payload_nbytes: int) -> KvStore:
+    """The worker's store (blocking scan of its own files at open: off the event loop)."""
+    store_config = KvStoreConfig(
+        root_dir=config.store_dir,
+        writer_id=writer_id,
+        payload_nbytes=payload_nbytes,
+        capacity_bytes=config.store_capacity_bytes,
+        file_nbytes=config.store_file_nbytes,
+        backend=config.store_backend,
+    )
+    config.store_dir.mkdir(parents=True, exist_ok=True)
+    return await asyncio.to_thread(KvStore.open, store_config)
