@@ -1,6 +1,7 @@
 """`kvfabric`: the admin CLI. `up` runs the whole cluster on one machine, `serve` runs one
 service instance against an existing NATS, `status` lists live instances, `demo` brings the
-cluster up, serves a request and stops it."""
+cluster up, serves a request and stops it, `generate` sends one prompt through a running
+cluster."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import typer
 
-from services.admin import cache_cli
+from services.admin import cache_cli, generate_cli
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of, parse_replicas
 from services.admin.status import render
 from shared.bus import Bus
@@ -28,6 +29,7 @@ from shared.subjects import DECODE, DEFAULT_ROOT, PREFILL, SERVICES
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
 app.add_typer(cache_cli.app, name="cache")
+app.command("generate")(generate_cli.generate_command)
 
 NATS_URL_HELP = "URL of a running NATS server (default: start an embedded one)"
 
