@@ -1,0 +1,323 @@
+"""Disaggregated serving end to end: real processes (kv-index, swa-memcache, router, 2 prefill
+and 2 decode workers running the bundled model), real NATS, real store files, real NIXL.
+
+Tests share one cluster and run in file order: the destructive ones (kill -9) come last.
+Blocks are 16 tokens here so that short prompts have many blocks (DESIGN.md section 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from tokenizers import Tokenizer
+
+from services.admin.launcher import Cluster, ClusterSpec
+from shared.bus import Bus
+from shared.client import GenerateResult, build_request, generate
+from shared.engine.bundled import BUNDLED_MODEL_DIR
+from shared.kvstore import index_client
+from shared.kvstore.hashing import BlockHasher
+from shared.schema import GenerateRequest, LoadReport, Unavailable, UsageRecord
+from shared.subjects import DECODE, PREFILL, ROUTER
+from shared.testing import unique_root
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+BLOCK = 16
+MODEL = BUNDLED_MODEL_DIR.name
+WORKER_ARGS = ["--kv-block-size-tokens", str(BLOCK), "--num-kv-blocks", "1024"]
+KVFABRIC = str(Path(sys.executable).parent / "kvfabric")
+TOKENIZER = Tokenizer.from_file(str(BUNDLED_MODEL_DIR / "tokenizer.json"))
+CODE = '''def load_config(path):
+    """Read a JSON config file and return it as a dict."""
+    with open(path) as f:
+        return json.load(f)
+
+
+class Cache:
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.items = {}
+
+    def get(self, key):
+        return self.items.get(key)
+'''
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    spec = ClusterSpec(
+        state_dir=tmp_path_factory.mktemp("serving"),
+        nats_port=0,
+        http_port=0,
+        root=unique_root(),
+        replicas={PREFILL: 2, DECODE: 2},
+        extra_args={
+            PREFILL: WORKER_ARGS,
+            DECODE: WORKER_ARGS,
+            ROUTER: ["--heartbeat-timeout-s", "3", "--decode-page-size-tokens", str(BLOCK)],
+        },
+        shutdown_grace_s=3.0,
+    )
+    cluster = Cluster(spec)
+    cluster.start()
+
+    async def ready() -> None:
+        bus = await Bus.connect(cluster.nats_url, service="test", root=spec.root)
+        try:
+            await cluster.wait_ready(bus, timeout_s=180)
+        finally:
+            await bus.close()
+
+    try:
+        asyncio.run(ready())
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+async def _bus(cluster: Cluster) -> Bus:
+    return await Bus.connect(cluster.nats_url, service="test", root=cluster.spec.root)
+
+
+def _tokens(text: str) -> list[int]:
+    return TOKENIZER.encode(text).ids
+
+
+def _request(token_ids: list[int], **kwargs: object) -> GenerateRequest:
+    ignore_eos = bool(kwargs.pop("ignore_eos", False))
+    request = build_request(token_ids, model=MODEL, block_size_tokens=BLOCK, **kwargs)
+    if ignore_eos:
+        sampling = msgspec.structs.replace(request.sampling, ignore_eos=True)
+        request = msgspec.structs.replace(request, sampling=sampling)
+    return request
+
+
+async def _indexed(bus: Bus, token_ids: list[int], salt: str = "", timeout_s: float = 5.0) -> int:
+    """Wait until kv-index knows every complete block of `token_ids`; returns the hit."""
+    hashes = BlockHasher(model_id=MODEL, block_size_tokens=BLOCK, salt=salt).hashes(token_ids)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = (await index_client.match(bus, hashes, num_shards=1)).get("ssd")
+        num_blocks = found.num_blocks if found else 0
+        if num_blocks == len(hashes) or time.monotonic() > deadline:
+            return num_blocks
+        await asyncio.sleep(0.05)
+
+
+async def _usage(bus: Bus, request_id: str, timeout_s: float = 10.0) -> UsageRecord:
+    records: dict[str, UsageRecord] = {}
+
+    async def on_record(record: UsageRecord, seq: int) -> None:
+        records.setdefault(record.request_id, record)
+
+    subject = bus.subjects.usage_all
+    subscription = await bus.consume(bus.subjects.usage_stream, subject, UsageRecord, on_record)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while request_id not in records:
+            assert time.monotonic() < deadline, f"no usage record for {request_id}"
+            await asyncio.sleep(0.05)
+        return records[request_id]
+    finally:
+        await bus.unsubscribe(subscription)
+
+
+async def test_multi_turn_session_hits_its_own_history(cluster: Cluster) -> None:
+    bus = await _bus(cluster)
+    try:
+        history = _tokens(CODE * 3)
+        results: list[GenerateResult] = []
+        for turn in range(4):
+            result = await generate(bus, _request(history, max_tokens=24))
+            results.append(result)
+            assert result.finish_reason in ("stop", "length")
+            assert result.usage is not None and result.usage.num_prompt_tokens == len(history)
+            previous = len(history)
+            history = history + result.token_ids + _tokens(f"\n# step {turn}: refactor\n")
+            # The answer's blocks are logged before the final chunk; the index applies the
+            # log asynchronously: wait for it so the next turn sees the whole history.
+            await _indexed(bus, history[: previous + len(result.token_ids) - 1])
+        for turn, result in enumerate(results[1:], start=2):
+            usage = result.usage
+            assert usage is not None
+            hit = usage.num_cached_tokens / usage.num_prompt_tokens
+            assert hit >= 0.9, f"turn {turn}: {hit:.1%} of the prompt from the store"
+            assert result.decision.num_cached_tokens == usage.num_cached_tokens
+            assert result.stats is not None and result.stats.prefill.swa_restore == "snapshot"
+        # Turn 3's hit reaches into turn 2's answer: the output blocks were stored.
+        turn2_prompt = results[1].usage.num_prompt_tokens
+        assert results[2].usage.num_cached_tokens > turn2_prompt
+        record = await _usage(bus, results[-1].request_id)
+        assert record.status == "completed"
+        assert record.num_cache_hit_tokens == results[-1].usage.num_cached_tokens
+        assert record.num_output_tokens == len(results[-1].token_ids)
+    finally:
+        await bus.close()
+
+
+async def test_cached_output_matches_cold_and_bounded_replay_is_reported(cluster: Cluster) -> None:
+    bus = await _bus(cluster)
+    try:
+        prompt = _tokens(CODE * 2 + "\ndef save_config(path, config):\n")
+        first = await generate(bus, _request(prompt, max_tokens=32))
+        follow = prompt + first.token_ids + _tokens("\n\ndef main():\n")
+        await _indexed(bus, prompt + first.token_ids[:-1])
+        cached = await generate(bus, _request(follow, max_tokens=32))
+        cold = await generate(bus, _request(follow, max_tokens=32, cache_salt="cold"))
+        assert cold.usage is not None and cold.usage.num_cached_tokens == 0
+        assert cached.usage is not None and cached.usage.num_cached_tokens > len(prompt)
+        assert cached.stats is not None and cached.stats.prefill.swa_restore == "snapshot"
+        assert cached.token_ids == cold.token_ids  # exact restore: greedy output identical
+
+        # Branch off in the middle of the cached history: the boundary there has no
+        # snapshot (only each request's last boundary does), so prefill replays a window.
+        branch = follow[: len(prompt) - 20] + _tokens("\n# a different ending\n")
+        await _indexed(bus, follow[: len(prompt) - 20], salt="")
+        replayed = await generate(bus, _request(branch, max_tokens=32))
+        reference = await generate(bus, _request(branch, max_tokens=32, cache_salt="cold2"))
+        stats = replayed.stats
+        assert stats is not None and stats.prefill.swa_restore == "bounded"
+        assert stats.prefill.num_replay_tokens > 0
+        assert len(replayed.token_ids) > 0
+        same = sum(a == b for a, b in zip(replayed.token_ids, reference.token_ids, strict=False))
+        print(
+            f"bounded replay of {stats.prefill.num_replay_tokens} tokens: "
+            f"{same}/{len(reference.token_ids)} greedy tokens equal to the cold run"
+        )
+    finally:
+        await bus.close()
+
+
+async def test_two_prefill_and_two_decode_workers_share_load(cluster: Cluster) -> None:
+    bus = await _bus(cluster)
+    try:
+        prompts = [_tokens(f"# file {i}\n" + CODE) for i in range(8)]
+        results = await asyncio.gather(
+            *(generate(bus, _request(p, max_tokens=16)) for p in prompts)
+        )
+        assert all(r.finish_reason in ("stop", "length") for r in results)
+        assert {r.decision.prefill_worker_id for r in results} == {"prefill-0", "prefill-1"}
+        assert {r.decision.decode_worker_id for r in results} == {"decode-0", "decode-1"}
+    finally:
+        await bus.close()
+
+
+async def _pages(bus: Bus, instance_id: str) -> LoadReport:
+    reports: asyncio.Queue[LoadReport] = asyncio.Queue()
+    subscription = await bus.subscribe(
+        bus.subjects.load(DECODE, instance_id), LoadReport, reports.put
+    )
+    try:
+        return await asyncio.wait_for(reports.get(), 5.0)
+    finally:
+        await bus.unsubscribe(subscription)
+
+
+async def test_cancellation_frees_decode_pages_and_bills_what_was_produced(
+    cluster: Cluster,
+) -> None:
+    bus = await _bus(cluster)
+    try:
+        got_tokens = asyncio.Event()
+        request = _request(_tokens(CODE), max_tokens=3000, ignore_eos=True)
+        task = asyncio.create_task(generate(bus, request, on_chunk=lambda c: got_tokens.set()))
+        await asyncio.wait_for(got_tokens.wait(), 60)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        record = await _usage(bus, request.request_id)
+        assert record.status == "cancelled"
+        assert 0 < record.num_output_tokens < 3000
+        decode_id = record.decode_worker_id
+        deadline = time.monotonic() + 10
+        while True:
+            report = await _pages(bus, decode_id)
+            if report.num_kv_pages_free == report.num_kv_pages_total:
+                break
+            assert time.monotonic() < deadline, "decode pages not freed after cancellation"
+    finally:
+        await bus.close()
+
+
+def test_generate_cli_streams_and_reports_hits(cluster: Cluster) -> None:
+    args = [
+        KVFABRIC, "generate", CODE, "--nats-url", cluster.nats_url, "--root", cluster.spec.root,
+        "--max-tokens", "16", "--block-size", str(BLOCK),
+    ]  # fmt: skip
+    first = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    second = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout  # greedy, and the cached run restores exactly
+    assert "cached" in second.stderr
+
+
+def _child(cluster: Cluster, instance_id: str) -> subprocess.Popen[bytes]:
+    return next(c.process for c in cluster.children if c.instance_id == instance_id)
+
+
+async def test_killed_decode_worker_ends_the_stream_with_an_error_and_usage(
+    cluster: Cluster,
+) -> None:
+    bus = await _bus(cluster)
+    try:
+        chunks: list[int] = []
+        enough = asyncio.Event()
+
+        def on_chunk(chunk) -> None:  # noqa: ANN001
+            chunks.append(chunk.seq)
+            if len(chunks) >= 3:
+                enough.set()
+
+        request = _request(_tokens(CODE + "\n# more\n"), max_tokens=3000, ignore_eos=True)
+        task = asyncio.create_task(generate(bus, request, on_chunk=on_chunk))
+        await asyncio.wait_for(enough.wait(), 60)
+        # Only this request runs now: the decode worker with a running sequence is ours.
+        decode_id = await _busy_decoder(bus)
+        killed_at = time.monotonic()
+        os.kill(_child(cluster, decode_id).pid, signal.SIGKILL)
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(task, 30)
+        assert time.monotonic() - killed_at < 5.0
+        record = await _usage(bus, request.request_id)
+        assert record.status == "failed"
+        assert record.num_output_tokens > 0
+    finally:
+        await bus.close()
+
+
+async def _busy_decoder(bus: Bus) -> str:
+    reports: asyncio.Queue[LoadReport] = asyncio.Queue()
+    subscription = await bus.subscribe(bus.subjects.load_all, LoadReport, reports.put)
+    try:
+        while True:
+            report = await asyncio.wait_for(reports.get(), 5.0)
+            if report.service == DECODE and report.num_running > 0:
+                return report.instance_id
+    finally:
+        await bus.unsubscribe(subscription)
+
+
+async def test_killed_prefill_worker_leaves_the_survivor_serving(cluster: Cluster) -> None:
+    bus = await _bus(cluster)
+    try:
+        os.kill(_child(cluster, "prefill-1").pid, signal.SIGKILL)
+        await asyncio.sleep(3.5)  # the router drops it once its heartbeats stop
+        results = [
+            await generate(bus, _request(_tokens(f"# after {i}\n" + CODE), max_tokens=8))
+            for i in range(3)
+        ]
+        assert all(r.finish_reason in ("stop", "length") for r in results)
+        assert {r.decision.prefill_worker_id for r in results} == {"prefill-0"}
+    finally:
+        await bus.close()
