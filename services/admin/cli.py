@@ -20,6 +20,7 @@ from services.admin import cache_cli, generate_cli
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of, parse_replicas
 from services.admin.status import render
 from shared.bus import Bus
+from shared.client import build_request, generate
 from shared.discovery import discover
 from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.kvstore import index_client
@@ -224,6 +225,23 @@ async def _demo_requests(cluster: Cluster, bus: Bus, echo) -> int:  # noqa: ANN0
     stored = await bus.request(bus.subjects.swa_put, snapshot, SwaPutReply)
     got = await bus.request(bus.subjects.swa_get, SwaGet(block_hash=hashes[-1]), SwaGetReply)
     echo(f"swa-memcache put {stored.stored}, get found {got.found} ({len(got.snapshot)} bytes)")
+    # Two turns of an agent through router -> prefill -> decode: the second re-sends the
+    # first turn's prompt and answer and is served mostly from the store.
+    history = list(token_ids)
+    for turn in (1, 2):
+        request = build_request(history, model=BUNDLED_MODEL_DIR.name, max_tokens=32)
+        result = await generate(bus, request)
+        usage = result.usage
+        assert usage is not None  # a completed stream always ends with usage
+        echo(
+            f"generate turn {turn}: {usage.num_prompt_tokens} prompt tokens, "
+            f"{usage.num_cached_tokens} from the store, {usage.num_output_tokens} generated "
+            f"({result.finish_reason}), TTFT {(result.ttft_s or 0) * 1000:.0f} ms, "
+            f"prefill {result.decision.prefill_worker_id}, decode "
+            f"{result.decision.decode_worker_id}: {result.text!r}"
+        )
+        history += result.token_ids + [int(t) for t in token_ids[:8]]
+        await asyncio.sleep(0.2)  # kv-index applies the answer's BlocksStored asynchronously
     echo(render(await discover(bus, timeout_s=0.5)))
     return 0
 

@@ -115,7 +115,8 @@ def test_serve_rejects_bad_config() -> None:
 
 def test_demo_serves_requests_and_stops(tmp_path: Path) -> None:
     """`make demo`'s command: the cluster comes up, answers health, a kv-index match for a
-    tokenized prompt and a swa-memcache round trip, then stops everything it started."""
+    tokenized prompt, a swa-memcache round trip and two agent turns through router, prefill
+    and decode (the second mostly from the store), then stops everything it started."""
     result = subprocess.run(
         [KVFABRIC, "demo", "--state-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
@@ -126,6 +127,13 @@ def test_demo_serves_requests_and_stops(tmp_path: Path) -> None:
     match = re.search(r"kv-index match: (\d+) tokens, (\d+) blocks, (\d+) cached", out)
     assert match and int(match.group(2)) == int(match.group(1)) // 16 and match.group(3) == "0"
     assert "swa-memcache put True, get found True (4096 bytes)" in out
+    turns = re.findall(
+        r"generate turn (\d): (\d+) prompt tokens, (\d+) from the store, (\d+) generated", out
+    )
+    assert [t[0] for t in turns] == ["1", "2"], out[-3000:]
+    (_, _, cold, made), (_, prompt, cached, _) = turns
+    assert cold == "0" and int(made) > 0
+    assert int(cached) >= int(prompt) // 2  # turn 2 re-sends turn 1's prompt and answer
     assert out.rstrip().endswith("stopped nats-server")
     pids = [int(p) for p in re.findall(r"pid (\d+)", out)]
     assert len(pids) == 8 and not [pid for pid in pids if _is_alive(pid)]
