@@ -26,7 +26,7 @@ from shared.client import GenerateResult, build_request, generate
 from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.kvstore import index_client
 from shared.kvstore.hashing import BlockHasher
-from shared.schema import GenerateRequest, LoadReport, Unavailable, UsageRecord
+from shared.schema import BadRequest, GenerateRequest, LoadReport, Unavailable, UsageRecord
 from shared.subjects import DECODE, PREFILL, ROUTER
 from shared.testing import unique_root
 
@@ -194,6 +194,28 @@ async def test_cached_output_matches_cold_and_bounded_replay_is_reported(cluster
             f"bounded replay of {stats.prefill.num_replay_tokens} tokens: "
             f"{same}/{len(reference.token_ids)} greedy tokens equal to the cold run"
         )
+    finally:
+        await bus.close()
+
+
+async def test_bad_requests_get_typed_errors_and_nothing_is_left_behind(cluster: Cluster) -> None:
+    bus = await _bus(cluster)
+    try:
+        prompt = _tokens(CODE)
+        wrong_model = build_request(prompt, model="no-such-model", block_size_tokens=BLOCK)
+        with pytest.raises(BadRequest, match="no-such-model"):
+            await generate(bus, wrong_model)
+        too_long = _request(prompt * 20)  # past tiny-coder's 512-token context
+        with pytest.raises(BadRequest, match="max_model_len"):
+            await generate(bus, too_long)
+        bad_sampling = _request(prompt)
+        bad_sampling = msgspec.structs.replace(
+            bad_sampling, sampling=msgspec.structs.replace(bad_sampling.sampling, top_p=0.0)
+        )
+        with pytest.raises(BadRequest, match="top_p"):
+            await generate(bus, bad_sampling)
+        ok = await generate(bus, _request(prompt, max_tokens=4))  # the cluster still serves
+        assert ok.finish_reason in ("stop", "length")
     finally:
         await bus.close()
 
