@@ -20,11 +20,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from shared.engine.bundled import BUNDLED_MODEL_DIR
+from shared.bundled import BUNDLED_MODEL_DIR
 from shared.subjects import DEFAULT_ROOT, Subjects, check_token
 
 SHARED_ENV_PREFIX = "KVF_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ENGINES = ("model", "mock")
 
 
 class ConfigError(ValueError):
@@ -184,9 +185,20 @@ class EngineWorkerConfig(ServiceConfig):
     store_backend: str = "nixl:POSIX"  # nixl:GDS, nixl:GDS_MT, nixl:HF3FS, aiofiles
     # NIXL-registered host memory for the prefill -> decode KV handoff (and SWA snapshots).
     handoff_staging_bytes: int = 64 << 20
+    # `mock`: the same endpoints and messages over shared.testing's MockEngine -- timing from
+    # MockCostModel, deterministic fake tokens, but real KV events, store writes and usage.
+    # No torch, no NIXL (the store uses aiofiles whatever store_backend says), so one host
+    # runs dozens of workers for e2e tests and the simulator.
+    engine: str = "model"
+    mock_speedup: float = 1.0  # simulated seconds per wall-clock second
+    mock_block_nbytes: int = 4096  # bytes written to the store per mock KV block
 
     def validate(self) -> None:
         super().validate()
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.mock_speedup <= 0:
+            raise ConfigError(f"mock_speedup must be > 0, got {self.mock_speedup}")
         if not (self.model_dir / "config.json").is_file():
             raise ConfigError(
                 f"model_dir {self.model_dir} has no config.json (an HF model directory)"
@@ -195,7 +207,7 @@ class EngineWorkerConfig(ServiceConfig):
             raise ConfigError("max_model_len must be >= 0")
         for name in (
             "kv_block_size_tokens", "num_kv_blocks", "num_threads", "store_capacity_bytes",
-            "store_file_nbytes", "handoff_staging_bytes",
+            "store_file_nbytes", "handoff_staging_bytes", "mock_block_nbytes",
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")

@@ -15,7 +15,6 @@ from collections import Counter
 
 from services.decode.state import DecodeRequest, Finished
 from shared.bus import Bus
-from shared.engine.swa_restore import snapshot_to_bytes
 from shared.kvstore.store import KvStore
 from shared.kvstore.swa_client import SwaClient
 from shared.kvstore.writer import KvEventPublisher
@@ -115,6 +114,10 @@ class Finisher:
             return
         if window.end_position != end_block * hasher.block_size_tokens:
             return  # the tracked boundary is not the last block written
+        # Imported here: shared.engine imports torch, and the mock decode worker (which has
+        # no windows) runs this module without it.
+        from shared.engine.swa_restore import snapshot_to_bytes
+
         try:
             if await self.swa.put(hashes[end_block - 1], snapshot_to_bytes(window)):
                 self.counts["num_snapshots_put"] += 1

@@ -7,31 +7,39 @@ Serves `<root>.decode.run[.<id>]` (`DecodeJob` -> `JobAccepted`), `<root>.decode
 per request to JetStream. Speculative decoding with prompt-lookup drafts is on by default
 (`--no-spec-decode` turns it off); its acceptance rate and tokens per forward pass are in
 the counters (`kvfabric status --json`).
+
+`--engine mock` serves the same subjects from `mock_worker.py` over shared.testing's
+MockEngine: simulated step times, fake tokens, real streams, store writes, KV events and
+usage, no torch and no NIXL.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from services.decode.config import DecodeConfig
 from services.decode.finish import Finisher
-from services.decode.worker import DecodeWorker
+from services.decode.mock_worker import MockDecodeWorker
 from shared.bus import Endpoint
-from shared.engine.drafter import SpecDecodeConfig
-from shared.engine.engine import Engine
-from shared.engine.scheduler import SchedulerConfig
-from shared.engine.worker import build_runner, describe
+from shared.kvstore.store import KvStore
 from shared.kvstore.swa_client import SwaClient
 from shared.kvstore.transfer import KvTransferAgent
 from shared.kvstore.writer import KvEventPublisher
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, DecodeJob, SuffixReady
 from shared.serving.kv_io import open_store
+from shared.serving.mock import MockModel, open_mock_store
 from shared.serving.staging import StagingSpace
 from shared.subjects import DECODE
+from shared.testing.mock_engine import MockEngine, MockEngineConfig
+
+if TYPE_CHECKING:
+    from services.decode.worker import DecodeWorker
 
 SWA_STAGING_BYTES = 4 << 20  # the head of the NIXL buffer: large snapshot puts
 USAGE_LOG_MAX_AGE_S = 7 * 24 * 3600.0
@@ -40,6 +48,17 @@ USAGE_LOG_MAX_AGE_S = 7 * 24 * 3600.0
 async def setup(runtime: ServiceRuntime) -> None:
     config = runtime.config
     assert isinstance(config, DecodeConfig)  # service_main built it from DecodeConfig
+    runtime.metadata["engine"] = config.engine
+    if config.engine == "mock":
+        await setup_mock(runtime, config)
+        return
+    # Imported here: they import torch (2-10 s), which `--engine mock` never needs.
+    from services.decode.worker import DecodeWorker
+    from shared.engine.drafter import SpecDecodeConfig
+    from shared.engine.engine import Engine
+    from shared.engine.scheduler import SchedulerConfig
+    from shared.engine.worker import build_runner, describe
+
     bus = runtime.bus
     runner = await asyncio.to_thread(build_runner, config)
     runtime.metadata |= describe(runner, config)
@@ -55,9 +74,7 @@ async def setup(runtime: ServiceRuntime) -> None:
         max_model_len=config.max_model_len or None,
         track_block_boundaries=True,
     )
-    await bus.ensure_stream(
-        bus.subjects.usage_stream, [bus.subjects.usage_all], max_age_s=USAGE_LOG_MAX_AGE_S
-    )
+    await ensure_usage_stream(runtime)
     store = await open_store(config, bus.instance_id, runner.layout.block_nbytes)
     publisher = KvEventPublisher(bus, store)
     await publisher.start()
@@ -72,8 +89,46 @@ async def setup(runtime: ServiceRuntime) -> None:
         retry_after_s=config.retry_after_s, pull_timeout_s=config.pull_timeout_s,
         suffix_timeout_s=config.suffix_timeout_s,
     )  # fmt: skip
+    await serve(runtime, worker, store, agent.close)
+
+
+async def setup_mock(runtime: ServiceRuntime, config: DecodeConfig) -> None:
+    bus = runtime.bus
+    model = MockModel.from_config(config)
+    runtime.metadata |= model.describe(config)
+    tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
+    engine = MockEngine(
+        MockEngineConfig(
+            model_id=model.name, block_size_tokens=config.kv_block_size_tokens,
+            vocab_size=model.vocab_size, max_model_len=model.max_model_len,
+            max_num_batched_tokens=config.max_batch_tokens, max_num_seqs=config.max_num_seqs,
+            num_kv_pages=config.num_kv_blocks,
+        )
+    )  # fmt: skip
+    await ensure_usage_stream(runtime)
+    store = await open_mock_store(config, bus.instance_id)
+    publisher = KvEventPublisher(bus, store)
+    await publisher.start()
+    finisher = Finisher(bus, store, publisher, swa=None)  # mock sequences have no window
+    await serve(runtime, MockDecodeWorker(bus, engine, tokenizer, finisher, config, model), store)
+
+
+async def ensure_usage_stream(runtime: ServiceRuntime) -> None:
+    subjects = runtime.bus.subjects
+    await runtime.bus.ensure_stream(
+        subjects.usage_stream, [subjects.usage_all], max_age_s=USAGE_LOG_MAX_AGE_S
+    )
+
+
+async def serve(
+    runtime: ServiceRuntime,
+    worker: DecodeWorker | MockDecodeWorker,
+    store: KvStore,
+    *closers: Callable[[], None],
+) -> None:
+    """What either engine serves, and its shutdown: the worker, then what it used."""
+    bus, subjects = runtime.bus, runtime.bus.subjects
     worker.start()
-    subjects = bus.subjects
     await bus.serve(Endpoint("run", subjects.decode_run, DecodeJob, worker.handle_job))
     await bus.serve(Endpoint("suffix", subjects.decode_suffix, SuffixReady, worker.handle_suffix))
     await bus.subscribe(subjects.cancel, CancelRequest, worker.on_cancel)
@@ -83,7 +138,8 @@ async def setup(runtime: ServiceRuntime) -> None:
 
     async def close() -> None:
         await worker.stop()
-        agent.close()
+        for closer in closers:
+            closer()
         store.close()
 
     runtime.on_stop(close)

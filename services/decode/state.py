@@ -5,21 +5,28 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.detokenizer import IncrementalDetokenizer
-from shared.engine.kv_cache import SlidingWindowState
-from shared.engine.sampler import SamplingParams
 from shared.kvstore.hashing import BlockHasher
 from shared.schema import (
+    CancelRequest,
     DecodeJob,
     DecodeStats,
+    ErrorCode,
+    ErrorReply,
     PrefillTimings,
     TokenUsage,
     UsageRecord,
     UsageStatus,
+    error_from_wire,
 )
 from shared.serving.kv_io import LoadedPrefix
 from shared.streams import StreamWriter
+
+if TYPE_CHECKING:  # shared.engine imports torch; the mock decode worker (no torch) uses this
+    from shared.engine.kv_cache import SlidingWindowState
+    from shared.engine.sampler import SamplingParams
 
 
 @dataclass
@@ -39,7 +46,7 @@ class DecodeRequest:
     hasher: BlockHasher
     stream: StreamWriter
     detokenizer: IncrementalDetokenizer
-    params: SamplingParams
+    params: SamplingParams  # the mock engine's MockSamplingParams under --engine mock
     accepted_s: float = field(default_factory=time.perf_counter)
     prefix_task: asyncio.Task[LoadedPrefix] | None = None
     prefix_load_ms: float = 0.0
@@ -62,6 +69,21 @@ class DecodeRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.token_ids)
+
+    def record_output(self, token_ids: list[int]) -> str:
+        """Count one step's tokens; returns their new text (held back near a stop string)."""
+        if token_ids and self.first_token_s is None:
+            self.first_token_s = time.perf_counter()
+        self.output_ids += token_ids
+        self.num_forward_passes += 1 if token_ids else 0
+        return self.detokenizer.push(token_ids)
+
+    def note_cancel(self, cancel: CancelRequest) -> None:
+        """Why it stops; with an error code, the error its stream ends with."""
+        if cancel.error_code:
+            reply = ErrorReply(code=ErrorCode(cancel.error_code), message=cancel.error_message)
+            self.error = error_from_wire(None, cancel.error_message, reply)
+        self.cancel_reason = cancel.reason
 
     def usage(self) -> TokenUsage:
         return TokenUsage(

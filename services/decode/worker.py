@@ -36,8 +36,6 @@ from shared.schema import (
     CancelRequest,
     DeadlineExceeded,
     DecodeJob,
-    ErrorCode,
-    ErrorReply,
     InternalError,
     JobAccepted,
     NotFound,
@@ -45,9 +43,8 @@ from shared.schema import (
     ServiceError,
     SuffixReady,
     Unavailable,
-    error_from_wire,
-    unpack_token_ids,
 )
+from shared.serving.checks import checked_prompt
 from shared.serving.kv_io import LoadedPrefix, hasher_for, load_prefix, unstage_pages
 from shared.serving.staging import StagingSpace
 from shared.streams import StreamWriter
@@ -131,22 +128,14 @@ class DecodeWorker:
     # -- DecodeJob -----------------------------------------------------------------------
     async def handle_job(self, job: DecodeJob, ctx: Context) -> JobAccepted:
         request = job.request
-        if request.model != self.model_name:
-            raise BadRequest(f"model {request.model!r} is not served here ({self.model_name})")
-        if request.block_size_tokens != self.block_size:
-            raise BadRequest(f"block_size_tokens {request.block_size_tokens} != {self.block_size}")
+        token_ids = checked_prompt(
+            request, model_name=self.model_name, block_size_tokens=self.block_size,
+            max_model_len=self.engine.max_model_len,
+        )  # fmt: skip
         if not request.stream_inbox:
             raise BadRequest("stream_inbox is required")
         if request.request_id in self.requests:
             raise BadRequest(f"request {request.request_id} is already decoding here")
-        token_ids = unpack_token_ids(request.prompt_token_ids).tolist()
-        if not token_ids:
-            raise BadRequest("prompt is empty")
-        if len(token_ids) + 1 > self.engine.max_model_len:
-            raise BadRequest(
-                f"prompt of {len(token_ids)} tokens leaves no room to generate "
-                f"(max_model_len {self.engine.max_model_len})"
-            )
         num_pages = self.runner.block_manager.num_blocks_for(len(token_ids) + 1)
         if num_pages > self.runner.allocator.num_free_blocks:
             raise Overloaded(
@@ -267,10 +256,7 @@ class DecodeWorker:
         state = self.requests.get(cancel.request_id)
         if state is None:
             return
-        if cancel.error_code:
-            reply = ErrorReply(code=ErrorCode(cancel.error_code), message=cancel.error_message)
-            state.error = error_from_wire(None, cancel.error_message, reply)
-        state.cancel_reason = cancel.reason
+        state.note_cancel(cancel)
         if not state.joined:
             await self._fail(state, state.error or None)
             return
@@ -348,11 +334,7 @@ class DecodeWorker:
 
     async def _emit(self, state: DecodeRequest, out: StepOutput) -> None:
         token_ids = list(out.new_token_ids)
-        if token_ids and state.first_token_s is None:
-            state.first_token_s = time.perf_counter()
-        state.output_ids += token_ids
-        state.num_forward_passes += 1 if token_ids else 0
-        text = state.detokenizer.push(token_ids)
+        text = state.record_output(token_ids)
         stopped_by_string = state.detokenizer.stopped and not out.finished
         if not out.finished and not stopped_by_string:
             if token_ids:

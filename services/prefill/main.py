@@ -6,27 +6,35 @@ suffix) and its NIXL metadata; listens for `CancelRequest`s; writes the blocks i
 to the store (`--store-dir`, shared by every worker) and logs them for kv-index; puts the
 window snapshot at each prompt's last block boundary into swa-memcache. Heartbeats report
 the tokens still to compute (`num_queued_tokens`) and the KV pool's pages.
+
+`--engine mock` serves the same subjects from `mock_worker.py`: simulated compute, real
+store writes, KV events and swa-memcache puts, no torch and no NIXL.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from services.prefill.config import PrefillConfig
-from services.prefill.restore import PrefixRestorer, RestorePolicy
-from services.prefill.worker import PrefillWorker
+from services.prefill.mock_worker import MockPrefillWorker
 from shared.bus import Endpoint
-from shared.engine.worker import build_runner, describe
+from shared.kvstore.store import KvStore
 from shared.kvstore.swa_client import SwaClient
 from shared.kvstore.transfer import KvTransferAgent
 from shared.kvstore.writer import KvEventPublisher
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, PrefillJob
 from shared.serving.kv_io import open_store
+from shared.serving.mock import MockModel, open_mock_store
 from shared.serving.staging import StagingSpace
 from shared.subjects import PREFILL
+
+if TYPE_CHECKING:
+    from services.prefill.worker import PrefillWorker
 
 SWA_STAGING_BYTES = 4 << 20  # the head of the NIXL buffer: large snapshot puts
 
@@ -34,6 +42,15 @@ SWA_STAGING_BYTES = 4 << 20  # the head of the NIXL buffer: large snapshot puts
 async def setup(runtime: ServiceRuntime) -> None:
     config = runtime.config
     assert isinstance(config, PrefillConfig)  # service_main built it from PrefillConfig
+    runtime.metadata["engine"] = config.engine
+    if config.engine == "mock":
+        await setup_mock(runtime, config)
+        return
+    # Imported here: they import torch (2-10 s), which `--engine mock` never needs.
+    from services.prefill.restore import PrefixRestorer, RestorePolicy
+    from services.prefill.worker import PrefillWorker
+    from shared.engine.worker import build_runner, describe
+
     bus = runtime.bus
     runner = await asyncio.to_thread(build_runner, config)
     runtime.metadata |= describe(runner, config)
@@ -57,6 +74,28 @@ async def setup(runtime: ServiceRuntime) -> None:
         max_model_len=config.max_model_len or runner.config.max_position_embeddings,
         handoff_timeout_s=config.handoff_timeout_s, compute_lock=compute_lock,
     )  # fmt: skip
+    await serve(runtime, worker, store, agent.close)
+
+
+async def setup_mock(runtime: ServiceRuntime, config: PrefillConfig) -> None:
+    bus = runtime.bus
+    model = MockModel.from_config(config)
+    runtime.metadata |= model.describe(config)
+    store = await open_mock_store(config, bus.instance_id)
+    publisher = KvEventPublisher(bus, store)
+    await publisher.start()
+    swa = SwaClient(bus, None)  # placeholder snapshots are small: inline, no NIXL
+    await serve(runtime, MockPrefillWorker(bus, publisher, swa, config, model), store)
+
+
+async def serve(
+    runtime: ServiceRuntime,
+    worker: PrefillWorker | MockPrefillWorker,
+    store: KvStore,
+    *closers: Callable[[], None],
+) -> None:
+    """What either engine serves, and its shutdown: the worker, then what it used."""
+    bus = runtime.bus
     worker.start()
     await bus.serve(Endpoint("run", bus.subjects.prefill_run, PrefillJob, worker.handle_job))
     await bus.subscribe(bus.subjects.cancel, CancelRequest, worker.on_cancel)
@@ -65,7 +104,8 @@ async def setup(runtime: ServiceRuntime) -> None:
 
     async def close() -> None:
         await worker.stop()
-        agent.close()
+        for closer in closers:
+            closer()
         store.close()
 
     runtime.on_stop(close)

@@ -43,8 +43,8 @@ from shared.schema import (
     PrefillTimings,
     ServiceError,
     SuffixReady,
-    unpack_token_ids,
 )
+from shared.serving.checks import checked_prompt
 from shared.serving.kv_io import hasher_for, stage_pages, store_blocks
 from shared.serving.staging import StagingSpace, StagingTooSmall
 
@@ -145,8 +145,7 @@ class PrefillWorker:
     # -- requests ------------------------------------------------------------------------
     async def handle_job(self, job: PrefillJob, ctx: Context) -> PrefillDone:
         request = job.request
-        token_ids = unpack_token_ids(request.prompt_token_ids).tolist()
-        self._validate(job, token_ids)
+        token_ids = self._validate(job)
         if request.request_id in self._jobs:
             raise BadRequest(f"request {request.request_id} is already being prefilled here")
         accepted_s = time.perf_counter()
@@ -180,26 +179,17 @@ class PrefillWorker:
             self._drop(entry, Cancelled("prefill worker stopping"))
             raise
 
-    def _validate(self, job: PrefillJob, token_ids: list[int]) -> None:
-        request = job.request
-        if request.model != self.model_name:
-            raise BadRequest(f"model {request.model!r} is not served here ({self.model_name})")
-        if request.block_size_tokens != self.block_size:
-            raise BadRequest(
-                f"block_size_tokens {request.block_size_tokens} != this worker's {self.block_size}"
-            )
-        if not token_ids:
-            raise BadRequest("prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise BadRequest(
-                f"prompt of {len(token_ids)} tokens leaves no room to generate "
-                f"(max_model_len {self.max_model_len})"
-            )
+    def _validate(self, job: PrefillJob) -> list[int]:
+        token_ids = checked_prompt(
+            job.request, model_name=self.model_name, block_size_tokens=self.block_size,
+            max_model_len=self.max_model_len,
+        )  # fmt: skip
         if self.runner.block_manager.num_blocks_for(len(token_ids)) > self.runner.pool.num_blocks:
             raise BadRequest(
                 f"prompt of {len(token_ids)} tokens does not fit this worker's KV pool "
                 f"({self.runner.pool.num_blocks} pages of {self.block_size} tokens)"
             )
+        return token_ids
 
     async def on_cancel(self, cancel: CancelRequest) -> None:
         entry = self._jobs.get(cancel.request_id)

@@ -1,8 +1,7 @@
-"""Where the bundled model lives: `models/tiny-coder/` at the repository's top (see its
-README.md, the model card). It is the default model of `kvfabric up`."""
+"""The bundled model's directory, for engine code (defined in `shared/bundled.py`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from shared.bundled import BUNDLED_MODEL_DIR
 
-BUNDLED_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-coder"
+__all__ = ["BUNDLED_MODEL_DIR"]

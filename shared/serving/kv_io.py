@@ -7,18 +7,22 @@ full-attention layers only), so every move here is one copy per block, never a r
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from shared.config import EngineWorkerConfig
-from shared.engine.block_manager import BlockAllocator
-from shared.engine.kv_cache import PagedKVPool
 from shared.kvstore.hashing import BlockHasher
 from shared.kvstore.slots import SlotRef
 from shared.kvstore.store import KvStore, KvStoreConfig
 from shared.kvstore.writer import KvEventPublisher
 from shared.schema.inference import BlockLocations, GenerateRequest
+
+if TYPE_CHECKING:  # shared.engine imports torch; the mock workers (no torch) use this module
+    from shared.engine.block_manager import BlockAllocator
+    from shared.engine.kv_cache import PagedKVPool
 
 
 @dataclass(frozen=True)
@@ -78,12 +82,25 @@ async def store_blocks(
 ) -> int:
     """Write blocks [first_block, end_block) of a sequence (page i holds block i) to the store
     and log them for kv-index; returns how many were written."""
-    if end_block <= first_block:
+    payloads = [memoryview(pool.block_view(pages[i])) for i in range(first_block, end_block)]
+    return await store_payloads(publisher, token_ids, hasher, first_block, payloads)
+
+
+async def store_payloads(
+    publisher: KvEventPublisher,
+    token_ids: list[int],
+    hasher: BlockHasher,
+    first_block: int,
+    payloads: Sequence[bytes | memoryview],
+) -> int:
+    """Write `payloads` as blocks first_block, first_block + 1, ... of `token_ids` and log
+    them for kv-index; returns how many were written. (The mock engine's blocks have no
+    pool pages: their payloads are placeholder bytes.)"""
+    if not payloads:
         return 0
+    end_block = first_block + len(payloads)
     hashes = hasher.hashes(token_ids[: end_block * hasher.block_size_tokens])
-    blocks = [
-        (hashes[i], memoryview(pool.block_view(pages[i]))) for i in range(first_block, end_block)
-    ]
+    blocks = list(zip(hashes[first_block:end_block], payloads, strict=True))
     parent = hashes[first_block - 1] if first_block > 0 else None
     stored = await publisher.store_blocks(blocks, parent_block_hash=parent)
     return sum(b is not None for b in stored)

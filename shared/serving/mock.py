@@ -1,0 +1,68 @@
+"""What the mock prefill and decode workers (`--engine mock`) share.
+
+The served model's few facts come from its config.json, not from loading it: vocabulary
+(fake tokens are drawn from it), end-of-sequence ids and context length -- the same limits a
+real worker enforces, so requests that fail on the model fail on the mock. The store is the
+real one, written through aiofiles (no NIXL to import or register), with `mock_block_nbytes`
+of placeholder bytes per block: kv-index, eviction and the next turn's hits all see real
+slots. Simulated time is divided by `mock_speedup` before it is slept, so every duration a
+mock worker reports is in the cluster's (scaled) wall-clock time, comparable with the queue
+and transfer times it measures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from shared.config import EngineWorkerConfig
+from shared.kvstore.backends import AIOFILES
+from shared.kvstore.store import KvStore
+from shared.serving.kv_io import open_store
+
+
+@dataclass(frozen=True)
+class MockModel:
+    name: str  # the model directory's name: what requests must ask for
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+
+    @classmethod
+    def from_config(cls, config: EngineWorkerConfig) -> MockModel:
+        hf = json.loads((config.model_dir / "config.json").read_text())
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            name=config.model_dir.name,
+            vocab_size=int(hf.get("vocab_size", 32_000)),
+            eos_token_ids=eos_ids,
+            max_model_len=config.max_model_len or int(hf.get("max_position_embeddings", 4096)),
+        )
+
+    def describe(self, config: EngineWorkerConfig) -> dict[str, str]:
+        """Discovery metadata, the keys of `shared.engine.worker.describe` that apply."""
+        return {
+            "model": self.name,
+            "engine": "mock",
+            "mock_speedup": str(config.mock_speedup),
+            "kv_block_size_tokens": str(config.kv_block_size_tokens),
+            "kv_block_nbytes": str(config.mock_block_nbytes),
+            "max_model_len": str(self.max_model_len),
+        }
+
+
+async def open_mock_store(config: EngineWorkerConfig, writer_id: str) -> KvStore:
+    """The real store, through aiofiles whatever `store_backend` says (no NIXL in mock mode)."""
+    return await open_store(
+        dataclasses.replace(config, store_backend=AIOFILES), writer_id, config.mock_block_nbytes
+    )
+
+
+async def sleep_simulated(duration_s: float, speedup: float) -> float:
+    """Sleep `duration_s` of simulated time; returns the wall-clock seconds slept."""
+    wall_s = duration_s / speedup
+    await asyncio.sleep(wall_s)
+    return wall_s

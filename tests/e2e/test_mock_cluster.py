@@ -1,0 +1,227 @@
+"""`--engine mock` end to end: 8 prefill and 8 decode workers under concurrent load (the
+issue's "with the mock engine, 8 workers of each kind under concurrent load").
+
+Everything but the model is real: separate processes, NATS, the router's policy, kv-index
+fed by the workers' KV events, swa-memcache, store files, streams and usage on JetStream.
+The mock's tokens are deterministic (`fake_tokens`), so every answer is known in advance.
+Blocks are 16 tokens so that short prompts have many blocks; billing and ingress are left
+out (nothing here needs them): 19 service processes share a 2-core host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from services.admin.launcher import Cluster, ClusterSpec
+from shared.bus import Bus
+from shared.client import GenerateResult, build_request, generate
+from shared.config import BUNDLED_MODEL_DIR
+from shared.discovery import discover
+from shared.kvstore import index_client
+from shared.kvstore.hashing import BlockHasher
+from shared.schema import UsageRecord
+from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
+from shared.testing import unique_root
+from shared.testing.mock_requests import fake_tokens
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+BLOCK = 16
+NUM_WORKERS = 8
+NUM_REQUESTS = 40
+MAX_TOKENS = 16
+MODEL = BUNDLED_MODEL_DIR.name
+HF_CONFIG = json.loads((BUNDLED_MODEL_DIR / "config.json").read_text())
+MOCK_ARGS = [
+    "--engine", "mock", "--kv-block-size-tokens", str(BLOCK),
+    "--store-file-nbytes", str(8 << 20),  # 16 workers x the 256 MiB default, preallocated
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    spec = ClusterSpec(
+        state_dir=tmp_path_factory.mktemp("mock"),
+        nats_port=0,
+        http_port=0,
+        root=unique_root(),
+        replicas={PREFILL: NUM_WORKERS, DECODE: NUM_WORKERS, BILLING: 0, INGRESS: 0},
+        extra_args={
+            PREFILL: MOCK_ARGS,
+            DECODE: MOCK_ARGS,
+            ROUTER: ["--decode-page-size-tokens", str(BLOCK)],
+        },
+        shutdown_grace_s=3.0,
+    )
+    cluster = Cluster(spec)
+    cluster.start()
+
+    async def ready() -> None:
+        bus = await Bus.connect(cluster.nats_url, service="test", root=spec.root)
+        try:
+            await cluster.wait_ready(bus, timeout_s=120)
+        finally:
+            await bus.close()
+
+    try:
+        asyncio.run(ready())
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    vocab = HF_CONFIG["vocab_size"]
+    return [
+        [rng.randrange(3, vocab) for _ in range(rng.randrange(100, 300))]
+        for _ in range(NUM_REQUESTS)
+    ]
+
+
+def _expected(prompt: list[int]) -> list[int]:
+    """The mock's answer: its fake tokens, through the first end-of-sequence id."""
+    tokens = fake_tokens(prompt, MAX_TOKENS, seed=0, vocab_size=HF_CONFIG["vocab_size"])
+    eos = HF_CONFIG["eos_token_id"]
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+async def _round(bus: Bus, prompts: list[list[int]]) -> list[GenerateResult]:
+    requests = [
+        build_request(p, model=MODEL, block_size_tokens=BLOCK, max_tokens=MAX_TOKENS)
+        for p in prompts
+    ]
+    # 19 processes share 2 cores here: a heartbeat may come late, never 10 s late.
+    return await asyncio.gather(*(generate(bus, r, liveness_timeout_s=10.0) for r in requests))
+
+
+async def _indexed(bus: Bus, prompt: list[int], timeout_s: float = 10.0) -> None:
+    """Until kv-index knows every complete block of `prompt` (it applies events async)."""
+    hashes = BlockHasher(model_id=MODEL, block_size_tokens=BLOCK).hashes(prompt)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = (await index_client.match(bus, hashes, num_shards=1)).get("ssd")
+        if found is not None and found.num_blocks == len(hashes):
+            return
+        assert time.monotonic() < deadline, "kv-index never learnt the prompt's blocks"
+        await asyncio.sleep(0.05)
+
+
+async def _usage_records(bus: Bus, request_ids: set[str]) -> dict[str, UsageRecord]:
+    records: dict[str, UsageRecord] = {}
+
+    async def on_record(record: UsageRecord, seq: int) -> None:
+        records.setdefault(record.request_id, record)
+
+    subjects = bus.subjects
+    subscription = await bus.consume(
+        subjects.usage_stream, subjects.usage_all, UsageRecord, on_record
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while not request_ids <= records.keys():
+            missing = len(request_ids - records.keys())
+            assert time.monotonic() < deadline, f"{missing} usage records never arrived"
+            await asyncio.sleep(0.05)
+        return records
+    finally:
+        await bus.unsubscribe(subscription)
+
+
+def test_mock_path_imports_neither_torch_nor_nixl() -> None:
+    """What keeps 16 mock workers cheap: none of them loads torch or NIXL."""
+    code = (
+        "import sys, services.prefill.main, services.decode.main; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'nixl') "
+        "or m.startswith('shared.engine')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+async def test_eight_and_eight_mock_workers_serve_concurrent_load(cluster: Cluster) -> None:
+    bus = await Bus.connect(cluster.nats_url, service="test", root=cluster.spec.root)
+    try:
+        workers = [i for i in await discover(bus) if i.service in (PREFILL, DECODE)]
+        assert len(workers) == 2 * NUM_WORKERS
+        assert {i.metadata.get("engine") for i in workers} == {"mock"}
+
+        prompts = _prompts()
+        started = time.monotonic()
+        first = await _round(bus, prompts)
+        first_s = time.monotonic() - started
+        for prompt, result in zip(prompts, first, strict=True):
+            assert result.token_ids == _expected(prompt), result.request_id
+            assert result.finish_reason in ("stop", "length")
+            assert result.usage is not None and result.usage.num_prompt_tokens == len(prompt)
+        used_prefill = {r.decision.prefill_worker_id for r in first}
+        used_decode = {r.decision.decode_worker_id for r in first}
+        assert len(used_prefill) >= 4, used_prefill
+        assert len(used_decode) >= 4, used_decode
+
+        for prompt in prompts:
+            await _indexed(bus, prompt)
+        started = time.monotonic()
+        second = await _round(bus, prompts)
+        second_s = time.monotonic() - started
+        for prompt, result in zip(prompts, second, strict=True):
+            assert result.token_ids == _expected(prompt), result.request_id
+            assert result.usage is not None and result.usage.num_cached_tokens > 0
+            assert result.decision.num_cached_tokens == result.usage.num_cached_tokens
+        restores = {r.stats.prefill.swa_restore for r in second if r.stats is not None}
+
+        results = {r.request_id: r for r in first + second}
+        records = await _usage_records(bus, set(results))
+        for request_id, result in results.items():
+            record = records[request_id]
+            assert record.status == "completed"
+            assert record.num_output_tokens == len(result.token_ids)
+            assert record.num_cache_hit_tokens == result.usage.num_cached_tokens
+            assert record.decode_worker_id == result.decision.decode_worker_id
+        print(
+            f"{NUM_REQUESTS} concurrent requests on {NUM_WORKERS}+{NUM_WORKERS} mock workers: "
+            f"cold round {first_s:.2f}s, cached round {second_s:.2f}s; prefill workers used "
+            f"{len(used_prefill)}, decode {len(used_decode)}; window restores {restores}"
+        )
+    finally:
+        await bus.close()
+
+
+async def test_cancelled_mock_stream_frees_pages_and_bills_what_was_produced(
+    cluster: Cluster,
+) -> None:
+    bus = await Bus.connect(cluster.nats_url, service="test", root=cluster.spec.root)
+    try:
+        got_tokens = asyncio.Event()
+        prompt = _prompts()[0][:100]
+        request = build_request(prompt, model=MODEL, block_size_tokens=BLOCK, max_tokens=400)
+        sampling = msgspec.structs.replace(request.sampling, ignore_eos=True)
+        request = msgspec.structs.replace(request, sampling=sampling)
+        # 400 simulated steps of >= 10 ms: still streaming when the cancel lands.
+        task = asyncio.create_task(generate(bus, request, on_chunk=lambda c: got_tokens.set()))
+        await asyncio.wait_for(got_tokens.wait(), 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        record = (await _usage_records(bus, {request.request_id}))[request.request_id]
+        assert record.status == "cancelled"
+        assert 0 < record.num_output_tokens < 400
+        deadline = time.monotonic() + 10
+        while True:
+            worker = await discover(bus, service=DECODE)
+            load = next(i.load for i in worker if i.instance_id == record.decode_worker_id)
+            if load["num_kv_pages_free"] == load["num_kv_pages_total"]:
+                break
+            assert time.monotonic() < deadline, "decode pages not freed after cancellation"
+            await asyncio.sleep(0.2)
+    finally:
+        await bus.close()
