@@ -19,10 +19,11 @@ import typer
 from services.admin import cache_cli, generate_cli
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of, parse_replicas
 from services.admin.status import render
+from shared.bundled import BUNDLED_MODEL_DIR
 from shared.bus import Bus
 from shared.client import build_request, generate
+from shared.config import ENGINES
 from shared.discovery import discover
-from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.kvstore import index_client
 from shared.kvstore.hashing import BlockHasher
 from shared.schema import ServiceError, SwaGet, SwaGetReply, SwaPut, SwaPutReply
@@ -49,6 +50,9 @@ def up(
     log_level: str = typer.Option("info", help="debug|info|warning|error"),
     shutdown_grace_s: float = typer.Option(10.0, help="how long each service may drain"),
     model: Path = typer.Option(BUNDLED_MODEL_DIR, help="HF model directory prefill and decode run"),
+    engine: str = typer.Option(
+        "model", help="model: run it; mock: simulated timing, real KV events and usage"
+    ),
 ) -> None:
     """Run the whole cluster on this machine until Ctrl-C or SIGTERM."""
     spec = _spec(
@@ -62,7 +66,7 @@ def up(
         log_level,
         shutdown_grace_s,
     )
-    spec.extra_args = _model_args(model)
+    spec.extra_args = _model_args(model, engine)
     raise typer.Exit(asyncio.run(_up(spec, serve_forever=True)))
 
 
@@ -135,10 +139,13 @@ def status(
         typer.echo(render(instances))
 
 
-def _model_args(model: Path) -> dict[str, list[str]]:
+def _model_args(model: Path, engine: str = "model") -> dict[str, list[str]]:
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} is not an HF model directory", param_hint="--model")
-    return {PREFILL: ["--model-dir", str(model)], DECODE: ["--model-dir", str(model)]}
+    if engine not in ENGINES:
+        raise typer.BadParameter(f"must be one of {', '.join(ENGINES)}", param_hint="--engine")
+    args = ["--model-dir", str(model), "--engine", engine]
+    return {PREFILL: args, DECODE: list(args)}
 
 
 def _spec(

@@ -171,6 +171,21 @@ class Router:
             )
             await self.bus.publish(self.bus.subjects.router_inflight, notice)
 
+    async def withdraw(self, deltas: Sequence[InflightDelta]) -> None:
+        """Take back work counted by `record_sent` that was never sent after all; peers get
+        the same notice negated."""
+        for delta in deltas:
+            if not self.table.withdraw(delta):
+                continue  # already settled by a heartbeat, or the instance is gone
+            notice = InflightNotice(
+                router_id=delta.router_id,
+                instance_id=delta.instance_id,
+                num_tokens=-delta.num_tokens,
+                num_kv_pages=-delta.num_kv_pages,
+                num_requests=-delta.num_requests,
+            )
+            await self.bus.publish(self.bus.subjects.router_inflight, notice)
+
     # -- router.generate -----------------------------------------------------------------
     async def generate(self, request: GenerateRequest, ctx: Context) -> RouteDecision:
         try:
@@ -254,27 +269,39 @@ class Router:
         swa_node_ids: frozenset[str],
         cached: BlockLocations,
     ) -> RouteDecision:
-        """Choose and hand the request to its decode worker; once more if that one is gone."""
-        decision = await self._choose(facts, swa_node_ids)
+        """Choose and hand the request to its decode worker; once more if that one is gone.
+
+        Work counted in flight for a choice that did not stick (decode refused it: a bad
+        request, no pages, gone) is withdrawn, or it would steer the next requests away from
+        those workers until their next heartbeats."""
+        decision, deltas = await self._choose(facts, swa_node_ids)
         try:
-            await self._send_decode(request, decision, cached)
-        except NoResponders as exc:
-            log.warning(
-                "decode worker gone: choosing again", request_id=request.request_id,
-                decode_worker_id=decision.decode_worker_id, error=exc.message,
-            )  # fmt: skip
-            self.table.remove(decision.decode_worker_id)
-            decision = await self._choose(facts, swa_node_ids)
-            await self._send_decode(request, decision, cached)
+            try:
+                await self._send_decode(request, decision, cached)
+            except NoResponders as exc:
+                log.warning(
+                    "decode worker gone: choosing again", request_id=request.request_id,
+                    decode_worker_id=decision.decode_worker_id, error=exc.message,
+                )  # fmt: skip
+                self.table.remove(decision.decode_worker_id)
+                await self.withdraw(deltas)
+                decision, deltas = await self._choose(facts, swa_node_ids)
+                await self._send_decode(request, decision, cached)
+        except BaseException:
+            await self.withdraw(deltas)
+            raise
         return decision
 
-    async def _choose(self, facts: RequestFacts, swa_node_ids: frozenset[str]) -> RouteDecision:
+    async def _choose(
+        self, facts: RequestFacts, swa_node_ids: frozenset[str]
+    ) -> tuple[RouteDecision, Sequence[InflightDelta]]:
         decision = self.policy.choose(facts, self.table, swa_node_ids, time.monotonic())
         if isinstance(decision, Rejection):
             raise decision.to_error()
         # Counted before the job is sent: a burst within one heartbeat must see it.
-        await self.record_sent(self.policy.inflight_deltas(self.router_id, decision, facts))
-        return decision
+        deltas = self.policy.inflight_deltas(self.router_id, decision, facts)
+        await self.record_sent(deltas)
+        return decision, deltas
 
     async def _send_decode(
         self, request: GenerateRequest, decision: RouteDecision, cached: BlockLocations

@@ -53,7 +53,8 @@ class WorkerView:
 
     @property
     def num_queued_tokens(self) -> int:
-        return self.num_reported_queued_tokens + self.num_inflight_tokens
+        # Withdrawn work reaches peers as negative notices, which may outlive what they undo.
+        return max(self.num_reported_queued_tokens + self.num_inflight_tokens, 0)
 
     @property
     def num_kv_pages_free(self) -> int:
@@ -124,6 +125,17 @@ class LoadTable:
             return False
         known.inflight.append((now_s, delta))
         return True
+
+    def withdraw(self, delta: InflightDelta) -> bool:
+        """Undo `record_sent(delta)` (the very same object); False if it already settled."""
+        known = self._instances.get(delta.instance_id)
+        if known is None:
+            return False
+        for i, (_, recorded) in enumerate(known.inflight):
+            if recorded is delta:
+                del known.inflight[i]
+                return True
+        return False
 
     def remove(self, instance_id: str) -> bool:
         """Forget an instance known to be gone (its job failed with no responders)."""

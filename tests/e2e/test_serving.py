@@ -21,9 +21,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from services.admin.launcher import Cluster, ClusterSpec
+from shared.bundled import BUNDLED_MODEL_DIR
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
-from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.kvstore import index_client
 from shared.kvstore.hashing import BlockHasher
 from shared.schema import BadRequest, GenerateRequest, LoadReport, Unavailable, UsageRecord
@@ -223,13 +223,22 @@ async def test_bad_requests_get_typed_errors_and_nothing_is_left_behind(cluster:
 async def test_two_prefill_and_two_decode_workers_share_load(cluster: Cluster) -> None:
     bus = await _bus(cluster)
     try:
+        reports: dict[str, LoadReport] = {}
+
+        async def keep(report: LoadReport) -> None:
+            reports[report.instance_id] = report
+
+        watch = await bus.subscribe(bus.subjects.load_all, LoadReport, keep)
         prompts = [_tokens(f"# file {i}\n" + CODE) for i in range(8)]
         results = await asyncio.gather(
             *(generate(bus, _request(p, max_tokens=16)) for p in prompts)
         )
         assert all(r.finish_reason in ("stop", "length") for r in results)
-        assert {r.decision.prefill_worker_id for r in results} == {"prefill-0", "prefill-1"}
-        assert {r.decision.decode_worker_id for r in results} == {"decode-0", "decode-1"}
+        routes = [(r.decision.prefill_worker_id, r.decision.decode_worker_id) for r in results]
+        await bus.unsubscribe(watch)
+        seen = {i: (r.state, r.num_queued_tokens, r.seq) for i, r in reports.items()}
+        assert {p for p, _ in routes} == {"prefill-0", "prefill-1"}, (routes, seen)
+        assert {d for _, d in routes} == {"decode-0", "decode-1"}, routes
     finally:
         await bus.close()
 

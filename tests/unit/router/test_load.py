@@ -73,6 +73,24 @@ def test_inflight_from_two_routers_adds_up_and_settles_on_the_next_heartbeat():
     assert r1.view("a", 1.2).num_queued_tokens == 900
 
 
+def test_work_withdrawn_before_it_settles_no_longer_counts():
+    table = table_with(report("a", queued_tokens=100), router_id="r1")
+    refused = InflightDelta("r1", "a", num_tokens=1800)
+    kept = InflightDelta("r1", "a", num_tokens=300)
+    table.record_sent(refused, 1.0)
+    table.record_sent(kept, 1.0)
+    assert table.withdraw(refused)
+    assert not table.withdraw(refused)  # once only
+    assert table.view("a", 1.0).num_queued_tokens == 100 + 300
+    assert table.view("a", 1.0).num_inflight_requests == 1
+    # A peer's negated notice (how a withdrawal reaches the other replicas) cancels out.
+    table.apply_peer(InflightDelta("r2", "a", num_tokens=50), 1.0)
+    table.apply_peer(InflightDelta("r2", "a", num_tokens=-50, num_requests=-1), 1.0)
+    assert table.view("a", 1.0).num_queued_tokens == 100 + 300
+    table.observe(report("a", queued_tokens=0), 2.0)  # settled: nothing left to withdraw
+    assert not table.withdraw(kept)
+
+
 def test_inflight_to_an_unknown_instance_is_not_counted():
     table = LoadTable("r1")
     assert not table.record_sent(InflightDelta("r1", "ghost", num_tokens=5), 0.0)
