@@ -19,7 +19,6 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
 from tokenizers import Tokenizer
 
 from services.decode.config import DecodeConfig
@@ -27,21 +26,15 @@ from services.decode.finish import Finisher
 from services.decode.mock_worker import MockDecodeWorker
 from shared.bus import Endpoint
 from shared.kvstore.store import KvStore
-from shared.kvstore.swa_client import SwaClient
-from shared.kvstore.transfer import KvTransferAgent
-from shared.kvstore.writer import KvEventPublisher
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, DecodeJob, SuffixReady
-from shared.serving.kv_io import open_store
-from shared.serving.mock import MockModel, open_mock_store
-from shared.serving.staging import StagingSpace
+from shared.serving.wiring import open_mock_kv, open_model_kv, start_worker
 from shared.subjects import DECODE
 from shared.testing.mock_engine import MockEngine, MockEngineConfig
 
 if TYPE_CHECKING:
     from services.decode.worker import DecodeWorker
 
-SWA_STAGING_BYTES = 4 << 20  # the head of the NIXL buffer: large snapshot puts
 USAGE_LOG_MAX_AGE_S = 7 * 24 * 3600.0
 
 
@@ -75,27 +68,20 @@ async def setup(runtime: ServiceRuntime) -> None:
         track_block_boundaries=True,
     )
     await ensure_usage_stream(runtime)
-    store = await open_store(config, bus.instance_id, runner.layout.block_nbytes)
-    publisher = KvEventPublisher(bus, store)
-    await publisher.start()
-    buffer = np.zeros(config.handoff_staging_bytes + SWA_STAGING_BYTES, dtype=np.uint8)
-    agent = await asyncio.to_thread(KvTransferAgent, bus, buffer, service=DECODE)
-    await agent.serve()
-    swa = SwaClient(bus, agent, staging_offset=0, staging_nbytes=SWA_STAGING_BYTES)
-    staging = StagingSpace(SWA_STAGING_BYTES, config.handoff_staging_bytes)
+    kv = await open_model_kv(bus, config, DECODE, runner.layout.block_nbytes)
     worker = DecodeWorker(
-        bus, engine, tokenizer, agent, staging,
-        Finisher(bus, store, publisher, swa), model_name=config.model_dir.name,
+        bus, engine, tokenizer, kv.agent, kv.staging,
+        Finisher(bus, kv.store, kv.publisher, kv.swa), model_name=config.model_dir.name,
         retry_after_s=config.retry_after_s, pull_timeout_s=config.pull_timeout_s,
         suffix_timeout_s=config.suffix_timeout_s,
     )  # fmt: skip
-    await serve(runtime, worker, store, agent.close)
+    await serve(runtime, worker, kv.store, kv.agent.close)
 
 
 async def setup_mock(runtime: ServiceRuntime, config: DecodeConfig) -> None:
     bus = runtime.bus
-    model = MockModel.from_config(config)
-    runtime.metadata |= model.describe(config)
+    await ensure_usage_stream(runtime)
+    model, store, publisher = await open_mock_kv(runtime, config)
     tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
     engine = MockEngine(
         MockEngineConfig(
@@ -105,10 +91,6 @@ async def setup_mock(runtime: ServiceRuntime, config: DecodeConfig) -> None:
             num_kv_pages=config.num_kv_blocks,
         )
     )  # fmt: skip
-    await ensure_usage_stream(runtime)
-    store = await open_mock_store(config, bus.instance_id)
-    publisher = KvEventPublisher(bus, store)
-    await publisher.start()
     finisher = Finisher(bus, store, publisher, swa=None)  # mock sequences have no window
     await serve(runtime, MockDecodeWorker(bus, engine, tokenizer, finisher, config, model), store)
 
@@ -128,21 +110,11 @@ async def serve(
 ) -> None:
     """What either engine serves, and its shutdown: the worker, then what it used."""
     bus, subjects = runtime.bus, runtime.bus.subjects
-    worker.start()
+    start_worker(runtime, worker, store, *closers)
     await bus.serve(Endpoint("run", subjects.decode_run, DecodeJob, worker.handle_job))
     await bus.serve(Endpoint("suffix", subjects.decode_suffix, SuffixReady, worker.handle_suffix))
     await bus.subscribe(subjects.cancel, CancelRequest, worker.on_cancel)
     runtime.every(1.0, worker.expire)
-    runtime.load_fields = worker.load_fields
-    runtime.counters = lambda: worker.counters() | {"store": store.stats()}
-
-    async def close() -> None:
-        await worker.stop()
-        for closer in closers:
-            closer()
-        store.close()
-
-    runtime.on_stop(close)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,26 +17,18 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from services.prefill.config import PrefillConfig
 from services.prefill.mock_worker import MockPrefillWorker
 from shared.bus import Endpoint
 from shared.kvstore.store import KvStore
 from shared.kvstore.swa_client import SwaClient
-from shared.kvstore.transfer import KvTransferAgent
-from shared.kvstore.writer import KvEventPublisher
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, PrefillJob
-from shared.serving.kv_io import open_store
-from shared.serving.mock import MockModel, open_mock_store
-from shared.serving.staging import StagingSpace
+from shared.serving.wiring import open_mock_kv, open_model_kv, start_worker
 from shared.subjects import PREFILL
 
 if TYPE_CHECKING:
     from services.prefill.worker import PrefillWorker
-
-SWA_STAGING_BYTES = 4 << 20  # the head of the NIXL buffer: large snapshot puts
 
 
 async def setup(runtime: ServiceRuntime) -> None:
@@ -54,13 +46,7 @@ async def setup(runtime: ServiceRuntime) -> None:
     bus = runtime.bus
     runner = await asyncio.to_thread(build_runner, config)
     runtime.metadata |= describe(runner, config)
-    store = await open_store(config, bus.instance_id, runner.layout.block_nbytes)
-    publisher = KvEventPublisher(bus, store)
-    await publisher.start()
-    buffer = np.zeros(config.handoff_staging_bytes + SWA_STAGING_BYTES, dtype=np.uint8)
-    agent = await asyncio.to_thread(KvTransferAgent, bus, buffer, service=PREFILL)
-    await agent.serve()
-    swa = SwaClient(bus, agent, staging_offset=0, staging_nbytes=SWA_STAGING_BYTES)
+    kv = await open_model_kv(bus, config, PREFILL, runner.layout.block_nbytes)
     compute_lock = asyncio.Lock()
     policy = RestorePolicy(
         use_memcache=config.swa_use_memcache,
@@ -68,22 +54,18 @@ async def setup(runtime: ServiceRuntime) -> None:
         replay_tokens=config.swa_replay_tokens,
     )
     worker = PrefillWorker(
-        bus, runner, PrefixRestorer(runner, store, swa, policy, compute_lock), publisher, swa,
-        buffer, StagingSpace(SWA_STAGING_BYTES, config.handoff_staging_bytes),
+        bus, runner, PrefixRestorer(runner, kv.store, kv.swa, policy, compute_lock),
+        kv.publisher, kv.swa, kv.agent.buffer, kv.staging,
         model_name=config.model_dir.name, max_batch_tokens=config.max_batch_tokens,
         max_model_len=config.max_model_len or runner.config.max_position_embeddings,
         handoff_timeout_s=config.handoff_timeout_s, compute_lock=compute_lock,
     )  # fmt: skip
-    await serve(runtime, worker, store, agent.close)
+    await serve(runtime, worker, kv.store, kv.agent.close)
 
 
 async def setup_mock(runtime: ServiceRuntime, config: PrefillConfig) -> None:
     bus = runtime.bus
-    model = MockModel.from_config(config)
-    runtime.metadata |= model.describe(config)
-    store = await open_mock_store(config, bus.instance_id)
-    publisher = KvEventPublisher(bus, store)
-    await publisher.start()
+    model, store, publisher = await open_mock_kv(runtime, config)
     swa = SwaClient(bus, None)  # placeholder snapshots are small: inline, no NIXL
     await serve(runtime, MockPrefillWorker(bus, publisher, swa, config, model), store)
 
@@ -96,19 +78,9 @@ async def serve(
 ) -> None:
     """What either engine serves, and its shutdown: the worker, then what it used."""
     bus = runtime.bus
-    worker.start()
+    start_worker(runtime, worker, store, *closers)
     await bus.serve(Endpoint("run", bus.subjects.prefill_run, PrefillJob, worker.handle_job))
     await bus.subscribe(bus.subjects.cancel, CancelRequest, worker.on_cancel)
-    runtime.load_fields = worker.load_fields
-    runtime.counters = lambda: worker.counters() | {"store": store.stats()}
-
-    async def close() -> None:
-        await worker.stop()
-        for closer in closers:
-            closer()
-        store.close()
-
-    runtime.on_stop(close)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,17 +21,15 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from services.admin.launcher import Cluster, ClusterSpec
+from services.admin.launcher import Cluster
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
 from shared.config import BUNDLED_MODEL_DIR
 from shared.discovery import discover
-from shared.kvstore import index_client
 from shared.kvstore.hashing import BlockHasher
-from shared.schema import UsageRecord
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
-from shared.testing import unique_root
 from shared.testing.mock_requests import fake_tokens
+from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster, usage_records
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -49,34 +47,16 @@ MOCK_ARGS = [
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    spec = ClusterSpec(
-        state_dir=tmp_path_factory.mktemp("mock"),
-        nats_port=0,
-        http_port=0,
-        root=unique_root(),
+    yield from run_cluster(
+        tmp_path_factory.mktemp("mock"),
         replicas={PREFILL: NUM_WORKERS, DECODE: NUM_WORKERS, BILLING: 0, INGRESS: 0},
         extra_args={
             PREFILL: MOCK_ARGS,
             DECODE: MOCK_ARGS,
             ROUTER: ["--decode-page-size-tokens", str(BLOCK)],
         },
-        shutdown_grace_s=3.0,
+        ready_timeout_s=120,
     )
-    cluster = Cluster(spec)
-    cluster.start()
-
-    async def ready() -> None:
-        bus = await Bus.connect(cluster.nats_url, service="test", root=spec.root)
-        try:
-            await cluster.wait_ready(bus, timeout_s=120)
-        finally:
-            await bus.close()
-
-    try:
-        asyncio.run(ready())
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def _prompts() -> list[list[int]]:
@@ -104,37 +84,11 @@ async def _round(bus: Bus, prompts: list[list[int]]) -> list[GenerateResult]:
     return await asyncio.gather(*(generate(bus, r, liveness_timeout_s=10.0) for r in requests))
 
 
-async def _indexed(bus: Bus, prompt: list[int], timeout_s: float = 10.0) -> None:
-    """Until kv-index knows every complete block of `prompt` (it applies events async)."""
+async def _indexed(bus: Bus, prompt: list[int]) -> None:
+    """Until kv-index knows every complete block of `prompt`."""
     hashes = BlockHasher(model_id=MODEL, block_size_tokens=BLOCK).hashes(prompt)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = (await index_client.match(bus, hashes, num_shards=1)).get("ssd")
-        if found is not None and found.num_blocks == len(hashes):
-            return
-        assert time.monotonic() < deadline, "kv-index never learnt the prompt's blocks"
-        await asyncio.sleep(0.05)
-
-
-async def _usage_records(bus: Bus, request_ids: set[str]) -> dict[str, UsageRecord]:
-    records: dict[str, UsageRecord] = {}
-
-    async def on_record(record: UsageRecord, seq: int) -> None:
-        records.setdefault(record.request_id, record)
-
-    subjects = bus.subjects
-    subscription = await bus.consume(
-        subjects.usage_stream, subjects.usage_all, UsageRecord, on_record
-    )
-    try:
-        deadline = time.monotonic() + 15
-        while not request_ids <= records.keys():
-            missing = len(request_ids - records.keys())
-            assert time.monotonic() < deadline, f"{missing} usage records never arrived"
-            await asyncio.sleep(0.05)
-        return records
-    finally:
-        await bus.unsubscribe(subscription)
+    num_blocks = await num_indexed_blocks(bus, hashes, timeout_s=10.0)
+    assert num_blocks == len(hashes), "kv-index never learnt the prompt's blocks"
 
 
 def test_mock_path_imports_neither_torch_nor_nixl() -> None:
@@ -149,7 +103,7 @@ def test_mock_path_imports_neither_torch_nor_nixl() -> None:
 
 
 async def test_eight_and_eight_mock_workers_serve_concurrent_load(cluster: Cluster) -> None:
-    bus = await Bus.connect(cluster.nats_url, service="test", root=cluster.spec.root)
+    bus = await connect(cluster)
     try:
         workers = [i for i in await discover(bus) if i.service in (PREFILL, DECODE)]
         assert len(workers) == 2 * NUM_WORKERS
@@ -180,7 +134,7 @@ async def test_eight_and_eight_mock_workers_serve_concurrent_load(cluster: Clust
         restores = {r.stats.prefill.swa_restore for r in second if r.stats is not None}
 
         results = {r.request_id: r for r in first + second}
-        records = await _usage_records(bus, set(results))
+        records = await usage_records(bus, set(results), timeout_s=15)
         for request_id, result in results.items():
             record = records[request_id]
             assert record.status == "completed"
@@ -199,7 +153,7 @@ async def test_eight_and_eight_mock_workers_serve_concurrent_load(cluster: Clust
 async def test_cancelled_mock_stream_frees_pages_and_bills_what_was_produced(
     cluster: Cluster,
 ) -> None:
-    bus = await Bus.connect(cluster.nats_url, service="test", root=cluster.spec.root)
+    bus = await connect(cluster)
     try:
         got_tokens = asyncio.Event()
         prompt = _prompts()[0][:100]
@@ -212,7 +166,8 @@ async def test_cancelled_mock_stream_frees_pages_and_bills_what_was_produced(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        record = (await _usage_records(bus, {request.request_id}))[request.request_id]
+        records = await usage_records(bus, {request.request_id}, timeout_s=15)
+        record = records[request.request_id]
         assert record.status == "cancelled"
         assert 0 < record.num_output_tokens < 400
         deadline = time.monotonic() + 10

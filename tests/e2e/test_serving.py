@@ -20,15 +20,14 @@ import msgspec
 import pytest
 from tokenizers import Tokenizer
 
-from services.admin.launcher import Cluster, ClusterSpec
+from services.admin.launcher import Cluster
 from shared.bundled import BUNDLED_MODEL_DIR
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
-from shared.kvstore import index_client
 from shared.kvstore.hashing import BlockHasher
 from shared.schema import BadRequest, GenerateRequest, LoadReport, Unavailable, UsageRecord
 from shared.subjects import DECODE, PREFILL, ROUTER
-from shared.testing import unique_root
+from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster, usage_records
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -55,38 +54,16 @@ class Cache:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    spec = ClusterSpec(
-        state_dir=tmp_path_factory.mktemp("serving"),
-        nats_port=0,
-        http_port=0,
-        root=unique_root(),
+    yield from run_cluster(
+        tmp_path_factory.mktemp("serving"),
         replicas={PREFILL: 2, DECODE: 2},
         extra_args={
             PREFILL: WORKER_ARGS,
             DECODE: WORKER_ARGS,
             ROUTER: ["--heartbeat-timeout-s", "3", "--decode-page-size-tokens", str(BLOCK)],
         },
-        shutdown_grace_s=3.0,
+        ready_timeout_s=180,
     )
-    cluster = Cluster(spec)
-    cluster.start()
-
-    async def ready() -> None:
-        bus = await Bus.connect(cluster.nats_url, service="test", root=spec.root)
-        try:
-            await cluster.wait_ready(bus, timeout_s=180)
-        finally:
-            await bus.close()
-
-    try:
-        asyncio.run(ready())
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-async def _bus(cluster: Cluster) -> Bus:
-    return await Bus.connect(cluster.nats_url, service="test", root=cluster.spec.root)
 
 
 def _tokens(text: str) -> list[int]:
@@ -105,35 +82,15 @@ def _request(token_ids: list[int], **kwargs: object) -> GenerateRequest:
 async def _indexed(bus: Bus, token_ids: list[int], salt: str = "", timeout_s: float = 5.0) -> int:
     """Wait until kv-index knows every complete block of `token_ids`; returns the hit."""
     hashes = BlockHasher(model_id=MODEL, block_size_tokens=BLOCK, salt=salt).hashes(token_ids)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = (await index_client.match(bus, hashes, num_shards=1)).get("ssd")
-        num_blocks = found.num_blocks if found else 0
-        if num_blocks == len(hashes) or time.monotonic() > deadline:
-            return num_blocks
-        await asyncio.sleep(0.05)
+    return await num_indexed_blocks(bus, hashes, timeout_s)
 
 
-async def _usage(bus: Bus, request_id: str, timeout_s: float = 10.0) -> UsageRecord:
-    records: dict[str, UsageRecord] = {}
-
-    async def on_record(record: UsageRecord, seq: int) -> None:
-        records.setdefault(record.request_id, record)
-
-    subject = bus.subjects.usage_all
-    subscription = await bus.consume(bus.subjects.usage_stream, subject, UsageRecord, on_record)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while request_id not in records:
-            assert time.monotonic() < deadline, f"no usage record for {request_id}"
-            await asyncio.sleep(0.05)
-        return records[request_id]
-    finally:
-        await bus.unsubscribe(subscription)
+async def _usage(bus: Bus, request_id: str) -> UsageRecord:
+    return (await usage_records(bus, {request_id}, timeout_s=10.0))[request_id]
 
 
 async def test_multi_turn_session_hits_its_own_history(cluster: Cluster) -> None:
-    bus = await _bus(cluster)
+    bus = await connect(cluster)
     try:
         history = _tokens(CODE * 3)
         results: list[GenerateResult] = []
@@ -166,7 +123,7 @@ async def test_multi_turn_session_hits_its_own_history(cluster: Cluster) -> None
 
 
 async def test_cached_output_matches_cold_and_bounded_replay_is_reported(cluster: Cluster) -> None:
-    bus = await _bus(cluster)
+    bus = await connect(cluster)
     try:
         prompt = _tokens(CODE * 2 + "\ndef save_config(path, config):\n")
         first = await generate(bus, _request(prompt, max_tokens=32))
@@ -199,7 +156,7 @@ async def test_cached_output_matches_cold_and_bounded_replay_is_reported(cluster
 
 
 async def test_bad_requests_get_typed_errors_and_nothing_is_left_behind(cluster: Cluster) -> None:
-    bus = await _bus(cluster)
+    bus = await connect(cluster)
     try:
         prompt = _tokens(CODE)
         wrong_model = build_request(prompt, model="no-such-model", block_size_tokens=BLOCK)
@@ -221,7 +178,7 @@ async def test_bad_requests_get_typed_errors_and_nothing_is_left_behind(cluster:
 
 
 async def test_two_prefill_and_two_decode_workers_share_load(cluster: Cluster) -> None:
-    bus = await _bus(cluster)
+    bus = await connect(cluster)
     try:
         reports: dict[str, LoadReport] = {}
 
@@ -257,7 +214,7 @@ async def _pages(bus: Bus, instance_id: str) -> LoadReport:
 async def test_cancellation_frees_decode_pages_and_bills_what_was_produced(
     cluster: Cluster,
 ) -> None:
-    bus = await _bus(cluster)
+    bus = await connect(cluster)
     try:
         got_tokens = asyncio.Event()
         request = _request(_tokens(CODE), max_tokens=3000, ignore_eos=True)
@@ -300,7 +257,7 @@ def _child(cluster: Cluster, instance_id: str) -> subprocess.Popen[bytes]:
 async def test_killed_decode_worker_ends_the_stream_with_an_error_and_usage(
     cluster: Cluster,
 ) -> None:
-    bus = await _bus(cluster)
+    bus = await connect(cluster)
     try:
         chunks: list[int] = []
         enough = asyncio.Event()
@@ -340,7 +297,7 @@ async def _busy_decoder(bus: Bus) -> str:
 
 
 async def test_killed_prefill_worker_leaves_the_survivor_serving(cluster: Cluster) -> None:
-    bus = await _bus(cluster)
+    bus = await connect(cluster)
     try:
         os.kill(_child(cluster, "prefill-1").pid, signal.SIGKILL)
         await asyncio.sleep(3.5)  # the router drops it once its heartbeats stop

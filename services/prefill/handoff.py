@@ -1,0 +1,58 @@
+"""A finished prefill job's two messages out, the same from the model's worker and the mock:
+`SuffixReady` to the job's decode worker, which answers once it pulled what was staged, and
+the window snapshot at the prompt's last block boundary into swa-memcache, where the next
+turn's restore looks first."""
+
+from __future__ import annotations
+
+import time
+
+from services.prefill.jobs import JobState
+from shared.bus import Bus
+from shared.kvstore.swa_client import SwaClient
+from shared.logging import get_logger
+from shared.schema import JobAccepted, PrefillTimings, ServiceError, SuffixReady
+
+log = get_logger(__name__)
+
+
+async def tell_decode(
+    bus: Bus,
+    entry: JobState,
+    timings: PrefillTimings,
+    *,
+    num_blocks: int,
+    block_nbytes: int,
+    region_offset: int,
+    window_nbytes: int,
+    timeout_s: float,
+) -> float:
+    """`SuffixReady` for what is staged at `region_offset`; returns the milliseconds until
+    decode answered (its pull included)."""
+    request = entry.job.request
+    ready = SuffixReady(
+        request_id=request.request_id, attempt=entry.job.attempt,
+        prefill_worker_id=bus.instance_id, num_computed_tokens=entry.target,
+        first_block_index=entry.num_cached_blocks, num_blocks=num_blocks,
+        block_nbytes=block_nbytes, region_offset=region_offset, window_nbytes=window_nbytes,
+        timings=timings,
+    )  # fmt: skip
+    subject = bus.subjects.instance(bus.subjects.decode_suffix, entry.job.decision.decode_worker_id)
+    started = time.perf_counter()
+    await bus.request(
+        subject, ready, JobAccepted, timeout_s=timeout_s,
+        request_id=request.request_id, deadline_ms=request.deadline_ms,
+    )  # fmt: skip
+    return (time.perf_counter() - started) * 1000
+
+
+async def put_window(swa: SwaClient, entry: JobState, block_size: int, snapshot: bytes) -> bool:
+    """Put the window at the last block boundary of `entry`'s prompt; False when it was not
+    kept (logged: it only costs the next turn a replay)."""
+    boundary = entry.target // block_size * block_size
+    boundary_hash = entry.hasher.hashes(entry.token_ids[:boundary])[-1]
+    try:
+        return await swa.put(boundary_hash, snapshot)
+    except ServiceError as exc:
+        log.warning("sliding-window snapshot not kept", error=str(exc))
+        return False

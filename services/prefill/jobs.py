@@ -1,0 +1,304 @@
+"""What the model's prefill worker (worker.py) and the mock one (mock_worker.py) share: the
+table of jobs in flight and everything around it that does not depend on the engine.
+
+A `PrefillJob`'s handler waits on a future from its arrival until `PrefillDone` (or its
+typed error). In between, both workers validate it the same way, cut the same chunks under
+`max_batch_tokens` per forward pass, drop it the same way (cancelled, past its deadline, the
+bus stopping, a failed pass), hand it off the same way (handoff.py) and report the same load
+fields and counters -- one copy, so the mock's timings, errors and load reports cannot drift
+from the model's. What differs is what a worker overrides: what admitting a job costs
+(`_admit`: restoring the prefix), what a job holds (`_release`), how big its next chunk is
+(`_next_chunk`), what a forward pass is (`_forward`, `_advance`), what is staged for decode
+(`_send_suffix`), what is written to the store (`_persist`) and the KV pool (`kv_pages`).
+
+No torch here: the mock worker runs this without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import msgspec
+
+from shared.bus import Bus, Context
+from shared.kvstore.hashing import BlockHasher
+from shared.kvstore.swa_client import SwaClient
+from shared.kvstore.writer import KvEventPublisher
+from shared.logging import get_logger
+from shared.schema import (
+    BadRequest,
+    Cancelled,
+    CancelRequest,
+    DeadlineExceeded,
+    InternalError,
+    PrefillDone,
+    PrefillJob,
+    PrefillTimings,
+    ServiceError,
+)
+from shared.serving.checks import checked_prompt
+
+log = get_logger(__name__)
+
+
+@dataclass(eq=False)
+class JobState:
+    """One job from its arrival to its reply; a worker adds what its engine needs."""
+
+    job: PrefillJob
+    token_ids: list[int]
+    hasher: BlockHasher
+    done: asyncio.Future[PrefillDone]
+    accepted_s: float
+    restored: PrefillTimings  # load_ms, restore_ms, swa_restore, num_replay_tokens
+    num_cached_blocks: int  # the restored prefix: the first block this worker computes
+    first_chunk_s: float | None = field(default=None, kw_only=True)
+    compute_s: float = field(default=0.0, kw_only=True)
+    finishing: bool = field(default=False, kw_only=True)  # computed: being handed off
+
+    @property
+    def request_id(self) -> str:
+        return self.job.request.request_id
+
+    @property
+    def target(self) -> int:
+        return len(self.token_ids) - 1  # decode computes the last prompt token
+
+    @property
+    def num_left(self) -> int:
+        """Prompt tokens still to compute, up to `target`."""
+        raise NotImplementedError
+
+    def timings(self) -> PrefillTimings:
+        """The restore's times with the queue and compute times so far."""
+        queue_s = (self.first_chunk_s or time.perf_counter()) - self.accepted_s
+        return msgspec.structs.replace(
+            self.restored, queue_ms=queue_s * 1000, compute_ms=self.compute_s * 1000
+        )
+
+
+JobT = TypeVar("JobT", bound=JobState)
+
+
+class PrefillJobsBase(Generic[JobT]):
+    def __init__(
+        self,
+        bus: Bus,
+        publisher: KvEventPublisher,
+        swa: SwaClient | None,
+        *,
+        model_name: str,
+        max_model_len: int,
+        block_size_tokens: int,
+        max_batch_tokens: int,
+        handoff_timeout_s: float,
+    ) -> None:
+        self.bus = bus
+        self.publisher = publisher
+        self.swa = swa
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.block_size = block_size_tokens
+        self.max_batch_tokens = max_batch_tokens
+        self.handoff_timeout_s = handoff_timeout_s
+        self._jobs: dict[str, JobT] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._finishing: set[asyncio.Task[None]] = set()
+        self.counts = {"num_jobs": 0, "num_done": 0, "num_failed": 0, "num_cancelled": 0,
+                       "num_tokens_computed": 0, "num_tokens_cached": 0,
+                       "num_blocks_stored": 0, "num_snapshots_put": 0}  # fmt: skip
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._compute_loop())
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        await asyncio.gather(*self._finishing, return_exceptions=True)
+
+    def kv_pages(self) -> tuple[int, int]:
+        """The KV pool's pages: (total, free)."""
+        raise NotImplementedError
+
+    def load_fields(self) -> dict[str, int]:
+        computing = [j for j in self._jobs.values() if not j.finishing]
+        num_pages_total, num_pages_free = self.kv_pages()
+        return {
+            "num_queued": len(computing),
+            "num_queued_tokens": sum(j.num_left for j in computing),
+            "num_running": len(self._jobs),
+            "num_kv_pages_total": num_pages_total,
+            "num_kv_pages_free": num_pages_free,
+        }
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.counts)
+
+    # -- requests ------------------------------------------------------------------------
+    async def handle_job(self, job: PrefillJob, ctx: Context) -> PrefillDone:
+        request = job.request
+        token_ids = self._validate(job)
+        if request.request_id in self._jobs:
+            raise BadRequest(f"request {request.request_id} is already being prefilled here")
+        accepted_s = time.perf_counter()
+        self.counts["num_jobs"] += 1
+        # The last prompt token is decode's: never restore a prefix that covers it.
+        num_cached_blocks = min(job.decision.num_cached_tokens, len(token_ids) - 1)
+        num_cached_blocks //= self.block_size
+        entry = await self._admit(job, token_ids, num_cached_blocks, accepted_s)
+        self.counts["num_tokens_cached"] += entry.num_cached_blocks * self.block_size
+        self._enqueue(entry)
+        try:
+            return await asyncio.shield(entry.done)
+        except asyncio.CancelledError:  # the bus is stopping: do not leave the job behind
+            self._drop(entry, Cancelled("prefill worker stopping"))
+            raise
+
+    def _validate(self, job: PrefillJob) -> list[int]:
+        token_ids = checked_prompt(
+            job.request, model_name=self.model_name, block_size_tokens=self.block_size,
+            max_model_len=self.max_model_len,
+        )  # fmt: skip
+        num_pages_total = self.kv_pages()[0]
+        if -(-len(token_ids) // self.block_size) > num_pages_total:
+            raise BadRequest(
+                f"prompt of {len(token_ids)} tokens does not fit this worker's KV pool "
+                f"({num_pages_total} pages of {self.block_size} tokens)"
+            )
+        return token_ids
+
+    async def _admit(
+        self, job: PrefillJob, token_ids: list[int], num_cached_blocks: int, accepted_s: float
+    ) -> JobT:
+        """Restore up to `num_cached_blocks` of the prefix; the job, not yet queued."""
+        raise NotImplementedError
+
+    def _enqueue(self, entry: JobT) -> None:
+        self._jobs[entry.request_id] = entry
+        self._wake.set()
+
+    async def on_cancel(self, cancel: CancelRequest) -> None:
+        entry = self._jobs.get(cancel.request_id)
+        if entry is not None and not entry.finishing:
+            self.counts["num_cancelled"] += 1
+            self._drop(entry, Cancelled(f"cancelled: {cancel.reason}"))
+
+    def _drop(self, entry: JobT, error: ServiceError | None) -> None:
+        """Forget the job and free what it holds; fail its handler with `error` (None: done)."""
+        if self._jobs.get(entry.request_id) is entry:
+            del self._jobs[entry.request_id]
+            self._release(entry)
+        if error is not None and not entry.done.done():
+            entry.done.set_exception(error)
+            entry.done.exception()  # retrieved: the handler may already be gone
+
+    def _release(self, entry: JobT) -> None:
+        """Free the KV pages the job holds (once: it has just left the table)."""
+        raise NotImplementedError
+
+    # -- the compute loop ----------------------------------------------------------------
+    def _plan(self) -> list[tuple[JobT, int]]:
+        """The next forward pass: (job, tokens) in arrival order, `max_batch_tokens` at most;
+        jobs found past their deadline on the way are dropped."""
+        budget, batch = self.max_batch_tokens, []
+        now_ms = time.time() * 1000
+        for entry in list(self._jobs.values()):
+            if budget == 0:
+                break
+            if entry.finishing:
+                continue
+            deadline_ms = entry.job.request.deadline_ms
+            if deadline_ms is not None and now_ms > deadline_ms:
+                self._drop(entry, DeadlineExceeded("deadline passed while queued for prefill"))
+                continue
+            num_tokens = self._next_chunk(entry, budget)
+            if num_tokens is None:
+                break  # first come, first served: nobody overtakes a job that must wait
+            batch.append((entry, num_tokens))
+            budget -= num_tokens
+        return batch
+
+    def _next_chunk(self, entry: JobT, budget: int) -> int | None:
+        """Tokens of `entry` to compute in the next pass (<= budget); None: it must wait."""
+        raise NotImplementedError
+
+    async def _forward(self, batch: list[tuple[JobT, int]]) -> float:
+        """One forward pass over `batch`; returns the seconds it took."""
+        raise NotImplementedError
+
+    def _advance(self, entry: JobT, num_tokens: int) -> None:
+        """After a pass computed `num_tokens` more of `entry`."""
+
+    async def _compute_loop(self) -> None:
+        while True:
+            batch = self._plan()
+            if not batch:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = time.perf_counter()
+            try:
+                elapsed_s = await self._forward(batch)
+            except Exception as exc:
+                log.exception("prefill forward pass failed")
+                for entry, _ in batch:
+                    self.counts["num_failed"] += 1
+                    self._drop(entry, InternalError(f"prefill failed: {exc}"))
+                continue
+            for entry, num_tokens in batch:
+                if self._jobs.get(entry.request_id) is not entry:
+                    continue  # cancelled while the pass ran
+                entry.first_chunk_s = entry.first_chunk_s or started
+                entry.compute_s += elapsed_s
+                self.counts["num_tokens_computed"] += num_tokens
+                self._advance(entry, num_tokens)
+                if entry.num_left == 0:
+                    self._start_finish(entry)
+
+    # -- handoff -------------------------------------------------------------------------
+    def _start_finish(self, entry: JobT) -> None:
+        entry.finishing = True
+        task = asyncio.create_task(self._finish(entry))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _finish(self, entry: JobT) -> None:
+        try:
+            timings = await self._handoff(entry)
+        except ServiceError as exc:  # decode gone, cancelled or timed out: a typed answer
+            self.counts["num_failed"] += 1
+            log.warning("prefill handoff failed", request_id=entry.request_id, error=str(exc))
+            self._drop(entry, exc)
+            return
+        except Exception as exc:
+            self.counts["num_failed"] += 1
+            log.exception("prefill handoff failed", request_id=entry.request_id)
+            self._drop(entry, InternalError(f"prefill handoff failed: {exc}"))
+            return
+        self._drop(entry, None)
+        self.counts["num_done"] += 1
+        if not entry.done.done():
+            entry.done.set_result(PrefillDone(request_id=entry.request_id, timings=timings))
+
+    async def _handoff(self, entry: JobT) -> PrefillTimings:
+        """Decode takes the suffix, then the new blocks go to the store: the job's timings."""
+        timings, transfer_ms = await self._send_suffix(entry)
+        started = time.perf_counter()
+        await self._persist(entry)
+        store_ms = (time.perf_counter() - started) * 1000
+        return msgspec.structs.replace(timings, transfer_ms=transfer_ms, store_ms=store_ms)
+
+    async def _send_suffix(self, entry: JobT) -> tuple[PrefillTimings, float]:
+        """Stage the suffix and `tell_decode` (handoff.py); returns the timings sent and the
+        milliseconds until decode answered."""
+        raise NotImplementedError
+
+    async def _persist(self, entry: JobT) -> None:
+        """New complete blocks to the store; the window at the last boundary to memcache."""
+        raise NotImplementedError

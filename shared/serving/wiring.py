@@ -1,0 +1,103 @@
+"""The wiring prefill's and decode's main.py share, for either engine: what a worker writes
+KV through, and the worker's place in the service's lifecycle.
+
+A model worker's KV goes through the store (its blocks, logged for kv-index), one NIXL buffer
+(its head for large swa-memcache puts, the rest staging the handoff between prefill and
+decode) and swa-memcache. A mock worker (`--engine mock`) has the store and its log only.
+Either way the worker's loop starts before its endpoints are served, its load goes into the
+heartbeats, and at shutdown it stops before what it used is closed (STYLE.md: shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from shared.bus import Bus
+from shared.config import EngineWorkerConfig
+from shared.kvstore.store import KvStore
+from shared.kvstore.swa_client import SwaClient
+from shared.kvstore.transfer import KvTransferAgent
+from shared.kvstore.writer import KvEventPublisher
+from shared.runtime import ServiceRuntime
+from shared.serving.kv_io import open_store
+from shared.serving.mock import MockModel, open_mock_store
+from shared.serving.staging import StagingSpace
+
+SWA_STAGING_BYTES = 4 << 20  # the head of the NIXL buffer: large snapshot puts
+
+
+class ServedWorker(Protocol):
+    """What the lifecycle needs of a prefill or decode worker, model or mock."""
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def load_fields(self) -> dict[str, int]: ...
+
+    def counters(self) -> Mapping[str, float]: ...
+
+
+@dataclass(frozen=True)
+class ModelKv:
+    """A model worker's ways out for KV."""
+
+    store: KvStore
+    publisher: KvEventPublisher  # BlocksStored / BlocksRemoved for kv-index
+    agent: KvTransferAgent  # its `buffer`: SWA_STAGING_BYTES, then the handoff staging
+    swa: SwaClient
+    staging: StagingSpace  # the handoff's part of the buffer
+
+
+async def open_model_kv(
+    bus: Bus, config: EngineWorkerConfig, service: str, block_nbytes: int
+) -> ModelKv:
+    """The store (`block_nbytes` per block) and its log, then the NIXL buffer registered
+    and served as `service`'s."""
+    store = await open_store(config, bus.instance_id, block_nbytes)
+    publisher = KvEventPublisher(bus, store)
+    await publisher.start()
+    buffer = np.zeros(config.handoff_staging_bytes + SWA_STAGING_BYTES, dtype=np.uint8)
+    agent = await asyncio.to_thread(KvTransferAgent, bus, buffer, service=service)
+    await agent.serve()
+    swa = SwaClient(bus, agent, staging_offset=0, staging_nbytes=SWA_STAGING_BYTES)
+    staging = StagingSpace(SWA_STAGING_BYTES, config.handoff_staging_bytes)
+    return ModelKv(store, publisher, agent, swa, staging)
+
+
+async def open_mock_kv(
+    runtime: ServiceRuntime, config: EngineWorkerConfig
+) -> tuple[MockModel, KvStore, KvEventPublisher]:
+    """The served model's facts (also into discovery metadata), the store and its log."""
+    model = MockModel.from_config(config)
+    runtime.metadata |= model.describe(config)
+    store = await open_mock_store(config, runtime.bus.instance_id)
+    publisher = KvEventPublisher(runtime.bus, store)
+    await publisher.start()
+    return model, store, publisher
+
+
+def start_worker(
+    runtime: ServiceRuntime,
+    worker: ServedWorker,
+    store: KvStore,
+    *closers: Callable[[], None],
+) -> None:
+    """Start the worker's loop and report its load and counters; at shutdown stop it (its
+    in-flight work ends), then close what it used: `closers`, then the store."""
+    worker.start()
+    runtime.load_fields = worker.load_fields
+    runtime.counters = lambda: {**worker.counters(), "store": store.stats()}
+
+    async def close() -> None:
+        await worker.stop()
+        for closer in closers:
+            closer()
+        store.close()
+
+    runtime.on_stop(close)

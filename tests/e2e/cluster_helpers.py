@@ -1,0 +1,94 @@
+"""What the e2e suites on a whole cluster share (test_serving.py on the model, test_mock_cluster.py
+on the mock engine): the cluster a module's tests run against, a bus to it, and waiting for
+what the cluster does asynchronously -- kv-index learning blocks, usage landing on JetStream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from services.admin.launcher import Cluster, ClusterSpec
+from shared.bus import Bus
+from shared.kvstore import index_client
+from shared.schema import UsageRecord
+from shared.testing import unique_root
+
+
+def run_cluster(
+    state_dir: Path,
+    *,
+    replicas: dict[str, int],
+    extra_args: dict[str, list[str]],
+    ready_timeout_s: float,
+) -> Iterator[Cluster]:
+    """A module fixture's body (`yield from run_cluster(...)`): start every service as its own
+    process under a fresh subject root, wait until all are ready, yield the cluster, and stop
+    it through the handle that started it."""
+    spec = ClusterSpec(
+        state_dir=state_dir,
+        nats_port=0,
+        http_port=0,
+        root=unique_root(),
+        replicas=replicas,
+        extra_args=extra_args,
+        shutdown_grace_s=3.0,
+    )
+    cluster = Cluster(spec)
+    cluster.start()
+
+    async def ready() -> None:
+        bus = await connect(cluster)
+        try:
+            await cluster.wait_ready(bus, timeout_s=ready_timeout_s)
+        finally:
+            await bus.close()
+
+    try:
+        asyncio.run(ready())
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+async def connect(cluster: Cluster) -> Bus:
+    return await Bus.connect(cluster.nats_url, service="test", root=cluster.spec.root)
+
+
+async def num_indexed_blocks(bus: Bus, block_hashes: Sequence[int], timeout_s: float) -> int:
+    """Wait until kv-index knows every block of `block_hashes` (it applies the workers' KV
+    events asynchronously) or `timeout_s` passed; returns how many it knows."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = (await index_client.match(bus, list(block_hashes), num_shards=1)).get("ssd")
+        num_blocks = found.num_blocks if found else 0
+        if num_blocks == len(block_hashes) or time.monotonic() > deadline:
+            return num_blocks
+        await asyncio.sleep(0.05)
+
+
+async def usage_records(
+    bus: Bus, request_ids: set[str], timeout_s: float
+) -> dict[str, UsageRecord]:
+    """The first `UsageRecord` of each request on JetStream (the decode worker's, or the
+    caller's when that worker died); fails the test when one is missing after `timeout_s`."""
+    records: dict[str, UsageRecord] = {}
+
+    async def on_record(record: UsageRecord, seq: int) -> None:
+        records.setdefault(record.request_id, record)
+
+    subjects = bus.subjects
+    subscription = await bus.consume(
+        subjects.usage_stream, subjects.usage_all, UsageRecord, on_record
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not request_ids <= records.keys():
+            missing = sorted(request_ids - records.keys())
+            assert time.monotonic() < deadline, f"no usage record for {', '.join(missing)}"
+            await asyncio.sleep(0.05)
+        return records
+    finally:
+        await bus.unsubscribe(subscription)
