@@ -8,9 +8,10 @@ put the window snapshot at the last block boundary into swa-memcache -> reply `P
 The job table, cancellation, deadlines, batching and the handoff's messages are in jobs.py,
 shared with the mock worker; this module is what runs on the model.
 
-Chunks are cut at the last block boundary so that the window there (what the next turn
-restores) is seen exactly. Model calls run one at a time in a thread (`compute_lock`), so
-the event loop keeps serving NATS while the model computes.
+The window at the last block boundary (what the next turn restores) is taken from the
+forward pass that crosses it (`keep_boundary_window`): no chunk has to stop there. Model
+calls run one at a time in a thread (`compute_lock`), so the event loop keeps serving NATS
+while the model computes.
 """
 
 from __future__ import annotations
@@ -123,10 +124,7 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
 
     # -- the model -----------------------------------------------------------------------
     def _next_chunk(self, entry: ModelJob, budget: int) -> int:
-        """Up to the last block boundary first, so the window there is seen exactly."""
-        computed = entry.seq.num_computed_tokens
-        cut = entry.boundary if computed < entry.boundary else entry.target
-        return min(cut - computed, budget)
+        return min(entry.target - entry.seq.num_computed_tokens, budget)
 
     async def _forward(self, batch: list[tuple[ModelJob, int]]) -> float:
         started = time.perf_counter()
@@ -135,12 +133,14 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
                 self.runner.prefill,
                 [entry.seq for entry, _ in batch],
                 num_new_tokens=[n for _, n in batch],
+                keep_boundary_window=True,  # the window at the last block boundary
             )
         return time.perf_counter() - started
 
     def _advance(self, entry: ModelJob, num_tokens: int) -> None:
-        if entry.seq.num_computed_tokens == entry.boundary:
-            entry.boundary_window = entry.seq.window
+        window = entry.seq.boundary_window
+        if window is not None and window.end_position == entry.boundary:
+            entry.boundary_window = window
 
     # -- handoff -------------------------------------------------------------------------
     async def _send_suffix(self, entry: ModelJob) -> tuple[PrefillTimings, float]:

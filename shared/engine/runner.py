@@ -79,6 +79,12 @@ class ModelRunner:
             positions.extend(range(start, start + len(chunk)))
         return inputs, torch.tensor(token_ids), torch.tensor(positions)
 
+    def _keep_boundary_window(self, seq: Sequence, new_kv: torch.Tensor) -> None:
+        start, block_size = seq.num_computed_tokens, self.layout.block_size_tokens
+        boundary = (start + new_kv.shape[2]) // block_size * block_size
+        if boundary > start and seq.window is not None:
+            seq.boundary_window = seq.window.appended(new_kv[:, :, : boundary - start])
+
     def _commit(self, seq: Sequence, new_kv: torch.Tensor) -> None:
         seq.window = seq.window.appended(new_kv)
         seq.num_computed_tokens += new_kv.shape[2]
@@ -89,11 +95,15 @@ class ModelRunner:
         seqs: list[Sequence],
         return_all_logits: bool = False,
         num_new_tokens: list[int] | None = None,
+        keep_boundary_window: bool = False,
     ) -> list[torch.Tensor]:
         """Per sequence: logits of the last token [vocab], or of every new token [n, vocab].
 
         `num_new_tokens[i]` caps the chunk of sequence i (chunked prefill); by default every
         uncomputed token is computed. The logits are those of the chunk's last token.
+        `keep_boundary_window`: when a chunk crosses a block boundary, set the sequence's
+        `boundary_window` to its window at the last boundary crossed (what swa-memcache keeps
+        for the next turn), so no chunk has to stop there.
         """
         if num_new_tokens is None:
             chunks = [seq.token_ids[seq.num_computed_tokens :] for seq in seqs]
@@ -116,7 +126,10 @@ class ModelRunner:
             lo, hi = backend.offsets[i], backend.offsets[i + 1]
             rows = hidden[lo:hi] if return_all_logits else hidden[hi - 1]
             out.append(self.model.compute_logits(rows))
-            self._commit(seq, backend.new_window_kv(i))
+            new_kv = backend.new_window_kv(i)
+            if keep_boundary_window:
+                self._keep_boundary_window(seq, new_kv)
+            self._commit(seq, new_kv)
         return out
 
     @torch.inference_mode()

@@ -5,6 +5,7 @@ a callback while a finished sequence's pages still hold its K/V, and ignore_eos.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shared.engine import Engine, ModelRunner, SamplingParams, SchedulerConfig
 from shared.engine.drafter import SpecDecodeConfig
@@ -83,3 +84,18 @@ def test_ignore_eos_generates_through_end_of_sequence(model) -> None:  # noqa: F
     assert stops.generate([prompt], params)[0].completion_token_ids == first[: cut + 1]
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     assert stops.generate([prompt], params)[0].completion_token_ids == first
+
+
+def test_prefill_keeps_the_window_at_the_last_block_boundary_it_crosses(model) -> None:  # noqa: F811
+    runner = ModelRunner(model, num_blocks=16, block_size_tokens=BLOCK)
+    tokens = random_tokens(3 * BLOCK + 5, seed=9)
+    whole = Sequence(1, tokens)
+    runner.prefill([whole], num_new_tokens=[len(tokens) - 1], keep_boundary_window=True)
+    stopped = Sequence(2, tokens)  # the same prompt stopped exactly at the boundary
+    runner.prefill([stopped], num_new_tokens=[3 * BLOCK])
+    assert whole.boundary_window is not None
+    assert whole.boundary_window.end_position == stopped.window.end_position == 3 * BLOCK
+    torch.testing.assert_close(whole.boundary_window.kv, stopped.window.kv, rtol=0, atol=1e-6)
+    short = Sequence(3, tokens[:10])  # crosses no boundary: nothing kept
+    runner.prefill([short], keep_boundary_window=True)
+    assert short.boundary_window is None
