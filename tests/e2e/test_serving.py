@@ -24,8 +24,16 @@ from services.admin.launcher import Cluster
 from shared.bundled import BUNDLED_MODEL_DIR
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
+from shared.discovery import discover
 from shared.kvstore.hashing import BlockHasher
-from shared.schema import BadRequest, GenerateRequest, LoadReport, Unavailable, UsageRecord
+from shared.schema import (
+    BadRequest,
+    DeadlineExceeded,
+    GenerateRequest,
+    LoadReport,
+    Unavailable,
+    UsageRecord,
+)
 from shared.subjects import DECODE, PREFILL, ROUTER
 from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster, usage_records
 
@@ -173,6 +181,45 @@ async def test_bad_requests_get_typed_errors_and_nothing_is_left_behind(cluster:
             await generate(bus, bad_sampling)
         ok = await generate(bus, _request(prompt, max_tokens=4))  # the cluster still serves
         assert ok.finish_reason in ("stop", "length")
+    finally:
+        await bus.close()
+
+
+async def test_stop_strings_and_deadlines_end_the_stream(cluster: Cluster) -> None:
+    bus = await connect(cluster)
+    try:
+        prompt = _tokens(CODE + "\n\ndef parse(text):\n")
+        free = await generate(bus, _request(prompt, max_tokens=48))
+        # A stop string from the middle of the free run's text: the same greedy run now ends
+        # right before it, and no text after it is sent.
+        stop = free.text[len(free.text) // 2 :][:6]
+        assert stop.strip(), free.text
+        stopped = await generate(bus, _request(prompt, max_tokens=48, stop=[stop]))
+        assert stopped.finish_reason == "stop"
+        assert stopped.text == free.text[: free.text.index(stop)]
+        assert stop not in stopped.text
+
+        endless = _request(prompt, max_tokens=3000, ignore_eos=True, deadline_s=1.5)
+        with pytest.raises(DeadlineExceeded):
+            await generate(bus, endless)
+        record = await _usage(bus, endless.request_id)  # billed, however it was cut off
+        assert record.status in ("failed", "cancelled")
+        assert 0 < record.num_output_tokens < 3000
+    finally:
+        await bus.close()
+
+
+async def test_decode_exports_speculative_decoding_counters(cluster: Cluster) -> None:
+    bus = await connect(cluster)
+    try:
+        # An edit: the answer re-emits code from the prompt, which prompt lookup drafts.
+        prompt = _tokens(CODE * 2 + "\n# the same, again:\n" + CODE[:120])
+        await generate(bus, _request(prompt, max_tokens=48))
+        decoders = [i for i in await discover(bus, timeout_s=0.5) if i.service == DECODE]
+        counters = [i.counters for i in decoders]
+        assert all("spec_acceptance_rate" in c and "spec_tokens_per_forward" in c for c in counters)
+        assert max(c["spec_num_draft_tokens"] for c in counters) > 0
+        assert max(c["spec_tokens_per_forward"] for c in counters) > 1.0
     finally:
         await bus.close()
 
