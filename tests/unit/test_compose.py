@@ -21,3 +21,11 @@ def test_compose_runs_every_service_through_kvfabric_serve() -> None:
         assert services[name]["environment"]["KVF_NATS_URL"] == "nats://nats:4222"
     assert "--jetstream" in services["nats"]["command"]
     assert {c.callback.__name__ for c in app.registered_commands} >= {"serve", "up", "status"}
+
+
+def test_prefill_and_decode_share_one_store_volume() -> None:
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name in ("prefill", "decode"):
+        command = services[name]["command"]
+        store_dir = command[command.index("--store-dir") + 1]
+        assert f"kvstore:{store_dir}" in services[name]["volumes"]
