@@ -5,7 +5,7 @@ Serves `<root>.decode.run[.<id>]` (`DecodeJob` -> `JobAccepted`), `<root>.decode
 (`SuffixReady` -> `JobAccepted` after the NIXL pull) and its NIXL metadata; listens for
 `CancelRequest`s; streams `TokenChunk`s to each request's inbox; publishes a `UsageRecord`
 per request to JetStream. Speculative decoding with prompt-lookup drafts is on by default
-(`--no-spec-decode` turns it off); its acceptance rate and tokens per forward pass are in
+(`--spec-decode false` turns it off); its acceptance rate and tokens per forward pass are in
 the counters (`kvfabric status --json`).
 
 `--engine mock` serves the same subjects from `mock_worker.py` over shared.testing's
