@@ -55,7 +55,7 @@ async def setup(runtime: ServiceRuntime) -> None:
     )
     worker = PrefillWorker(
         bus, runner, PrefixRestorer(runner, kv.store, kv.swa, policy, compute_lock),
-        kv.publisher, kv.swa, kv.agent.buffer, kv.staging,
+        kv.publisher, kv.swa, kv.agent, kv.staging,
         model_name=config.model_dir.name, max_batch_tokens=config.max_batch_tokens,
         max_model_len=config.max_model_len or runner.config.max_position_embeddings,
         handoff_timeout_s=config.handoff_timeout_s, compute_lock=compute_lock,

@@ -32,6 +32,7 @@ from shared.engine.runner import ModelRunner
 from shared.engine.sequence import Sequence
 from shared.engine.swa_restore import snapshot_to_bytes
 from shared.kvstore.swa_client import SwaClient
+from shared.kvstore.transfer import KvTransferAgent
 from shared.kvstore.writer import KvEventPublisher
 from shared.schema import BadRequest, PrefillJob, PrefillTimings
 from shared.serving.kv_io import hasher_for, stage_pages, store_blocks
@@ -57,7 +58,7 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         restorer: PrefixRestorer,
         publisher: KvEventPublisher,
         swa: SwaClient | None,
-        handoff_buffer: np.ndarray,
+        agent: KvTransferAgent,
         staging: StagingSpace,
         *,
         model_name: str,
@@ -73,7 +74,8 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         )  # fmt: skip
         self.runner = runner
         self.restorer = restorer
-        self.buffer = handoff_buffer.reshape(-1).view(np.uint8)
+        self.agent = agent
+        self.buffer = agent.buffer.reshape(-1).view(np.uint8)
         self.staging = staging
         self.compute_lock = compute_lock
         self._seq_ids = itertools.count()
@@ -160,11 +162,12 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
             end = extent.offset + staged + len(window_bytes)
             self.buffer[extent.offset + staged : end] = np.frombuffer(window_bytes, np.uint8)
             timings = entry.timings()
-            transfer_ms = await tell_decode(
-                self.bus, entry, timings, num_blocks=len(pages), block_nbytes=block_nbytes,
-                region_offset=extent.offset, window_nbytes=len(window_bytes),
-                timeout_s=self.handoff_timeout_s,
-            )  # fmt: skip
+            async with self.agent.busy():  # decode pulls from our region until it answers
+                transfer_ms = await tell_decode(
+                    self.bus, entry, timings, num_blocks=len(pages), block_nbytes=block_nbytes,
+                    region_offset=extent.offset, window_nbytes=len(window_bytes),
+                    timeout_s=self.handoff_timeout_s,
+                )  # fmt: skip
         finally:
             await self.staging.free(extent)
         return timings, transfer_ms

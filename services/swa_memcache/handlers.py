@@ -79,6 +79,7 @@ class SwaHandlers:
                 return SwaGetReply(found=False)
             return SwaGetReply(found=True, snapshot=self.cache.view(snapshot).tobytes())
         lease_id = self.cache.pin(snapshot, now, self.config.lease_s)
+        self.agent.expect_traffic(self.config.lease_s)  # the reader pulls during the lease
         self.counters.num_leased_gets += 1
         location = SwaNixlRef(
             SWA_MEMCACHE, self.instance_id, snapshot.offset, snapshot.nbytes, snapshot.checksum

@@ -124,9 +124,10 @@ class SwaClient:
         )
         # The memcache pulls before it replies: give it its whole pull timeout and some.
         timeout_s = self.timeout_s + self.transfer_timeout_s
-        return await self._put(
-            SwaPut(block_hash=block_hash, snapshot=b"", source=source), timeout_s
-        )
+        async with self.agent.busy():  # the memcache pulls from our region until it replies
+            return await self._put(
+                SwaPut(block_hash=block_hash, snapshot=b"", source=source), timeout_s
+            )
 
     async def _put(self, message: SwaPut, timeout_s: float | None = None) -> bool:
         reply = await self.bus.request(

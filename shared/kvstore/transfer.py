@@ -10,6 +10,14 @@ landed. Every wait has a timeout: a dead or stuck peer is a `TransferError` (the
 request found no responder, UCX failed) or a `TransferTimeout`, never a hang; the peer's
 cached metadata is then dropped so the next transfer asks again.
 
+Progress: NIXL's UCX progress thread polls without pause (measured: one whole core per idle
+agent; three agents took the 2-core machine's compute 3x slower), so it is off. Whoever waits
+for a transfer progresses the agent instead: the initiator while it polls the request's
+state, the target through `serve()`'s pump -- every 10 ms while idle (connection set-up and
+stray traffic), every 0.5 ms inside `busy()` or `expect_traffic(s)`, the windows in which a
+peer is known to read or write our region (prefill waiting for decode's pull, a snapshot
+lease, a put the memcache pulls).
+
 UCX reads its transports from the environment (UCX_TLS) when the agent starts; this module
 does not override them. Measured on one 2-core host (loadtest/bench_kv.py): 100 scattered
 2 MB blocks moved at 2.0 GB/s with UCX's defaults and at 2.0-3.3 GB/s with
@@ -22,8 +30,9 @@ disconnected"), well before the timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +49,10 @@ log = get_logger(__name__)
 # UCX completes a 10 MB same-host write in ~1-4 ms; start polling fine, back off to 1 ms.
 _POLL_MIN_S = 0.00005
 _POLL_MAX_S = 0.001
+# The target side's pump (see the module docstring).
+_PUMP_IDLE_S = 0.005
+_PUMP_BUSY_S = 0.0005
+_CLOSE_PROGRESS_ROUNDS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +71,9 @@ class KvTransferAgent:
         self.service = service
         self.buffer = buffer
         self.agent_name = f"{service}-{bus.instance_id}"
-        self._agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        self._agent = nixl_agent(
+            self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
         if "UCX" not in self._agent.backends:
             raise TransferError("the NIXL UCX plugin is not available on this node")
         region = (buffer.ctypes.data, buffer.nbytes, 0, "")
@@ -70,9 +85,15 @@ class KvTransferAgent:
         )
         self._peers: dict[tuple[str, str], NixlAgentInfo] = {}  # by (service, instance id)
         self._notifications: dict[str, list[bytes]] = {}
+        self._num_busy = 0
+        self._busy_until = 0.0
+        self._pump: asyncio.Task[None] | None = None
 
     async def serve(self) -> None:
-        """Answer metadata requests (pooled subject and this instance's own)."""
+        """Answer metadata requests (pooled subject and this instance's own) and progress
+        transfers peers make into or out of our region (the pump)."""
+        if self._pump is None:
+            self._pump = asyncio.create_task(self._progress_pump())
 
         async def handle(request: NixlMetadataRequest, ctx: Context) -> NixlAgentInfo:
             return self.info
@@ -105,6 +126,31 @@ class KvTransferAgent:
             raise TransferError(f"cannot load NIXL metadata of {info.agent_name}: {exc}") from exc
         self._peers[(service, instance_id)] = info
         return info
+
+    @contextlib.asynccontextmanager
+    async def busy(self) -> AsyncIterator[None]:
+        """While inside, a peer may be moving bytes through our region: progress fast."""
+        self._num_busy += 1
+        try:
+            yield
+        finally:
+            self._num_busy -= 1
+
+    def expect_traffic(self, seconds: float) -> None:
+        """A peer may move bytes through our region for the next `seconds` (a lease)."""
+        self._busy_until = max(self._busy_until, time.monotonic() + seconds)
+
+    async def _progress_pump(self) -> None:
+        while True:
+            self._collect_notifications()
+            fast = self._num_busy > 0 or time.monotonic() < self._busy_until
+            await asyncio.sleep(_PUMP_BUSY_S if fast else _PUMP_IDLE_S)
+
+    def _collect_notifications(self) -> None:
+        """Progress the agent and keep what arrived (NIXL hands each notification once)."""
+        for sender, messages in self._agent.get_new_notifs().items():
+            name = sender.decode() if isinstance(sender, bytes) else sender
+            self._notifications.setdefault(name, []).extend(messages)
 
     def forget_peer(self, service: str, instance_id: str) -> None:
         info = self._peers.pop((service, instance_id), None)
@@ -184,9 +230,7 @@ class KvTransferAgent:
         deadline = time.monotonic() + timeout_s
         delay_s = _POLL_MIN_S
         while True:
-            for sender, messages in self._agent.get_new_notifs().items():
-                name = sender.decode() if isinstance(sender, bytes) else sender
-                self._notifications.setdefault(name, []).extend(messages)
+            self._collect_notifications()
             for sender, messages in self._notifications.items():
                 for message in messages:
                     if message.startswith(tag):
@@ -198,6 +242,17 @@ class KvTransferAgent:
             delay_s = min(delay_s * 2, _POLL_MAX_S)
 
     def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
         for service, instance_id in list(self._peers):
             self.forget_peer(service, instance_id)
+        # Without a progress thread, operations to a peer that died stay queued in UCX until
+        # something progresses it; destroying the agent with them queued aborts the process
+        # (UCX asserts on a non-empty arbiter group). Progress until they are failed out.
+        for _ in range(_CLOSE_PROGRESS_ROUNDS):
+            self._collect_notifications()
+            time.sleep(_POLL_MAX_S)
         self._agent.deregister_memory(self._registered, ["UCX"])
+        # Destroy the NIXL agent now rather than at garbage collection: its UCX worker closes
+        # its connections, so a peer still holding our metadata fails at once, not on timeout.
+        del self._agent

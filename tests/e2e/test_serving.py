@@ -41,7 +41,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 BLOCK = 16
 MODEL = BUNDLED_MODEL_DIR.name
-WORKER_ARGS = ["--kv-block-size-tokens", str(BLOCK), "--num-kv-blocks", "1024"]
+# Past tiny-coder's 512-token training context (RoPE extrapolates; quality is not tested
+# here) so that the long-running requests below really run long.
+MAX_MODEL_LEN = 4096
+WORKER_ARGS = [
+    "--kv-block-size-tokens", str(BLOCK), "--num-kv-blocks", "1024",
+    "--max-model-len", str(MAX_MODEL_LEN),
+]  # fmt: skip
+# A request that runs for seconds: sampled (drafts rarely match), never stopping at EOS.
+LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 1.0, "seed": 1}
 KVFABRIC = str(Path(sys.executable).parent / "kvfabric")
 TOKENIZER = Tokenizer.from_file(str(BUNDLED_MODEL_DIR / "tokenizer.json"))
 CODE = '''def load_config(path):
@@ -170,7 +178,7 @@ async def test_bad_requests_get_typed_errors_and_nothing_is_left_behind(cluster:
         wrong_model = build_request(prompt, model="no-such-model", block_size_tokens=BLOCK)
         with pytest.raises(BadRequest, match="no-such-model"):
             await generate(bus, wrong_model)
-        too_long = _request(prompt * 20)  # past tiny-coder's 512-token context
+        too_long = _request(prompt * (MAX_MODEL_LEN // len(prompt) + 1))  # past max_model_len
         with pytest.raises(BadRequest, match="max_model_len"):
             await generate(bus, too_long)
         bad_sampling = _request(prompt)
@@ -199,7 +207,7 @@ async def test_stop_strings_and_deadlines_end_the_stream(cluster: Cluster) -> No
         assert stopped.text == free.text[: free.text.index(stop)]
         assert stop not in stopped.text
 
-        endless = _request(prompt, max_tokens=3000, ignore_eos=True, deadline_s=1.5)
+        endless = _request(prompt, **LONG, deadline_s=1.5)
         with pytest.raises(DeadlineExceeded):
             await generate(bus, endless)
         record = await _usage(bus, endless.request_id)  # billed, however it was cut off
@@ -264,7 +272,7 @@ async def test_cancellation_frees_decode_pages_and_bills_what_was_produced(
     bus = await connect(cluster)
     try:
         got_tokens = asyncio.Event()
-        request = _request(_tokens(CODE), max_tokens=3000, ignore_eos=True)
+        request = _request(_tokens(CODE), **LONG)
         task = asyncio.create_task(generate(bus, request, on_chunk=lambda c: got_tokens.set()))
         await asyncio.wait_for(got_tokens.wait(), 60)
         task.cancel()
@@ -314,7 +322,7 @@ async def test_killed_decode_worker_ends_the_stream_with_an_error_and_usage(
             if len(chunks) >= 3:
                 enough.set()
 
-        request = _request(_tokens(CODE + "\n# more\n"), max_tokens=3000, ignore_eos=True)
+        request = _request(_tokens(CODE + "\n# more\n"), **LONG)
         task = asyncio.create_task(generate(bus, request, on_chunk=on_chunk))
         await asyncio.wait_for(enough.wait(), 60)
         # Only this request runs now: the decode worker with a running sequence is ours.
