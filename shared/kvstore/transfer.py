@@ -19,9 +19,10 @@ peer is known to read or write our region (prefill waiting for decode's pull, a 
 lease, a put the memcache pulls).
 
 UCX reads its transports from the environment (UCX_TLS) when the agent starts; this module
-does not override them. Measured on one 2-core host (loadtest/bench_kv.py): 100 scattered
-2 MB blocks moved at 2.0 GB/s with UCX's defaults and at 2.0-3.3 GB/s with
-`UCX_TLS=tcp,cma`; `UCX_TLS=shm,self` or `cma,self` fail at backend creation
+does not override them. Measured on one 2-core host (loadtest/bench_kv.py, without the
+progress thread): 100 scattered 2 MB blocks moved at 7.1-7.4 GB/s (0.86-0.89x memcpy), 98 KB
+blocks at 4.1-4.8 GB/s (0.46-0.49x); with the spinning progress threads it was 2.0-3.3 GB/s
+and 0.12-0.42x. `UCX_TLS=shm,self` or `cma,self` fail at backend creation
 (NIXL_ERR_BACKEND), since UCX then has no transport to wire the peers up with. A peer killed
 after its metadata was cached fails the next transfer at once ("remote agent was
 disconnected"), well before the timeout.
