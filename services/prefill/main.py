@@ -24,7 +24,7 @@ from shared.kvstore.store import KvStore
 from shared.kvstore.swa_client import SwaClient
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, PrefillJob
-from shared.serving.wiring import open_mock_kv, open_model_kv, start_worker
+from shared.serving.wiring import node_memcache, open_mock_kv, open_model_kv, start_worker
 from shared.subjects import PREFILL
 
 if TYPE_CHECKING:
@@ -66,7 +66,8 @@ async def setup(runtime: ServiceRuntime) -> None:
 async def setup_mock(runtime: ServiceRuntime, config: PrefillConfig) -> None:
     bus = runtime.bus
     model, store, publisher = await open_mock_kv(runtime, config)
-    swa = SwaClient(bus, None)  # placeholder snapshots are small: inline, no NIXL
+    # Placeholder snapshots are small: inline, no NIXL.
+    swa = SwaClient(bus, None, memcache_instance_id=await node_memcache(bus, config.node_id))
     await serve(runtime, MockPrefillWorker(bus, publisher, swa, config, model), store)
 
 

@@ -19,14 +19,19 @@ import numpy as np
 
 from shared.bus import Bus
 from shared.config import EngineWorkerConfig
+from shared.discovery import discover
 from shared.kvstore.store import KvStore
 from shared.kvstore.swa_client import SwaClient
 from shared.kvstore.transfer import KvTransferAgent
 from shared.kvstore.writer import KvEventPublisher
+from shared.logging import get_logger
 from shared.runtime import ServiceRuntime
 from shared.serving.kv_io import open_store
 from shared.serving.mock import MockModel, open_mock_store
 from shared.serving.staging import StagingSpace
+from shared.subjects import SWA_MEMCACHE
+
+log = get_logger(__name__)
 
 SWA_STAGING_BYTES = 4 << 20  # the head of the NIXL buffer: large snapshot puts
 
@@ -65,9 +70,27 @@ async def open_model_kv(
     buffer = np.zeros(config.handoff_staging_bytes + SWA_STAGING_BYTES, dtype=np.uint8)
     agent = await asyncio.to_thread(KvTransferAgent, bus, buffer, service=service)
     await agent.serve()
-    swa = SwaClient(bus, agent, staging_offset=0, staging_nbytes=SWA_STAGING_BYTES)
+    swa = SwaClient(
+        bus, agent, memcache_instance_id=await node_memcache(bus, config.node_id),
+        staging_offset=0, staging_nbytes=SWA_STAGING_BYTES,
+    )  # fmt: skip
     staging = StagingSpace(SWA_STAGING_BYTES, config.handoff_staging_bytes)
     return ModelKv(store, publisher, agent, swa, staging)
+
+
+async def node_memcache(bus: Bus, node_id: str) -> str | None:
+    """The swa-memcache instance on this node: snapshots are node-local (DESIGN.md section
+    5), and the router sends an agent's next step to the node whose memcache holds its
+    window. None (any instance, and a warning) when this node runs none at start-up."""
+    local = sorted(
+        i.instance_id
+        for i in await discover(bus, service=SWA_MEMCACHE, timeout_s=0.5)
+        if i.metadata.get("node_id") == node_id
+    )
+    if not local:
+        log.warning("no swa-memcache on this node: snapshots go to any instance", node_id=node_id)
+        return None
+    return local[0]
 
 
 async def open_mock_kv(
