@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -76,7 +77,7 @@ EngineT = TypeVar("EngineT", bound=SteppingEngine)
 OutputT = TypeVar("OutputT", bound=StepResult)
 
 
-class DecodeJobsBase(Generic[EngineT, OutputT]):
+class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
     def __init__(
         self,
         bus: Bus,
@@ -116,9 +117,9 @@ class DecodeJobsBase(Generic[EngineT, OutputT]):
             await asyncio.gather(self._loop_task, return_exceptions=True)
         await self.finisher.drain()
 
+    @abstractmethod
     def kv_pages(self) -> tuple[int, int]:
         """The KV pool's pages: (total, free)."""
-        raise NotImplementedError
 
     def load_fields(self) -> dict[str, int]:
         joined = sum(r.joined for r in self.requests.values())
@@ -159,13 +160,13 @@ class DecodeJobsBase(Generic[EngineT, OutputT]):
         self.requests[request.request_id] = state
         return JobAccepted(request_id=request.request_id, instance_id=self.bus.instance_id)
 
+    @abstractmethod
     def _pages_to_admit(self, num_prompt_tokens: int, sampling: SamplingParams) -> int:
         """KV pages a new request needs free, or it is refused (`Overloaded`)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _sampling_params(self, sampling: SamplingParams) -> Any:
         """The engine's sampling parameters; `BadRequest` for ones it cannot honour."""
-        raise NotImplementedError
 
     def _admit(self, state: DecodeRequest, num_pages: int) -> None:
         """The request is accepted (about to be registered)."""
@@ -192,10 +193,10 @@ class DecodeJobsBase(Generic[EngineT, OutputT]):
         self._wake.set()
         return accepted
 
+    @abstractmethod
     async def _join(self, state: DecodeRequest, ready: SuffixReady) -> int:
         """Add the request's sequence to the engine, its prompt computed up to n - 1;
         returns its seq id."""
-        raise NotImplementedError
 
     # -- cancellation and failure -------------------------------------------------------
     async def on_cancel(self, cancel: CancelRequest) -> None:
@@ -226,8 +227,9 @@ class DecodeJobsBase(Generic[EngineT, OutputT]):
         else:
             await self._fail(state, error)
 
+    @abstractmethod
     async def _abort_seq(self, seq_id: int) -> None:
-        raise NotImplementedError
+        """Take the sequence out of the engine's batch; its pages are freed at once."""
 
     async def _fail(self, state: DecodeRequest, error: ServiceError | None) -> None:
         """End a request at once, in the batch or not (None: finish_reason cancelled)."""
@@ -243,9 +245,9 @@ class DecodeJobsBase(Generic[EngineT, OutputT]):
         """Free what the request still holds once it has left the table and the batch."""
 
     # -- the batch loop ------------------------------------------------------------------
+    @abstractmethod
     async def _step(self) -> Sequence[OutputT] | None:
         """One engine step's outputs; None: nothing can run until a request joins."""
-        raise NotImplementedError
 
     async def _loop(self) -> None:
         while True:
@@ -284,9 +286,9 @@ class DecodeJobsBase(Generic[EngineT, OutputT]):
         finished = self._take_finished(state, out, stopped_by_string)
         await self.finisher.end(state, finished, state.error, token_ids, text)
 
+    @abstractmethod
     def _take_finished(
         self, state: DecodeRequest, out: OutputT, stopped_by_string: bool
     ) -> Finished | None:
         """What the ended sequence leaves for the store (None: nothing, e.g. after a failed
         step); its reason is "stop" when a stop string ended it."""
-        raise NotImplementedError

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -45,7 +46,7 @@ log = get_logger(__name__)
 
 
 @dataclass(eq=False)
-class JobState:
+class JobState(ABC):
     """One job from its arrival to its reply; a worker adds what its engine needs."""
 
     job: PrefillJob
@@ -68,9 +69,9 @@ class JobState:
         return len(self.token_ids) - 1  # decode computes the last prompt token
 
     @property
+    @abstractmethod
     def num_left(self) -> int:
         """Prompt tokens still to compute, up to `target`."""
-        raise NotImplementedError
 
     def timings(self) -> PrefillTimings:
         """The restore's times with the queue and compute times so far."""
@@ -83,7 +84,7 @@ class JobState:
 JobT = TypeVar("JobT", bound=JobState)
 
 
-class PrefillJobsBase(Generic[JobT]):
+class PrefillJobsBase(ABC, Generic[JobT]):
     def __init__(
         self,
         bus: Bus,
@@ -122,9 +123,9 @@ class PrefillJobsBase(Generic[JobT]):
             await asyncio.gather(self._loop_task, return_exceptions=True)
         await asyncio.gather(*self._finishing, return_exceptions=True)
 
+    @abstractmethod
     def kv_pages(self) -> tuple[int, int]:
         """The KV pool's pages: (total, free)."""
-        raise NotImplementedError
 
     def load_fields(self) -> dict[str, int]:
         computing = [j for j in self._jobs.values() if not j.finishing]
@@ -173,11 +174,11 @@ class PrefillJobsBase(Generic[JobT]):
             )
         return token_ids
 
+    @abstractmethod
     async def _admit(
         self, job: PrefillJob, token_ids: list[int], num_cached_blocks: int, accepted_s: float
     ) -> JobT:
         """Restore up to `num_cached_blocks` of the prefix; the job, not yet queued."""
-        raise NotImplementedError
 
     def _enqueue(self, entry: JobT) -> None:
         self._jobs[entry.request_id] = entry
@@ -198,9 +199,9 @@ class PrefillJobsBase(Generic[JobT]):
             entry.done.set_exception(error)
             entry.done.exception()  # retrieved: the handler may already be gone
 
+    @abstractmethod
     def _release(self, entry: JobT) -> None:
         """Free the KV pages the job holds (once: it has just left the table)."""
-        raise NotImplementedError
 
     # -- the compute loop ----------------------------------------------------------------
     def _plan(self) -> list[tuple[JobT, int]]:
@@ -224,13 +225,13 @@ class PrefillJobsBase(Generic[JobT]):
             budget -= num_tokens
         return batch
 
+    @abstractmethod
     def _next_chunk(self, entry: JobT, budget: int) -> int | None:
         """Tokens of `entry` to compute in the next pass (<= budget); None: it must wait."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _forward(self, batch: list[tuple[JobT, int]]) -> float:
         """One forward pass over `batch`; returns the seconds it took."""
-        raise NotImplementedError
 
     def _advance(self, entry: JobT, num_tokens: int) -> None:
         """After a pass computed `num_tokens` more of `entry`."""
@@ -294,11 +295,11 @@ class PrefillJobsBase(Generic[JobT]):
         store_ms = (time.perf_counter() - started) * 1000
         return msgspec.structs.replace(timings, transfer_ms=transfer_ms, store_ms=store_ms)
 
+    @abstractmethod
     async def _send_suffix(self, entry: JobT) -> tuple[PrefillTimings, float]:
         """Stage the suffix and `tell_decode` (handoff.py); returns the timings sent and the
         milliseconds until decode answered."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _persist(self, entry: JobT) -> None:
         """New complete blocks to the store; the window at the last boundary to memcache."""
-        raise NotImplementedError
