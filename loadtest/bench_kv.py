@@ -57,13 +57,14 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
-def drop_caches() -> bool:
+def drop_caches() -> str | None:
+    """Drop the page cache; the reason it could not be, or None."""
     os.sync()
     try:
         Path("/proc/sys/vm/drop_caches").write_text("1\n")
-    except OSError:
-        return False
-    return True
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -306,10 +307,11 @@ async def main(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     say(f"workdir {workdir} (same filesystem for raw and store); cpus {os.cpu_count()}; "
         f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-    if drop_caches():
+    why_not = drop_caches()
+    if why_not is None:
         say("page cache: dropped before every read (echo 1 > /proc/sys/vm/drop_caches)")
     else:
-        say("page cache: NOT dropped (needs root): reads may be served from memory")
+        say(f"page cache: NOT dropped ({why_not}; needs root): reads may be served from memory")
     try:
         for block_nbytes, num_blocks in ((SMALL_BLOCK_NBYTES, args.small_blocks),
                                          (BIG_BLOCK_NBYTES, args.big_blocks)):  # fmt: skip

@@ -9,6 +9,7 @@ code), as are installed third-party packages.
 from __future__ import annotations
 
 import hashlib
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +49,9 @@ def list_sources(root: Path | None = None) -> list[SourceFile]:
             continue
         try:
             path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            continue  # none outside the test suites on 3.11.7; kept for other interpreters
+        except UnicodeDecodeError as exc:  # none outside the test suites on 3.11.7
+            print(f"skipped {rel.as_posix()}: not UTF-8 ({exc.reason})", file=sys.stderr)
+            continue
         out.append(SourceFile(path, rel.as_posix()))
     return out
 

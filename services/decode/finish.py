@@ -20,6 +20,7 @@ from shared.kvstore.swa_client import SwaClient
 from shared.kvstore.writer import KvEventPublisher
 from shared.logging import get_logger
 from shared.schema import ServiceError, TokenChunk, UsageStatus, pack_token_ids
+from shared.serving.kv_io import store_payloads
 from shared.subjects import DECODE
 
 log = get_logger(__name__)
@@ -101,25 +102,24 @@ class Finisher:
     async def _persist(self, state: DecodeRequest, finished: Finished) -> None:
         if not finished.blocks:
             return
-        hasher = state.hasher
-        end_block = finished.blocks[-1][0] + 1
-        hashes = hasher.hashes(finished.token_ids[: end_block * hasher.block_size_tokens])
-        first = finished.blocks[0][0]
-        blocks = [(hashes[i], payload) for i, payload in finished.blocks]
-        parent = hashes[first - 1] if first > 0 else None
-        stored = await self.publisher.store_blocks(blocks, parent_block_hash=parent)
-        self.counts["num_blocks_stored"] += sum(b is not None for b in stored)
+        chain = state.chain
+        first, end_block = finished.blocks[0][0], finished.blocks[-1][0] + 1
+        payloads = [payload for _, payload in finished.blocks]  # blocks first..end_block-1
+        self.counts["num_blocks_stored"] += await store_payloads(
+            self.publisher, finished.token_ids, chain, first, payloads
+        )
         window = finished.boundary_window
         if self.swa is None or window is None:
             return
-        if window.end_position != end_block * hasher.block_size_tokens:
+        if window.end_position != end_block * chain.hasher.block_size_tokens:
             return  # the tracked boundary is not the last block written
         # Imported here: shared.engine imports torch, and the mock decode worker (which has
         # no windows) runs this module without it.
         from shared.engine.swa_restore import snapshot_to_bytes
 
         try:
-            if await self.swa.put(hashes[end_block - 1], snapshot_to_bytes(window)):
+            boundary_hash = chain.upto(finished.token_ids, end_block)[-1]
+            if await self.swa.put(boundary_hash, snapshot_to_bytes(window)):
                 self.counts["num_snapshots_put"] += 1
         except ServiceError as exc:
             log.warning("sliding-window snapshot not kept", error=str(exc))

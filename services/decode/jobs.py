@@ -46,7 +46,7 @@ from shared.schema import (
     Unavailable,
 )
 from shared.serving.checks import checked_prompt
-from shared.serving.kv_io import hasher_for
+from shared.serving.kv_io import BlockChain
 from shared.streams import StreamWriter
 
 log = get_logger(__name__)
@@ -152,7 +152,7 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
             )
         params = self._sampling_params(sampling)
         state = DecodeRequest(
-            job, token_ids, hasher_for(request),
+            job, token_ids, BlockChain.for_prompt(request, token_ids),
             StreamWriter(self.bus, request.stream_inbox, request_id=request.request_id),
             IncrementalDetokenizer(self.tokenizer, stop=sampling.stop), params,
         )  # fmt: skip

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shared.detokenizer import IncrementalDetokenizer
-from shared.kvstore.hashing import BlockHasher
 from shared.schema import (
     CancelRequest,
     DecodeJob,
@@ -21,7 +20,7 @@ from shared.schema import (
     UsageStatus,
     error_from_wire,
 )
-from shared.serving.kv_io import LoadedPrefix
+from shared.serving.kv_io import BlockChain, LoadedPrefix
 from shared.streams import StreamWriter
 
 if TYPE_CHECKING:  # shared.engine imports torch; the mock decode worker (no torch) uses this
@@ -43,7 +42,7 @@ class Finished:
 class DecodeRequest:
     job: DecodeJob
     token_ids: list[int]  # the prompt
-    hasher: BlockHasher
+    chain: BlockChain  # the prompt's block hashes, extended over the answer at the end
     stream: StreamWriter
     detokenizer: IncrementalDetokenizer
     params: SamplingParams  # the mock engine's MockSamplingParams under --engine mock

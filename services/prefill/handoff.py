@@ -50,7 +50,7 @@ async def put_window(swa: SwaClient, entry: JobState, block_size: int, snapshot:
     """Put the window at the last block boundary of `entry`'s prompt; False when it was not
     kept (logged: it only costs the next turn a replay)."""
     boundary = entry.target // block_size * block_size
-    boundary_hash = entry.hasher.hashes(entry.token_ids[:boundary])[-1]
+    boundary_hash = entry.chain.upto(entry.token_ids, boundary // block_size)[-1]
     try:
         return await swa.put(boundary_hash, snapshot)
     except ServiceError as exc:

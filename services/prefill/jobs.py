@@ -25,7 +25,6 @@ from typing import Generic, TypeVar
 import msgspec
 
 from shared.bus import Bus, Context
-from shared.kvstore.hashing import BlockHasher
 from shared.kvstore.swa_client import SwaClient
 from shared.kvstore.writer import KvEventPublisher
 from shared.logging import get_logger
@@ -41,6 +40,7 @@ from shared.schema import (
     ServiceError,
 )
 from shared.serving.checks import checked_prompt
+from shared.serving.kv_io import BlockChain
 
 log = get_logger(__name__)
 
@@ -51,7 +51,7 @@ class JobState(ABC):
 
     job: PrefillJob
     token_ids: list[int]
-    hasher: BlockHasher
+    chain: BlockChain  # the prompt's block hashes
     done: asyncio.Future[PrefillDone]
     accepted_s: float
     restored: PrefillTimings  # load_ms, restore_ms, swa_restore, num_replay_tokens

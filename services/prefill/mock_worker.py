@@ -28,7 +28,7 @@ from shared.bus import Bus
 from shared.kvstore.swa_client import SwaClient
 from shared.kvstore.writer import KvEventPublisher
 from shared.schema import PrefillJob, PrefillTimings
-from shared.serving.kv_io import hasher_for, store_payloads
+from shared.serving.kv_io import BlockChain, store_payloads
 from shared.serving.mock import MockModel, sleep_simulated
 from shared.testing.cost_model import MockCostModel
 
@@ -77,7 +77,8 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         num_cached_tokens = num_cached_blocks * self.block_size
         restored = await self._restore(num_cached_tokens, job.decision.has_swa_snapshot)
         return MockJob(
-            job, token_ids, hasher_for(job.request), asyncio.get_running_loop().create_future(),
+            job, token_ids, BlockChain.for_prompt(job.request, token_ids),
+            asyncio.get_running_loop().create_future(),
             accepted_s, restored, num_cached_blocks, num_cached_tokens,
         )  # fmt: skip
 
@@ -132,7 +133,7 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         first_block, end_block = entry.num_cached_blocks, entry.target // self.block_size
         payloads = [self._payload] * max(end_block - first_block, 0)
         self.counts["num_blocks_stored"] += await store_payloads(
-            self.publisher, entry.token_ids, entry.hasher, first_block, payloads
+            self.publisher, entry.token_ids, entry.chain, first_block, payloads
         )
         if self.swa is None or not payloads:
             return  # the boundary lies in the restored prefix: its snapshot was put before

@@ -27,7 +27,6 @@ from services.prefill.handoff import put_window, tell_decode
 from services.prefill.jobs import JobState, PrefillJobsBase
 from services.prefill.restore import PrefixRestorer
 from shared.bus import Bus
-from shared.engine.kv_cache import SlidingWindowState
 from shared.engine.runner import ModelRunner
 from shared.engine.sequence import Sequence
 from shared.engine.swa_restore import snapshot_to_bytes
@@ -35,7 +34,7 @@ from shared.kvstore.swa_client import SwaClient
 from shared.kvstore.transfer import KvTransferAgent
 from shared.kvstore.writer import KvEventPublisher
 from shared.schema import BadRequest, PrefillJob, PrefillTimings
-from shared.serving.kv_io import hasher_for, stage_pages, store_blocks
+from shared.serving.kv_io import BlockChain, stage_pages, store_blocks
 from shared.serving.staging import StagingSpace, StagingTooSmall
 
 
@@ -43,7 +42,6 @@ from shared.serving.staging import StagingSpace, StagingTooSmall
 class ModelJob(JobState):
     seq: Sequence
     boundary: int  # the last block boundary at or before n - 1
-    boundary_window: SlidingWindowState | None = None
 
     @property
     def num_left(self) -> int:
@@ -94,9 +92,9 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
     async def _admit(
         self, job: PrefillJob, token_ids: list[int], num_cached_blocks: int, accepted_s: float
     ) -> ModelJob:
-        hasher = hasher_for(job.request)
+        chain = BlockChain.for_prompt(job.request, token_ids)
         restored = await self.restorer.restore(
-            token_ids, hasher.hashes(token_ids), job.cached_blocks, num_cached_blocks
+            token_ids, chain.hashes, job.cached_blocks, num_cached_blocks
         )
         seq = Sequence(next(self._seq_ids), token_ids)
         if restored.window is not None:
@@ -108,7 +106,7 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         )  # fmt: skip
         boundary = (len(token_ids) - 1) // self.block_size * self.block_size
         return ModelJob(
-            job, token_ids, hasher, asyncio.get_running_loop().create_future(), accepted_s,
+            job, token_ids, chain, asyncio.get_running_loop().create_future(), accepted_s,
             timings, restored.num_blocks, seq, boundary,
         )  # fmt: skip
 
@@ -140,9 +138,7 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         return time.perf_counter() - started
 
     def _advance(self, entry: ModelJob, num_tokens: int) -> None:
-        window = entry.seq.boundary_window
-        if window is not None and window.end_position == entry.boundary:
-            entry.boundary_window = window
+        """Nothing to count: the runner advanced the sequence (and kept its boundary window)."""
 
     # -- handoff -------------------------------------------------------------------------
     async def _send_suffix(self, entry: ModelJob) -> tuple[PrefillTimings, float]:
@@ -176,11 +172,13 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         seq = entry.seq
         end_block = entry.boundary // self.block_size
         self.counts["num_blocks_stored"] += await store_blocks(
-            self.publisher, self.runner.pool, seq.block_table, entry.token_ids, entry.hasher,
+            self.publisher, self.runner.pool, seq.block_table, entry.token_ids, entry.chain,
             entry.num_cached_blocks, end_block,
         )  # fmt: skip
-        window = entry.boundary_window
-        if self.swa is None or window is None or end_block == 0:
+        # The window at the last boundary a pass crossed; none when the restored prefix ended
+        # there already (the memcache has that one).
+        window = seq.boundary_window
+        if self.swa is None or window is None or window.end_position != entry.boundary:
             return
         if await put_window(self.swa, entry, self.block_size, snapshot_to_bytes(window)):
             self.counts["num_snapshots_put"] += 1

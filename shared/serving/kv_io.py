@@ -19,6 +19,7 @@ from shared.kvstore.slots import SlotRef
 from shared.kvstore.store import KvStore, KvStoreConfig
 from shared.kvstore.writer import KvEventPublisher
 from shared.schema.inference import BlockLocations, GenerateRequest
+from shared.schema.tokens import unpack_block_hashes
 
 if TYPE_CHECKING:  # shared.engine imports torch; the mock workers (no torch) use this module
     from shared.engine.block_manager import BlockAllocator
@@ -28,20 +29,49 @@ if TYPE_CHECKING:  # shared.engine imports torch; the mock workers (no torch) us
 @dataclass(frozen=True)
 class LoadedPrefix:
     pages: list[int]  # pool pages holding blocks 0..len(pages)-1 of the prompt
-    num_asked: int  # blocks the router found cached
 
     @property
     def num_blocks(self) -> int:
         return len(self.pages)
 
 
-def hasher_for(request: GenerateRequest) -> BlockHasher:
-    """The request's block-hash namespace (model, block size, tenant salt)."""
-    return BlockHasher(
-        model_id=request.model,
-        block_size_tokens=request.block_size_tokens,
-        salt=request.cache_salt,
-    )
+@dataclass
+class BlockChain:
+    """One sequence's chained block hashes, computed once and extended as it grows.
+
+    A prompt of 77K tokens is 1,200 hashes; a worker needs them to restore the prefix, to
+    name the blocks it writes and to key its window snapshot, and the router has already
+    checked the ones the request carries -- so they are taken from the request, not hashed
+    again at every step. The answer's blocks continue the chain from the prompt's last.
+    """
+
+    hasher: BlockHasher
+    hashes: list[int]
+
+    @classmethod
+    def for_prompt(cls, request: GenerateRequest, token_ids: list[int]) -> BlockChain:
+        """The request's hashes as the router checked and forwarded them; computed when a
+        job comes without them (namespace: model, block size, tenant salt)."""
+        hasher = BlockHasher(
+            model_id=request.model,
+            block_size_tokens=request.block_size_tokens,
+            salt=request.cache_salt,
+        )
+        carried = unpack_block_hashes(request.block_hashes).tolist()
+        if len(carried) == hasher.num_blocks(len(token_ids)):
+            return cls(hasher, carried)
+        return cls(hasher, hasher.hashes(token_ids))
+
+    def upto(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        """Hashes of blocks 0..num_blocks-1 of `token_ids` (which extend the tokens hashed
+        so far), hashing only the blocks not seen yet."""
+        have = len(self.hashes)
+        if num_blocks > have:
+            size = self.hasher.block_size_tokens
+            parent = self.hashes[-1] if have else 0
+            new = token_ids[have * size : num_blocks * size]
+            self.hashes += self.hasher.hashes(new, parent_hash=parent)
+        return self.hashes[:num_blocks]
 
 
 async def load_prefix(
@@ -58,7 +88,7 @@ async def load_prefix(
     """
     num_blocks = min(num_blocks, len(locations))
     if num_blocks == 0:
-        return LoadedPrefix([], 0)
+        return LoadedPrefix([])
     refs = [SlotRef.from_location(row) for row in locations.rows()[:num_blocks]]
     pages = allocator.allocate(num_blocks)
     try:
@@ -68,7 +98,7 @@ async def load_prefix(
         raise
     num_loaded = next((i for i, r in enumerate(results) if r is None), num_blocks)
     allocator.free(pages[num_loaded:])
-    return LoadedPrefix(pages[:num_loaded], num_blocks)
+    return LoadedPrefix(pages[:num_loaded])
 
 
 async def store_blocks(
@@ -76,20 +106,20 @@ async def store_blocks(
     pool: PagedKVPool,
     pages: list[int],
     token_ids: list[int],
-    hasher: BlockHasher,
+    chain: BlockChain,
     first_block: int,
     end_block: int,
 ) -> int:
     """Write blocks [first_block, end_block) of a sequence (page i holds block i) to the store
     and log them for kv-index; returns how many were written."""
     payloads = [memoryview(pool.block_view(pages[i])) for i in range(first_block, end_block)]
-    return await store_payloads(publisher, token_ids, hasher, first_block, payloads)
+    return await store_payloads(publisher, token_ids, chain, first_block, payloads)
 
 
 async def store_payloads(
     publisher: KvEventPublisher,
     token_ids: list[int],
-    hasher: BlockHasher,
+    chain: BlockChain,
     first_block: int,
     payloads: Sequence[bytes | memoryview],
 ) -> int:
@@ -99,7 +129,7 @@ async def store_payloads(
     if not payloads:
         return 0
     end_block = first_block + len(payloads)
-    hashes = hasher.hashes(token_ids[: end_block * hasher.block_size_tokens])
+    hashes = chain.upto(token_ids, end_block)
     blocks = list(zip(hashes[first_block:end_block], payloads, strict=True))
     parent = hashes[first_block - 1] if first_block > 0 else None
     stored = await publisher.store_blocks(blocks, parent_block_hash=parent)
