@@ -23,9 +23,9 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from services.admin.launcher import Cluster, ClusterSpec
-from shared.bundled import BUNDLED_MODEL_DIR
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
+from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.subjects import DECODE, PREFILL
 from shared.testing import unique_root
 

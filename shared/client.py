@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shared.bus import Bus, now_ms
-from shared.kvstore.hashing import BlockHasher
+from shared.kvstore.blocks import RequestBlocks
 from shared.logging import get_logger
 from shared.schema import (
     CancelRequest,
@@ -43,7 +43,6 @@ from shared.schema import (
     Unavailable,
     UsageRecord,
     UsageStatus,
-    pack_block_hashes,
     pack_token_ids,
     unpack_token_ids,
 )
@@ -81,15 +80,18 @@ def build_request(
     api_key_id: str = "",
 ) -> GenerateRequest:
     """A `GenerateRequest` for a tokenized prompt: packed ids, the chained block hashes the
-    router matches against the KV cache, arrival and (relative `deadline_s`) deadline."""
-    hasher = BlockHasher(model_id=model, block_size_tokens=block_size_tokens, salt=cache_salt)
+    router matches against the KV cache (the one place on the request path that hashes the
+    prompt), arrival and (relative `deadline_s`) deadline."""
     packed = pack_token_ids(token_ids)
+    blocks = RequestBlocks.hash_prompt(
+        packed, model=model, block_size_tokens=block_size_tokens, cache_salt=cache_salt
+    )
     arrival_ms = now_ms()
     return GenerateRequest(
         request_id=request_id or uuid.uuid4().hex,
         model=model,
         prompt_token_ids=packed,
-        block_hashes=pack_block_hashes(hasher.hashes(packed)),
+        block_hashes=blocks.packed(),
         block_size_tokens=block_size_tokens,
         sampling=SamplingParams(
             max_tokens=max_tokens, temperature=temperature, seed=seed, stop=tuple(stop)
@@ -260,12 +262,12 @@ class _Generation:
         subjects = self.bus.subjects
         try:
             try:
-                await self.bus.js_publish(subjects.usage(INGRESS), record, msg_id=record.request_id)
+                await self.bus.js.publish(subjects.usage(INGRESS), record, msg_id=record.request_id)
             except Unavailable:
                 # Created on a miss only: `ensure_stream` brings an existing stream to the
                 # default config, which would undo limits billing may have set on it.
-                await self.bus.ensure_stream(subjects.usage_stream, [subjects.usage_all])
-                await self.bus.js_publish(subjects.usage(INGRESS), record, msg_id=record.request_id)
+                await self.bus.js.ensure_stream(subjects.usage_stream, [subjects.usage_all])
+                await self.bus.js.publish(subjects.usage(INGRESS), record, msg_id=record.request_id)
         except ServiceError as exc:
             log.warning(
                 "usage of a lost stream not recorded",

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from shared.bundled import BUNDLED_MODEL_DIR
+from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.subjects import DEFAULT_ROOT, Subjects, check_token
 
 SHARED_ENV_PREFIX = "KVF_"
@@ -185,8 +185,8 @@ class EngineWorkerConfig(ServiceConfig):
     store_backend: str = "nixl:POSIX"  # nixl:GDS, nixl:GDS_MT, nixl:HF3FS, aiofiles
     # NIXL-registered host memory for the prefill -> decode KV handoff (and SWA snapshots).
     handoff_staging_bytes: int = 64 << 20
-    # `mock`: the same endpoints and messages over shared.testing's MockEngine -- timing from
-    # MockCostModel, deterministic fake tokens, but real KV events, store writes and usage.
+    # `mock`: the same endpoints and messages over shared.mock_engine's MockEngine -- timing from
+    # CostModel, deterministic fake tokens, but real KV events, store writes and usage.
     # No torch, no NIXL (the store uses aiofiles whatever store_backend says), so one host
     # runs dozens of workers for e2e tests and the simulator.
     engine: str = "model"

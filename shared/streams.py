@@ -1,5 +1,5 @@
-"""The stream pattern: the caller subscribes to a fresh inbox and sends its request with that
-inbox as reply subject; the worker (or whichever worker the request is handed on to) publishes
+"""The stream pattern: the caller subscribes to a fresh inbox and names it in its request
+(`GenerateRequest.stream_inbox`); whichever worker the request is handed on to publishes
 seq-numbered chunks to the inbox, the last one marked final.
 
 Every chunk carries `Kvf-Seq` (0, 1, 2, ...); the last carries `Kvf-Final: 1` (an empty final
@@ -7,7 +7,7 @@ message when the producer learns only after its last chunk that it is done). An 
 stream as a final message with the error headers. The reader raises `StreamGap` when a
 sequence number is skipped, `StreamStalled` when nothing arrives within the idle timeout,
 `DeadlineExceeded` past the absolute deadline and `NoResponders` when nobody took the request.
-`ChunkReader` does that checking on any open inbox; `Stream` sends the request and reads.
+`StreamWriter` is the producer's side (the decode worker), `ChunkReader` the caller's.
 """
 
 from __future__ import annotations
@@ -89,9 +89,8 @@ class StreamWriter:
 class ChunkReader(Generic[T]):
     """Reads one stream's chunks from an inbox that is already open, checking what every
     reader must: sequence numbers, the final marker, error messages, idle and first-chunk
-    timeouts, the absolute deadline. `Stream` uses it for its own inbox; a caller whose
-    request goes to one service while the chunks come from another (the router hands the
-    inbox on to a decode worker) uses it directly.
+    timeouts, the absolute deadline. The request goes to one service while the chunks come
+    from another (the router hands the inbox on to a decode worker).
 
     `subject` only names the producer in error messages.
     """
@@ -162,69 +161,3 @@ class ChunkReader(Generic[T]):
         except msgspec.DecodeError as exc:
             self.is_done = True
             raise InternalError(f"malformed {self._chunk_type.__name__} chunk: {exc}") from exc
-
-
-class Stream(Generic[T]):
-    """`async with Stream(bus, subject, request, ChunkType) as chunks: async for c in chunks`."""
-
-    def __init__(
-        self,
-        bus: Bus,
-        subject: str,
-        request: Any,
-        chunk_type: type[T],
-        *,
-        request_id: str | None = None,
-        deadline_ms: int | None = None,
-        first_chunk_timeout_s: float = 30.0,
-        idle_timeout_s: float = 30.0,
-    ) -> None:
-        self._bus = bus
-        self._subject = subject
-        self._request = request
-        self._chunk_type = chunk_type
-        self._request_id = request_id
-        self._deadline_ms = deadline_ms
-        self._first_chunk_timeout_s = first_chunk_timeout_s
-        self._idle_timeout_s = idle_timeout_s
-        self._inbox: Inbox | None = None
-        self._reader: ChunkReader[T] | None = None
-
-    @property
-    def inbox(self) -> str:
-        if self._inbox is None:
-            raise RuntimeError("stream not opened")
-        return self._inbox.subject
-
-    async def __aenter__(self) -> Stream[T]:
-        self._inbox = await self._bus.open_inbox()
-        data = self._request if isinstance(self._request, bytes) else encode(self._request)
-        headers = self._bus.headers_for(
-            self._request, request_id=self._request_id, deadline_ms=self._deadline_ms
-        )
-        await self._bus.publish_raw(self._subject, data, headers, reply=self._inbox.subject)
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if self._inbox is not None:
-            await self._inbox.close()
-
-    def __aiter__(self) -> Stream[T]:
-        return self
-
-    async def __anext__(self) -> T:
-        if self._inbox is None:
-            raise StopAsyncIteration
-        if self._reader is None:  # made on first read: the inbox is known by then
-            self._reader = ChunkReader(
-                self._inbox,
-                self._chunk_type,
-                self._subject,
-                first_chunk_timeout_s=self._first_chunk_timeout_s,
-                idle_timeout_s=self._idle_timeout_s,
-                deadline_ms=self._deadline_ms,
-            )
-        chunk = await self._reader.next()
-        if chunk is None:
-            raise StopAsyncIteration
-        return chunk

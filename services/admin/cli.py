@@ -19,12 +19,12 @@ import typer
 from services.admin import cache_cli, generate_cli
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of, parse_replicas
 from services.admin.status import render
-from shared.bundled import BUNDLED_MODEL_DIR
+from shared import kv_index_client as index_client
 from shared.bus import Bus
 from shared.client import build_request, generate
 from shared.config import ENGINES
 from shared.discovery import discover
-from shared.kvstore import index_client
+from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.kvstore.hashing import BlockHasher
 from shared.schema import ServiceError, SwaGet, SwaGetReply, SwaPut, SwaPutReply
 from shared.subjects import DECODE, DEFAULT_ROOT, PREFILL, SERVICES

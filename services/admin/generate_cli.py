@@ -22,9 +22,9 @@ import msgspec
 import typer
 from tokenizers import Tokenizer
 
-from shared.bundled import BUNDLED_MODEL_DIR
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
+from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.logging import configure_logging
 from shared.schema import GenerateRequest, ServiceError, TokenChunk, Unavailable
 from shared.subjects import DEFAULT_ROOT

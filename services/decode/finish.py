@@ -16,12 +16,12 @@ from collections import Counter
 from services.decode.state import DecodeRequest, Finished
 from shared.bus import Bus
 from shared.kvstore.store import KvStore
-from shared.kvstore.swa_client import SwaClient
 from shared.kvstore.writer import KvEventPublisher
 from shared.logging import get_logger
 from shared.schema import ServiceError, TokenChunk, UsageStatus, pack_token_ids
 from shared.serving.kv_io import store_payloads
 from shared.subjects import DECODE
+from shared.swa_client import SwaClient
 
 log = get_logger(__name__)
 
@@ -102,24 +102,17 @@ class Finisher:
     async def _persist(self, state: DecodeRequest, finished: Finished) -> None:
         if not finished.blocks:
             return
-        chain = state.chain
+        blocks = state.blocks
         first, end_block = finished.blocks[0][0], finished.blocks[-1][0] + 1
         payloads = [payload for _, payload in finished.blocks]  # blocks first..end_block-1
         self.counts["num_blocks_stored"] += await store_payloads(
-            self.publisher, finished.token_ids, chain, first, payloads
+            self.publisher, finished.token_ids, blocks, first, payloads
         )
-        window = finished.boundary_window
-        if self.swa is None or window is None:
+        if self.swa is None or finished.boundary_snapshot is None:
             return
-        if window.end_position != end_block * chain.hasher.block_size_tokens:
-            return  # the tracked boundary is not the last block written
-        # Imported here: shared.engine imports torch, and the mock decode worker (which has
-        # no windows) runs this module without it.
-        from shared.engine.swa_restore import snapshot_to_bytes
-
         try:
-            boundary_hash = chain.upto(finished.token_ids, end_block)[-1]
-            if await self.swa.put(boundary_hash, snapshot_to_bytes(window)):
+            boundary_hash = blocks.extend(finished.token_ids, end_block)[-1]
+            if await self.swa.put(boundary_hash, finished.boundary_snapshot):
                 self.counts["num_snapshots_put"] += 1
         except ServiceError as exc:
             log.warning("sliding-window snapshot not kept", error=str(exc))
@@ -129,7 +122,7 @@ class Finisher:
         subject = self.bus.subjects.usage(DECODE)
         for attempt in range(USAGE_PUBLISH_ATTEMPTS):
             try:
-                await self.bus.js_publish(subject, record, msg_id=state.request_id)
+                await self.bus.js.publish(subject, record, msg_id=state.request_id)
                 self.counts["num_usage_records"] += 1
                 return
             except ServiceError as exc:

@@ -46,14 +46,13 @@ from shared.schema import (
     Unavailable,
 )
 from shared.serving.checks import checked_prompt
-from shared.serving.kv_io import BlockChain
 from shared.streams import StreamWriter
 
 log = get_logger(__name__)
 
 
 class SteppingEngine(Protocol):
-    """What both engines offer here (the model's `Engine`, shared.testing's `MockEngine`)."""
+    """What both engines offer here (the model's `Engine`, shared.mock_engine's `MockEngine`)."""
 
     def has_unfinished(self) -> bool: ...
 
@@ -134,7 +133,7 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
     # -- DecodeJob -----------------------------------------------------------------------
     async def handle_job(self, job: DecodeJob, ctx: Context) -> JobAccepted:
         request = job.request
-        token_ids = checked_prompt(
+        token_ids, blocks = checked_prompt(
             request, model_name=self.model_name, block_size_tokens=self.block_size,
             max_model_len=self.max_model_len,
         )  # fmt: skip
@@ -143,6 +142,7 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
         if request.request_id in self.requests:
             raise BadRequest(f"request {request.request_id} is already decoding here")
         sampling = request.sampling
+        params = self._sampling_params(sampling)
         num_pages = self._pages_to_admit(len(token_ids), sampling)
         num_pages_free = self.kv_pages()[1]
         if num_pages > num_pages_free:
@@ -150,9 +150,8 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
                 f"{num_pages} KV pages needed, {num_pages_free} free",
                 retry_after_s=self.retry_after_s,
             )
-        params = self._sampling_params(sampling)
         state = DecodeRequest(
-            job, token_ids, BlockChain.for_prompt(request, token_ids),
+            job, token_ids, blocks,
             StreamWriter(self.bus, request.stream_inbox, request_id=request.request_id),
             IncrementalDetokenizer(self.tokenizer, stop=sampling.stop), params,
         )  # fmt: skip
@@ -169,7 +168,7 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
         """The engine's sampling parameters; `BadRequest` for ones it cannot honour."""
 
     def _admit(self, state: DecodeRequest, num_pages: int) -> None:
-        """The request is accepted (about to be registered)."""
+        """The request is accepted (about to be registered): take what it needs now."""
 
     # -- SuffixReady ---------------------------------------------------------------------
     async def handle_suffix(self, ready: SuffixReady, ctx: Context) -> JobAccepted:

@@ -8,7 +8,7 @@ per request to JetStream. Speculative decoding with prompt-lookup drafts is on b
 (`--spec-decode false` turns it off); its acceptance rate and tokens per forward pass are in
 the counters (`kvfabric status --json`).
 
-`--engine mock` serves the same subjects from `mock_worker.py` over shared.testing's
+`--engine mock` serves the same subjects from `mock_worker.py` over shared.mock_engine's
 MockEngine: simulated step times, fake tokens, real streams, store writes, KV events and
 usage, no torch and no NIXL.
 """
@@ -17,23 +17,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from tokenizers import Tokenizer
 
 from services.decode.config import DecodeConfig
 from services.decode.finish import Finisher
+from services.decode.jobs import DecodeJobsBase
 from services.decode.mock_worker import MockDecodeWorker
 from shared.bus import Endpoint
 from shared.kvstore.store import KvStore
+from shared.mock_engine import MockEngine, MockEngineConfig
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, DecodeJob, SuffixReady
 from shared.serving.wiring import open_mock_kv, open_model_kv, start_worker
 from shared.subjects import DECODE
-from shared.testing.mock_engine import MockEngine, MockEngineConfig
-
-if TYPE_CHECKING:
-    from services.decode.worker import DecodeWorker
 
 USAGE_LOG_MAX_AGE_S = 7 * 24 * 3600.0
 
@@ -97,14 +95,14 @@ async def setup_mock(runtime: ServiceRuntime, config: DecodeConfig) -> None:
 
 async def ensure_usage_stream(runtime: ServiceRuntime) -> None:
     subjects = runtime.bus.subjects
-    await runtime.bus.ensure_stream(
+    await runtime.bus.js.ensure_stream(
         subjects.usage_stream, [subjects.usage_all], max_age_s=USAGE_LOG_MAX_AGE_S
     )
 
 
 async def serve(
     runtime: ServiceRuntime,
-    worker: DecodeWorker | MockDecodeWorker,
+    worker: DecodeJobsBase[Any, Any],
     store: KvStore,
     *closers: Callable[[], None],
 ) -> None:

@@ -1,8 +1,9 @@
 """The mock decode worker (`--engine mock`): the real worker's endpoints, streams, store writes
-and usage over shared.testing's MockEngine (docs/request-flow.md; shared/serving/mock.py).
+and usage over `shared.mock_engine.MockEngine` (docs/request-flow.md).
 
-`DecodeJob`: admit if the simulated pool has the pages the request can grow to (prompt +
-max_tokens: what MockEngine reserves, so it never preempts), answer `JobAccepted`.
+`DecodeJob`: admit if the engine has the pages the request can grow to free (prompt +
+max_tokens: what MockEngine holds, so it never preempts), reserve them in the engine (its
+count of free pages is the one the heartbeats report), answer `JobAccepted`.
 `SuffixReady`: nothing to pull (mock prefill stages no bytes); the sequence joins the engine
 with the prompt's whole blocks up to token n - 1 counted as cached, so the engine charges
 their load and the short tail, not the prefill the prefill worker already simulated.
@@ -19,7 +20,6 @@ deadlines and the stream's path are jobs.py's, shared with the model's worker.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
@@ -27,23 +27,18 @@ from tokenizers import Tokenizer
 from services.decode.config import DecodeConfig
 from services.decode.finish import Finisher
 from services.decode.jobs import DecodeJobsBase
-from services.decode.state import DecodeRequest, Finished
+from services.decode.state import STREAM_FINISH_REASONS, DecodeRequest, Finished
 from shared.bus import Bus
-from shared.schema import BadRequest, SamplingParams, SuffixReady
-from shared.serving.mock import MockModel, sleep_simulated
-from shared.testing.mock_engine import (
+from shared.mock_engine import (
     FinishReason,
     MockEngine,
+    MockModel,
     MockRequestError,
     MockSamplingParams,
     MockStepOutput,
+    sleep_simulated,
 )
-
-_REASONS = {
-    FinishReason.STOP: "stop",
-    FinishReason.LENGTH: "length",
-    FinishReason.ABORT: "cancelled",
-}
+from shared.schema import BadRequest, SamplingParams, SuffixReady
 
 
 class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
@@ -63,24 +58,21 @@ class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
         )  # fmt: skip
         self.config = config
         self.model = model
-        self._pages: dict[str, int] = {}  # request id -> pages reserved when admitted
+        # request id -> pages reserved in the engine at admission, until the request joins it
+        self._reserved: dict[str, int] = {}
         self._payload = bytes(config.mock_block_nbytes)
 
-    @property
-    def num_kv_pages_free(self) -> int:
-        return self.engine.config.num_kv_pages - sum(self._pages.values())
-
     def kv_pages(self) -> tuple[int, int]:
-        return self.engine.config.num_kv_pages, self.num_kv_pages_free
+        """The engine's count: reservations of admitted requests and running sequences."""
+        return self.engine.config.num_kv_pages, self.engine.num_kv_pages_free
 
     def counters(self) -> dict[str, float]:
         return self.finisher.counts | {"simulated_clock_s": round(self.engine.clock_s, 3)}
 
     # -- DecodeJob, SuffixReady -----------------------------------------------------------
     def _pages_to_admit(self, num_prompt_tokens: int, sampling: SamplingParams) -> int:
-        """All the request can grow to: MockEngine reserves that much, so it never preempts."""
-        max_len = min(num_prompt_tokens + sampling.max_tokens, self.model.max_model_len)
-        return math.ceil(max_len / self.block_size)
+        """All the request can grow to: MockEngine holds that much, so it never preempts."""
+        return self.engine.pages_needed(num_prompt_tokens, sampling.max_tokens)
 
     def _sampling_params(self, sampling: SamplingParams) -> MockSamplingParams:
         eos = () if sampling.ignore_eos else self.model.eos_token_ids
@@ -91,26 +83,35 @@ class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
         )
 
     def _admit(self, state: DecodeRequest, num_pages: int) -> None:
-        self._pages[state.request_id] = num_pages
+        """Reserve the pages in the engine now, so its count (and our heartbeats) hold them
+        while prefill runs. `handle_job` checked they are free; nothing ran in between."""
+        if not self.engine.reserve_pages(num_pages):
+            raise RuntimeError(f"{num_pages} pages were free a moment ago")
+        self._reserved[state.request_id] = num_pages
 
     async def _join(self, state: DecodeRequest, ready: SuffixReady) -> int:
         """Nothing to pull: the prompt's whole blocks up to n - 1 count as cached."""
         state.prefill = ready.timings
         state.num_cached_tokens = ready.first_block_index * self.block_size
-        num_ready = ready.num_computed_tokens // self.block_size * self.block_size
+        num_ready = state.blocks.num_prefill_blocks * self.block_size
         try:
-            return self.engine.add_request(
-                state.token_ids, state.params, num_cached_tokens=num_ready, has_swa_snapshot=True
-            )
+            seq_id = self.engine.add_request(
+                state.token_ids, state.params, num_cached_tokens=num_ready,
+                has_swa_snapshot=True, blocks=state.blocks, pages_reserved=True,
+            )  # fmt: skip
         except MockRequestError as exc:
             raise BadRequest(str(exc)) from exc
+        del self._reserved[state.request_id]  # the engine's sequence holds them now
+        return seq_id
 
     # -- cancellation, the batch loop ---------------------------------------------------
     async def _abort_seq(self, seq_id: int) -> None:
         self.engine.abort(seq_id)  # pure bookkeeping: no step runs meanwhile, no lock
 
     async def _release(self, state: DecodeRequest) -> None:
-        self._pages.pop(state.request_id, None)
+        num_pages = self._reserved.pop(state.request_id, 0)
+        if num_pages:  # never joined: the reservation is ours to give back
+            self.engine.release_pages(num_pages)
 
     async def _step(self) -> Sequence[MockStepOutput] | None:
         """Step, then sleep the step's simulated time, so its tokens leave when it ends."""
@@ -125,12 +126,15 @@ class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
         self, state: DecodeRequest, out: MockStepOutput, stopped_by_string: bool
     ) -> Finished:
         """Decode's blocks: from the one holding prompt token n - 1 (prefill wrote those
-        before it) to the last complete one computed (the last sampled token's KV is not)."""
-        self._pages.pop(state.request_id, None)
+        before it) to the last complete one computed (the last sampled token's KV is not).
+        The engine freed the sequence's pages in the step that finished it."""
         # A finished output always carries its reason; STOP only satisfies the type.
-        reason = "stop" if stopped_by_string else _REASONS[out.finish_reason or FinishReason.STOP]
+        reason = out.finish_reason or FinishReason.STOP
         token_ids = state.token_ids + state.output_ids
-        first = (state.num_prompt_tokens - 1) // self.block_size
+        first = state.blocks.num_prefill_blocks
         end = (len(token_ids) - 1) // self.block_size
         blocks = [(i, self._payload) for i in range(first, end)]
-        return Finished(reason, token_ids, blocks, boundary_window=None)
+        return Finished(
+            "stop" if stopped_by_string else STREAM_FINISH_REASONS[reason], token_ids, blocks,
+            boundary_snapshot=None,
+        )  # fmt: skip

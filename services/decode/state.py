@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from shared.detokenizer import IncrementalDetokenizer
+from shared.engine.outputs import FinishReason
+from shared.kvstore.blocks import RequestBlocks
 from shared.schema import (
     CancelRequest,
     DecodeJob,
@@ -20,12 +21,14 @@ from shared.schema import (
     UsageStatus,
     error_from_wire,
 )
-from shared.serving.kv_io import BlockChain, LoadedPrefix
 from shared.streams import StreamWriter
 
-if TYPE_CHECKING:  # shared.engine imports torch; the mock decode worker (no torch) uses this
-    from shared.engine.kv_cache import SlidingWindowState
-    from shared.engine.sampler import SamplingParams
+# An engine's finish reason -> the stream's (`TokenChunk.finish_reason`, usage records).
+STREAM_FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "cancelled",
+}
 
 
 @dataclass
@@ -35,19 +38,20 @@ class Finished:
     reason: str  # stop | length | cancelled
     token_ids: list[int]
     blocks: list[tuple[int, bytes]]  # (block index, payload) to write to the store
-    boundary_window: SlidingWindowState | None
+    # The sliding-window snapshot at the end of the last block written (None: the model has
+    # no sliding layers, or the engine tracked no window there).
+    boundary_snapshot: bytes | None
 
 
 @dataclass(eq=False)
 class DecodeRequest:
     job: DecodeJob
     token_ids: list[int]  # the prompt
-    chain: BlockChain  # the prompt's block hashes, extended over the answer at the end
+    blocks: RequestBlocks  # the prompt's block layout, extended over the answer at the end
     stream: StreamWriter
     detokenizer: IncrementalDetokenizer
-    params: SamplingParams  # the mock engine's MockSamplingParams under --engine mock
+    params: Any  # the engine's own sampling parameters (the model's, or the mock's)
     accepted_s: float = field(default_factory=time.perf_counter)
-    prefix_task: asyncio.Task[LoadedPrefix] | None = None
     prefix_load_ms: float = 0.0
     prefill: PrefillTimings = PrefillTimings()
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the store, not prefill

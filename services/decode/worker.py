@@ -23,25 +23,19 @@ from tokenizers import Tokenizer
 
 from services.decode.finish import Finisher
 from services.decode.jobs import DecodeJobsBase
-from services.decode.state import DecodeRequest, Finished
+from services.decode.state import STREAM_FINISH_REASONS, DecodeRequest, Finished
 from shared.bus import Bus
 from shared.engine.engine import Engine, FinishReason, RequestError, StepOutput
 from shared.engine.kv_cache import SlidingWindowState
 from shared.engine.sampler import SamplingParams as EngineSampling
 from shared.engine.sampler import SamplingParamsError
 from shared.engine.sequence import Sequence
-from shared.engine.swa_restore import snapshot_from_bytes
-from shared.kvstore.transfer import ByteRange, KvTransferAgent
+from shared.engine.swa_restore import snapshot_from_bytes, snapshot_to_bytes
 from shared.schema import BadRequest, SamplingParams, SuffixReady, Unavailable
-from shared.serving.kv_io import LoadedPrefix, load_prefix, unstage_pages
+from shared.serving.pages import LoadedPrefix, load_prefix, unstage_pages
 from shared.serving.staging import StagingSpace
 from shared.subjects import PREFILL
-
-_REASONS = {
-    FinishReason.STOP: "stop",
-    FinishReason.LENGTH: "length",
-    FinishReason.ABORT: "cancelled",
-}
+from shared.transfer import ByteRange, KvTransferAgent
 
 
 class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
@@ -71,6 +65,8 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         self.staging = staging
         self.pull_timeout_s = pull_timeout_s
         self._finished: dict[int, Finished] = {}
+        # request id -> the read of its cached prefix, started at admission, awaited at join
+        self._prefix_loads: dict[str, asyncio.Task[LoadedPrefix]] = {}
         self._engine_lock = asyncio.Lock()  # engine state changes only between steps
         self.engine.on_finish = self._on_finish
 
@@ -103,9 +99,12 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
 
     def _admit(self, state: DecodeRequest, num_pages: int) -> None:
         """Start reading the cached prefix now: it overlaps prefill's compute."""
-        num_cached_blocks = min(state.job.decision.num_cached_tokens, len(state.token_ids) - 1)
-        num_cached_blocks //= self.block_size
-        state.prefix_task = asyncio.create_task(self._load_prefix(state, num_cached_blocks))
+        num_cached_blocks = state.blocks.num_reusable_blocks(
+            state.job.decision.num_cached_tokens // self.block_size
+        )
+        self._prefix_loads[state.request_id] = asyncio.create_task(
+            self._load_prefix(state, num_cached_blocks)
+        )
 
     async def _load_prefix(self, state: DecodeRequest, num_blocks: int) -> LoadedPrefix:
         started = time.perf_counter()
@@ -118,8 +117,7 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
 
     # -- SuffixReady ---------------------------------------------------------------------
     async def _join(self, state: DecodeRequest, ready: SuffixReady) -> int:
-        assert state.prefix_task is not None
-        prefix = await state.prefix_task
+        prefix = await self._prefix_loads.pop(state.request_id)
         allocator = self.runner.allocator
         if prefix.num_blocks < ready.first_block_index:
             allocator.free(prefix.pages)
@@ -182,9 +180,10 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
             self.engine.abort(seq_id)
 
     async def _release(self, state: DecodeRequest) -> None:
-        if state.prefix_task is not None and not state.joined:
-            state.prefix_task.cancel()
-            prefix = await asyncio.gather(state.prefix_task, return_exceptions=True)
+        load = self._prefix_loads.pop(state.request_id, None)
+        if load is not None:  # never joined: the prefix read is ours to stop and free
+            load.cancel()
+            prefix = await asyncio.gather(load, return_exceptions=True)
             if not isinstance(prefix[0], BaseException):
                 self.runner.allocator.free(prefix[0].pages)
         if state.seq_id is not None:
@@ -195,12 +194,15 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         state = self._by_seq.get(seq.seq_id)
         if state is None:
             return
-        first = (state.num_prompt_tokens - 1) // self.block_size  # prefill wrote the ones before
+        first = state.blocks.num_prefill_blocks  # prefill wrote the ones before
         end = seq.num_computed_tokens // self.block_size
         pool = self.runner.pool
         blocks = [(i, bytes(pool.block_view(seq.block_table[i]))) for i in range(first, end)]
+        window = seq.boundary_window
+        at_last_block = window is not None and window.end_position == end * self.block_size
+        snapshot = snapshot_to_bytes(window) if at_last_block and blocks else None
         self._finished[seq.seq_id] = Finished(
-            _REASONS[reason], list(seq.token_ids), blocks, seq.boundary_window
+            STREAM_FINISH_REASONS[reason], list(seq.token_ids), blocks, snapshot
         )
 
     async def _step(self) -> list[StepOutput]:

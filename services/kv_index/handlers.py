@@ -11,7 +11,7 @@ import msgspec
 from services.kv_index.config import KvIndexConfig
 from services.kv_index.index import KvIndex, Removal
 from shared.bus import Bus, Context
-from shared.kvstore.index_client import to_wire
+from shared.kv_index_client import to_wire
 from shared.logging import get_logger
 from shared.schema import (
     BadRequest,
@@ -135,11 +135,11 @@ class KvIndexService:
                 "index": self.index.snapshot(),
             }
         )
-        await self.bus.put_object(self.snapshot_bucket, self.snapshot_name, state)
+        await self.bus.js.put_object(self.snapshot_bucket, self.snapshot_name, state)
         log.info("snapshot saved", stream_seq=self.last_stream_seq, num_bytes=len(state))
 
     async def load_snapshot(self) -> None:
-        data = await self.bus.get_object(self.snapshot_bucket, self.snapshot_name)
+        data = await self.bus.js.get_object(self.snapshot_bucket, self.snapshot_name)
         if data is None:
             return
         state = msgspec.msgpack.decode(data)

@@ -6,7 +6,7 @@ Pure and synchronous (no NATS, no asyncio): handlers.py feeds it events and ques
   redelivery, replay after restart) is ignored, a jump is a gap, reported so the service asks
   that writer to resync (its reply starts with AllBlocksCleared, so applying it is safe).
 - `match(hashes)`: per tier, this shard's part of the longest cached prefix (see
-  `shared.kvstore.index_client` for the merge across shards); a read refreshes recency.
+  `shared.kv_index_client` for the merge across shards); a read refreshes recency.
 - `evict(now)`: TTL first, then LRU from the high watermark down to the low one, per tier.
   Returns what was dropped, for the service to publish as BlocksRemoved (writers reuse slots).
 """

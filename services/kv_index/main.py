@@ -38,14 +38,14 @@ async def setup(runtime: ServiceRuntime) -> None:
     bus, subjects = runtime.bus, runtime.bus.subjects
     service = KvIndexService(bus, config)
     stream = subjects.kv_events_stream
-    await bus.ensure_stream(
+    await bus.js.ensure_stream(
         stream,
         [subjects.kv_events_all],
         max_age_s=config.log_max_age_s,
         max_bytes=config.log_max_bytes,
     )
     await service.load_snapshot()
-    first_seq, last_seq = await bus.stream_bounds(stream)
+    first_seq, last_seq = await bus.js.stream_bounds(stream)
     if service.last_stream_seq and first_seq > service.last_stream_seq + 1:
         log.warning(
             "event log no longer holds what followed the snapshot: blocks stored in between are "
@@ -53,7 +53,7 @@ async def setup(runtime: ServiceRuntime) -> None:
             snapshot_seq=service.last_stream_seq, first_seq=first_seq,
         )  # fmt: skip
     start_seq = service.last_stream_seq + 1 if service.last_stream_seq else None
-    await bus.consume(
+    await bus.js.consume(
         stream, subjects.kv_events_all, KvEventBatch, service.on_event_batch, start_seq=start_seq
     )
     # Answer only once the log is replayed: a restarted index gives the answers it gave before.

@@ -9,9 +9,9 @@ import time
 
 from services.prefill.jobs import JobState
 from shared.bus import Bus
-from shared.kvstore.swa_client import SwaClient
 from shared.logging import get_logger
 from shared.schema import JobAccepted, PrefillTimings, ServiceError, SuffixReady
+from shared.swa_client import SwaClient
 
 log = get_logger(__name__)
 
@@ -46,11 +46,14 @@ async def tell_decode(
     return (time.perf_counter() - started) * 1000
 
 
-async def put_window(swa: SwaClient, entry: JobState, block_size: int, snapshot: bytes) -> bool:
-    """Put the window at the last block boundary of `entry`'s prompt; False when it was not
-    kept (logged: it only costs the next turn a replay)."""
-    boundary = entry.target // block_size * block_size
-    boundary_hash = entry.chain.upto(entry.token_ids, boundary // block_size)[-1]
+async def put_window(swa: SwaClient, entry: JobState, snapshot: bytes) -> bool:
+    """Put the window at the last block boundary before `entry`'s last prompt token (the one
+    prefill computes up to); False when it was not kept (logged: it only costs the next turn
+    a replay)."""
+    blocks = entry.blocks
+    boundary_hash = blocks.boundary_hash(blocks.num_prefill_blocks)
+    if boundary_hash is None:
+        return False
     try:
         return await swa.put(boundary_hash, snapshot)
     except ServiceError as exc:

@@ -25,7 +25,7 @@ from typing import Generic, TypeVar
 import msgspec
 
 from shared.bus import Bus, Context
-from shared.kvstore.swa_client import SwaClient
+from shared.kvstore.blocks import RequestBlocks
 from shared.kvstore.writer import KvEventPublisher
 from shared.logging import get_logger
 from shared.schema import (
@@ -40,7 +40,7 @@ from shared.schema import (
     ServiceError,
 )
 from shared.serving.checks import checked_prompt
-from shared.serving.kv_io import BlockChain
+from shared.swa_client import SwaClient
 
 log = get_logger(__name__)
 
@@ -51,7 +51,7 @@ class JobState(ABC):
 
     job: PrefillJob
     token_ids: list[int]
-    chain: BlockChain  # the prompt's block hashes
+    blocks: RequestBlocks  # the prompt's block layout, from the request
     done: asyncio.Future[PrefillDone]
     accepted_s: float
     restored: PrefillTimings  # load_ms, restore_ms, swa_restore, num_replay_tokens
@@ -144,15 +144,15 @@ class PrefillJobsBase(ABC, Generic[JobT]):
     # -- requests ------------------------------------------------------------------------
     async def handle_job(self, job: PrefillJob, ctx: Context) -> PrefillDone:
         request = job.request
-        token_ids = self._validate(job)
+        token_ids, blocks = self._validate(job)
         if request.request_id in self._jobs:
             raise BadRequest(f"request {request.request_id} is already being prefilled here")
         accepted_s = time.perf_counter()
         self.counts["num_jobs"] += 1
-        # The last prompt token is decode's: never restore a prefix that covers it.
-        num_cached_blocks = min(job.decision.num_cached_tokens, len(token_ids) - 1)
-        num_cached_blocks //= self.block_size
-        entry = await self._admit(job, token_ids, num_cached_blocks, accepted_s)
+        num_cached_blocks = blocks.num_reusable_blocks(
+            job.decision.num_cached_tokens // self.block_size
+        )
+        entry = await self._admit(job, token_ids, blocks, num_cached_blocks, accepted_s)
         self.counts["num_tokens_cached"] += entry.num_cached_blocks * self.block_size
         self._enqueue(entry)
         try:
@@ -161,8 +161,8 @@ class PrefillJobsBase(ABC, Generic[JobT]):
             self._drop(entry, Cancelled("prefill worker stopping"))
             raise
 
-    def _validate(self, job: PrefillJob) -> list[int]:
-        token_ids = checked_prompt(
+    def _validate(self, job: PrefillJob) -> tuple[list[int], RequestBlocks]:
+        token_ids, blocks = checked_prompt(
             job.request, model_name=self.model_name, block_size_tokens=self.block_size,
             max_model_len=self.max_model_len,
         )  # fmt: skip
@@ -172,11 +172,16 @@ class PrefillJobsBase(ABC, Generic[JobT]):
                 f"prompt of {len(token_ids)} tokens does not fit this worker's KV pool "
                 f"({num_pages_total} pages of {self.block_size} tokens)"
             )
-        return token_ids
+        return token_ids, blocks
 
     @abstractmethod
     async def _admit(
-        self, job: PrefillJob, token_ids: list[int], num_cached_blocks: int, accepted_s: float
+        self,
+        job: PrefillJob,
+        token_ids: list[int],
+        blocks: RequestBlocks,
+        num_cached_blocks: int,
+        accepted_s: float,
     ) -> JobT:
         """Restore up to `num_cached_blocks` of the prefix; the job, not yet queued."""
 

@@ -15,20 +15,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from services.prefill.config import PrefillConfig
+from services.prefill.jobs import PrefillJobsBase
 from services.prefill.mock_worker import MockPrefillWorker
 from shared.bus import Endpoint
 from shared.kvstore.store import KvStore
-from shared.kvstore.swa_client import SwaClient
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, PrefillJob
 from shared.serving.wiring import node_memcache, open_mock_kv, open_model_kv, start_worker
 from shared.subjects import PREFILL
-
-if TYPE_CHECKING:
-    from services.prefill.worker import PrefillWorker
+from shared.swa_client import SwaClient
 
 
 async def setup(runtime: ServiceRuntime) -> None:
@@ -73,7 +71,7 @@ async def setup_mock(runtime: ServiceRuntime, config: PrefillConfig) -> None:
 
 async def serve(
     runtime: ServiceRuntime,
-    worker: PrefillWorker | MockPrefillWorker,
+    worker: PrefillJobsBase[Any],
     store: KvStore,
     *closers: Callable[[], None],
 ) -> None:

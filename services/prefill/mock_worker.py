@@ -1,9 +1,9 @@
 """The mock prefill worker (`--engine mock`): the real worker's endpoints and messages, with
-simulated compute (docs/request-flow.md; what both mock workers share: shared/serving/mock.py;
+simulated compute (docs/request-flow.md; what both mock workers share: shared/mock_engine/;
 what this shares with the model's worker -- the job table, batching, deadlines, the
 handoff's messages -- jobs.py).
 
-One job: "restore" the cached prefix (sleep MockCostModel's load of it, plus a bounded replay
+One job: "restore" the cached prefix (sleep CostModel's load of it, plus a bounded replay
 when the router found no window snapshot) -> wait its turn -> "compute" every prompt token
 but the last, in chunks under `max_batch_tokens` per simulated forward pass, each pass slept
 for its simulated time -> `SuffixReady` to decode, with nothing staged (decode pulls no
@@ -25,12 +25,13 @@ from services.prefill.config import PrefillConfig
 from services.prefill.handoff import put_window, tell_decode
 from services.prefill.jobs import JobState, PrefillJobsBase
 from shared.bus import Bus
-from shared.kvstore.swa_client import SwaClient
+from shared.cost_model import CostModel
+from shared.kvstore.blocks import RequestBlocks
 from shared.kvstore.writer import KvEventPublisher
+from shared.mock_engine import MockModel, sleep_simulated
 from shared.schema import PrefillJob, PrefillTimings
-from shared.serving.kv_io import BlockChain, store_payloads
-from shared.serving.mock import MockModel, sleep_simulated
-from shared.testing.cost_model import MockCostModel
+from shared.serving.kv_io import store_payloads
+from shared.swa_client import SwaClient
 
 # swa-memcache keeps it inline; a real window's size (96 KiB for tiny-coder) is not simulated.
 MOCK_SNAPSHOT_NBYTES = 1024
@@ -54,7 +55,7 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         swa: SwaClient | None,
         config: PrefillConfig,
         model: MockModel,
-        cost: MockCostModel | None = None,
+        cost: CostModel | None = None,
     ) -> None:
         super().__init__(
             bus, publisher, swa, model_name=model.name, max_model_len=model.max_model_len,
@@ -63,7 +64,7 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         )  # fmt: skip
         self.config = config
         self.model = model
-        self.cost = cost or MockCostModel()
+        self.cost = cost or CostModel()
         self.num_kv_pages_free = config.num_kv_blocks
         self._payload = bytes(config.mock_block_nbytes)
 
@@ -72,13 +73,17 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
 
     # -- jobs ----------------------------------------------------------------------------
     async def _admit(
-        self, job: PrefillJob, token_ids: list[int], num_cached_blocks: int, accepted_s: float
+        self,
+        job: PrefillJob,
+        token_ids: list[int],
+        blocks: RequestBlocks,
+        num_cached_blocks: int,
+        accepted_s: float,
     ) -> MockJob:
         num_cached_tokens = num_cached_blocks * self.block_size
         restored = await self._restore(num_cached_tokens, job.decision.has_swa_snapshot)
         return MockJob(
-            job, token_ids, BlockChain.for_prompt(job.request, token_ids),
-            asyncio.get_running_loop().create_future(),
+            job, token_ids, blocks, asyncio.get_running_loop().create_future(),
             accepted_s, restored, num_cached_blocks, num_cached_tokens,
         )  # fmt: skip
 
@@ -130,12 +135,12 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
 
     async def _persist(self, entry: MockJob) -> None:
         """Placeholder blocks and window, at the places the model's would go."""
-        first_block, end_block = entry.num_cached_blocks, entry.target // self.block_size
+        first_block, end_block = entry.num_cached_blocks, entry.blocks.num_prefill_blocks
         payloads = [self._payload] * max(end_block - first_block, 0)
         self.counts["num_blocks_stored"] += await store_payloads(
-            self.publisher, entry.token_ids, entry.chain, first_block, payloads
+            self.publisher, entry.token_ids, entry.blocks, first_block, payloads
         )
         if self.swa is None or not payloads:
             return  # the boundary lies in the restored prefix: its snapshot was put before
-        if await put_window(self.swa, entry, self.block_size, bytes(MOCK_SNAPSHOT_NBYTES)):
+        if await put_window(self.swa, entry, bytes(MOCK_SNAPSHOT_NBYTES)):
             self.counts["num_snapshots_put"] += 1

@@ -16,12 +16,13 @@ from shared.engine.errors import SequenceStateError
 from shared.engine.kv_cache import SlidingWindowState
 from shared.engine.runner import ModelRunner
 from shared.engine.swa_restore import exact_replay_tokens, replay_window, snapshot_from_bytes
+from shared.kvstore.blocks import RequestBlocks
 from shared.kvstore.store import KvStore
-from shared.kvstore.swa_client import SwaClient
 from shared.logging import get_logger
 from shared.schema import ServiceError
 from shared.schema.inference import BlockLocations
-from shared.serving.kv_io import load_prefix
+from shared.serving.pages import load_prefix
+from shared.swa_client import SwaClient
 
 log = get_logger(__name__)
 
@@ -74,7 +75,7 @@ class PrefixRestorer:
     async def restore(
         self,
         token_ids: list[int],
-        block_hashes: list[int],
+        blocks: RequestBlocks,
         locations: BlockLocations,
         num_blocks: int,
     ) -> Restored:
@@ -91,7 +92,7 @@ class PrefixRestorer:
         boundary = prefix.num_blocks * self.runner.layout.block_size_tokens
         try:
             window, mode, num_replayed = await self._window(
-                token_ids, block_hashes[prefix.num_blocks - 1], prefix.pages, boundary
+                token_ids, blocks.hashes[prefix.num_blocks - 1], prefix.pages, boundary
             )
         except BaseException:
             self.runner.allocator.free(prefix.pages)

@@ -30,18 +30,18 @@ from shared.bus import Bus
 from shared.engine.runner import ModelRunner
 from shared.engine.sequence import Sequence
 from shared.engine.swa_restore import snapshot_to_bytes
-from shared.kvstore.swa_client import SwaClient
-from shared.kvstore.transfer import KvTransferAgent
+from shared.kvstore.blocks import RequestBlocks
 from shared.kvstore.writer import KvEventPublisher
 from shared.schema import BadRequest, PrefillJob, PrefillTimings
-from shared.serving.kv_io import BlockChain, stage_pages, store_blocks
+from shared.serving.pages import stage_pages, store_blocks
 from shared.serving.staging import StagingSpace, StagingTooSmall
+from shared.swa_client import SwaClient
+from shared.transfer import KvTransferAgent
 
 
 @dataclass(eq=False)
 class ModelJob(JobState):
     seq: Sequence
-    boundary: int  # the last block boundary at or before n - 1
 
     @property
     def num_left(self) -> int:
@@ -90,11 +90,15 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
 
     # -- jobs ----------------------------------------------------------------------------
     async def _admit(
-        self, job: PrefillJob, token_ids: list[int], num_cached_blocks: int, accepted_s: float
+        self,
+        job: PrefillJob,
+        token_ids: list[int],
+        blocks: RequestBlocks,
+        num_cached_blocks: int,
+        accepted_s: float,
     ) -> ModelJob:
-        chain = BlockChain.for_prompt(job.request, token_ids)
         restored = await self.restorer.restore(
-            token_ids, chain.hashes, job.cached_blocks, num_cached_blocks
+            token_ids, blocks, job.cached_blocks, num_cached_blocks
         )
         seq = Sequence(next(self._seq_ids), token_ids)
         if restored.window is not None:
@@ -104,10 +108,9 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
             load_ms=restored.load_ms, restore_ms=restored.restore_ms,
             swa_restore=restored.mode, num_replay_tokens=restored.num_replay_tokens,
         )  # fmt: skip
-        boundary = (len(token_ids) - 1) // self.block_size * self.block_size
         return ModelJob(
-            job, token_ids, chain, asyncio.get_running_loop().create_future(), accepted_s,
-            timings, restored.num_blocks, seq, boundary,
+            job, token_ids, blocks, asyncio.get_running_loop().create_future(), accepted_s,
+            timings, restored.num_blocks, seq,
         )  # fmt: skip
 
     def _enqueue(self, entry: ModelJob) -> None:
@@ -169,16 +172,16 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         return timings, transfer_ms
 
     async def _persist(self, entry: ModelJob) -> None:
-        seq = entry.seq
-        end_block = entry.boundary // self.block_size
+        seq, blocks = entry.seq, entry.blocks
         self.counts["num_blocks_stored"] += await store_blocks(
-            self.publisher, self.runner.pool, seq.block_table, entry.token_ids, entry.chain,
-            entry.num_cached_blocks, end_block,
+            self.publisher, self.runner.pool, seq.block_table, entry.token_ids, blocks,
+            entry.num_cached_blocks, blocks.num_prefill_blocks,
         )  # fmt: skip
         # The window at the last boundary a pass crossed; none when the restored prefix ended
         # there already (the memcache has that one).
         window = seq.boundary_window
-        if self.swa is None or window is None or window.end_position != entry.boundary:
+        boundary = blocks.num_prefill_blocks * self.block_size
+        if self.swa is None or window is None or window.end_position != boundary:
             return
-        if await put_window(self.swa, entry, self.block_size, snapshot_to_bytes(window)):
+        if await put_window(self.swa, entry, snapshot_to_bytes(window)):
             self.counts["num_snapshots_put"] += 1

@@ -1,11 +1,11 @@
 """The router over NATS: `GenerateRequest` in, a chosen prefill and decode worker, the jobs
 sent to them, `RouteDecision` back (docs/request-flow.md).
 
-One request: check the prompt's block hashes -> kv-index match (the hit length and where its
-blocks lie; no answer = routed cold) -> which nodes' swa-memcache hold the hit's boundary
-snapshot -> `RoutePolicy.choose` -> count the work in flight (and tell the other replicas)
--> `DecodeJob` to the decode worker, awaiting `JobAccepted` -> reply; the `PrefillJob` is
-seen through in the background (`PrefillJobs`).
+One request: check the prompt's block hashes (cheaply, `RequestBlocks.check`) -> kv-index
+match (the hit length and where its blocks lie; no answer = routed cold) -> which nodes'
+swa-memcache hold the hit's boundary snapshot -> `RoutePolicy.choose` -> count the work in
+flight (and tell the other replicas) -> `DecodeJob` to the decode worker, awaiting
+`JobAccepted` -> reply; the `PrefillJob` is seen through in the background (`PrefillJobs`).
 """
 
 from __future__ import annotations
@@ -14,19 +14,18 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-import msgspec
 import numpy as np
 
 from services.router.config import RouterConfig
-from services.router.cost import CostModel
 from services.router.counters import RouterCounters
 from services.router.load import InflightDelta, LoadTable
 from services.router.policy import Rejection, RequestFacts, RoutePolicy
 from services.router.prefill_jobs import PrefillJobs
+from shared import kv_index_client as index_client
 from shared.bus import Bus, Context, Endpoint
-from shared.kvstore import index_client
-from shared.kvstore.hashing import BlockHasher
-from shared.kvstore.index_client import PrefixMatch
+from shared.cost_model import CostModel
+from shared.kv_index_client import PrefixMatch
+from shared.kvstore.blocks import BlockLayoutError, RequestBlocks
 from shared.logging import get_logger
 from shared.schema import (
     BadRequest,
@@ -55,9 +54,9 @@ log = get_logger(__name__)
 WATCHED_SERVICES = frozenset({PREFILL, DECODE, SWA_MEMCACHE})
 
 
-def checked_request(request: GenerateRequest) -> tuple[GenerateRequest, list[int]]:
-    """`request` with its block hashes (computed when it carried none) and those hashes;
-    BadRequest when the prompt is empty or malformed or its hashes do not match its tokens."""
+def checked_request(request: GenerateRequest) -> RequestBlocks:
+    """The request's block layout, checked against its tokens; BadRequest when the prompt
+    is empty or malformed, or its block hashes are missing or do not match its tokens."""
     if len(request.prompt_token_ids) % 4:
         raise BadRequest("prompt_token_ids must be packed u32 (a multiple of 4 bytes)")
     if num_packed_tokens(request.prompt_token_ids) == 0:
@@ -66,19 +65,12 @@ def checked_request(request: GenerateRequest) -> tuple[GenerateRequest, list[int
         raise BadRequest("stream_inbox is required: the decode worker streams to it")
     if request.block_size_tokens <= 0:
         raise BadRequest(f"block_size_tokens must be > 0, got {request.block_size_tokens}")
-    hasher = BlockHasher(
-        model_id=request.model, block_size_tokens=request.block_size_tokens, salt=request.cache_salt
-    )
-    hashes = hasher.hashes(request.prompt_token_ids)
-    packed = pack_block_hashes(hashes)
-    if not request.block_hashes:
-        return msgspec.structs.replace(request, block_hashes=packed), hashes
-    if request.block_hashes != packed:
-        raise BadRequest(
-            "block_hashes do not match the prompt's tokens for this model, block size and "
-            "cache salt"
-        )
-    return request, hashes
+    try:
+        blocks = RequestBlocks.of_request(request)
+        blocks.check(request.prompt_token_ids)
+    except BlockLayoutError as exc:
+        raise BadRequest(f"block_hashes: {exc} (the caller hashes the prompt)") from exc
+    return blocks
 
 
 def cached_prefix(match: PrefixMatch | None, num_blocks: int) -> BlockLocations:
@@ -195,9 +187,9 @@ class Router:
             raise
 
     async def _route(self, request: GenerateRequest) -> RouteDecision:
-        request, hashes = checked_request(request)
-        match = await self._match(request.request_id, hashes)
-        facts = RequestFacts.from_request(request, match.num_blocks if match else 0)
+        blocks = checked_request(request)
+        match = await self._match(request.request_id, blocks.hashes)
+        facts = RequestFacts.of(request, blocks, match.num_blocks if match else 0)
         swa_node_ids = await self._swa_holders(facts.boundary_block_hash)
         cached = cached_prefix(match, facts.num_cached_tokens // request.block_size_tokens)
         decision = await self._place(request, facts, swa_node_ids, cached)

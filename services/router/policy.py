@@ -1,8 +1,8 @@
 """The router's decision for one request: which prefill worker, which decode worker, or no.
 
-Pure and synchronous. The handler gathers the facts (kv-index match -> hit length; each
-prefill node's swa-memcache `contains` for the boundary block -> the nodes holding its
-sliding-window snapshot), calls `RoutePolicy.choose`, records the in-flight deltas, forwards.
+Pure and synchronous. The handler gathers the facts (kv-index match -> hit length; the
+memcaches' events -> the nodes holding the boundary block's sliding-window snapshot), calls
+`RoutePolicy.choose`, records the in-flight deltas, forwards.
 
 - prefill: the least estimated time to first token (`CostModel.prefill`). The hit length is
   global (one shared SSD tier), so workers differ by queue wait and by whether their node
@@ -20,8 +20,9 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from services.router.cost import CostModel, PrefillEstimate
 from services.router.load import InflightDelta, LoadTable, WorkerView
+from shared.cost_model import CostModel, PrefillEstimate
+from shared.kvstore.blocks import RequestBlocks
 from shared.schema.errors import (
     BadRequest,
     ErrorCode,
@@ -30,7 +31,6 @@ from shared.schema.errors import (
     Unavailable,
 )
 from shared.schema.inference import GenerateRequest, RouteDecision
-from shared.schema.tokens import num_packed_tokens, unpack_block_hashes
 from shared.subjects import DECODE, PREFILL
 
 
@@ -43,21 +43,17 @@ class RequestFacts:
     boundary_block_hash: int | None = None  # whose SWA snapshot restores the cached prefix
 
     @classmethod
-    def from_request(cls, request: GenerateRequest, num_hit_blocks: int) -> RequestFacts:
+    def of(
+        cls, request: GenerateRequest, blocks: RequestBlocks, num_hit_blocks: int
+    ) -> RequestFacts:
         """Facts of `request` given kv-index's longest hit (in blocks, over all tiers)."""
-        num_prompt_tokens = num_packed_tokens(request.prompt_token_ids)
-        block_size = request.block_size_tokens
-        # The last prompt token is always computed: its logits give the first output token.
-        num_blocks = max(min(num_hit_blocks, (num_prompt_tokens - 1) // block_size), 0)
-        boundary = None
-        if num_blocks:
-            boundary = int(unpack_block_hashes(request.block_hashes)[num_blocks - 1])
+        num_blocks = blocks.num_reusable_blocks(num_hit_blocks)
         return cls(
             request_id=request.request_id,
-            num_prompt_tokens=num_prompt_tokens,
-            num_cached_tokens=num_blocks * block_size,
+            num_prompt_tokens=blocks.num_prompt_tokens,
+            num_cached_tokens=num_blocks * blocks.block_size,
             max_tokens=request.sampling.max_tokens,
-            boundary_block_hash=boundary,
+            boundary_block_hash=blocks.boundary_hash(num_blocks),
         )
 
 

@@ -14,9 +14,6 @@ from dataclasses import dataclass
 from services.swa_memcache.cache import SnapshotCache, checksum
 from services.swa_memcache.config import SwaMemcacheConfig
 from shared.bus import Context
-from shared.kvstore import TransferError
-from shared.kvstore.swa_client import read_snapshot
-from shared.kvstore.transfer import KvTransferAgent
 from shared.logging import get_logger
 from shared.schema import BadRequest, unpack_block_hashes
 from shared.schema.swa import (
@@ -30,6 +27,8 @@ from shared.schema.swa import (
     SwaRelease,
 )
 from shared.subjects import SWA_MEMCACHE
+from shared.swa_client import read_snapshot
+from shared.transfer import KvTransferAgent, TransferError
 
 log = get_logger(__name__)
 

@@ -19,7 +19,7 @@ entry (`SnapshotCache` over `Arena`):
 - get (`SwaGet.can_read_nixl`): we pin the entry for `lease_s` (5 s) and reply its range in
   our region; the reader pulls and checks it, then publishes `SwaRelease`. A pinned entry is
   never evicted or overwritten; a reader that finishes past its lease treats it as a miss.
-`shared.kvstore.swa_client.SwaClient` is the caller's side. Where NIXL cannot start, the
+`shared.swa_client.SwaClient` is the caller's side. Where NIXL cannot start, the
 memcache serves inline only (large puts refused, large gets inline while NATS carries them).
 """
 
@@ -29,12 +29,11 @@ from services.swa_memcache.cache import SnapshotCache
 from services.swa_memcache.config import SwaMemcacheConfig
 from services.swa_memcache.handlers import SwaHandlers
 from shared.bus import Endpoint
-from shared.kvstore import BackendUnavailable, TransferError
-from shared.kvstore.transfer import KvTransferAgent
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema.swa import SwaContains, SwaGet, SwaPut, SwaRelease
 from shared.subjects import SWA_MEMCACHE
+from shared.transfer import KvTransferAgent, TransferError
 
 log = get_logger(__name__)
 
@@ -47,7 +46,7 @@ async def setup(runtime: ServiceRuntime) -> None:
     agent: KvTransferAgent | None = None
     try:
         agent = KvTransferAgent(bus, cache.buffer, service=SWA_MEMCACHE)
-    except (BackendUnavailable, TransferError) as exc:
+    except TransferError as exc:
         log.warning("NIXL unavailable: every snapshot rides inline", error=str(exc))
     handlers = SwaHandlers(
         cache, config, instance_id=runtime.instance_id, agent=agent,

@@ -1,85 +1,66 @@
-"""Model engine used by the prefill and decode services (plain torch)."""
+"""Model engine used by the prefill and decode services (plain torch).
+
+Re-exports, resolved on first use: `import shared.engine` (or a torch-free submodule such as
+`shared.engine.outputs`, `.config`, `.errors`, `.bundled`) does not import torch (2-10 s), so
+the mock workers, the CLI and every other process that does not run the model stay light.
+"""
 
 from __future__ import annotations
 
-from shared.engine.block_manager import BlockAllocator, BlockManager
-from shared.engine.config import ModelConfig
-from shared.engine.drafter import (
-    DraftLength,
-    PromptLookup,
-    RequestDrafter,
-    SpecDecodeConfig,
-    SpecDecodeConfigError,
-    SpecStats,
-    verify_lookup_draft,
-)
-from shared.engine.engine import Engine, FinishReason, RequestError, RequestOutput, StepOutput
-from shared.engine.errors import (
-    CheckpointError,
-    DraftError,
-    EngineError,
-    KVLayoutError,
-    OutOfBlocksError,
-    SamplingParamsError,
-    SequenceStateError,
-    UnsupportedModelError,
-)
-from shared.engine.kv_cache import KVBlockLayout, PagedKVPool, SlidingWindowState
-from shared.engine.model import CausalLM
-from shared.engine.runner import DraftScore, ModelRunner
-from shared.engine.sampler import SampleOutput, SamplingParams, make_generator, sample
-from shared.engine.scheduler import (
-    ScheduledBatch,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerConfigError,
-)
-from shared.engine.sequence import Sequence
-from shared.engine.speculative import verify_draft, verify_greedy, verify_sampled
-from shared.engine.weights import load_model, load_weights
+import importlib
+from typing import Any
 
-__all__ = [
-    "BlockAllocator",
-    "BlockManager",
-    "CausalLM",
-    "CheckpointError",
-    "DraftError",
-    "DraftLength",
-    "DraftScore",
-    "Engine",
-    "EngineError",
-    "FinishReason",
-    "KVBlockLayout",
-    "KVLayoutError",
-    "ModelConfig",
-    "ModelRunner",
-    "OutOfBlocksError",
-    "PagedKVPool",
-    "PromptLookup",
-    "RequestDrafter",
-    "RequestError",
-    "RequestOutput",
-    "SampleOutput",
-    "SamplingParams",
-    "SamplingParamsError",
-    "ScheduledBatch",
-    "Scheduler",
-    "SchedulerConfig",
-    "SchedulerConfigError",
-    "Sequence",
-    "SequenceStateError",
-    "SlidingWindowState",
-    "SpecDecodeConfig",
-    "SpecDecodeConfigError",
-    "SpecStats",
-    "StepOutput",
-    "UnsupportedModelError",
-    "load_model",
-    "load_weights",
-    "make_generator",
-    "sample",
-    "verify_draft",
-    "verify_greedy",
-    "verify_lookup_draft",
-    "verify_sampled",
-]
+_EXPORTS = {
+    "BlockAllocator": "shared.engine.block_manager",
+    "BlockManager": "shared.engine.block_manager",
+    "CausalLM": "shared.engine.model",
+    "CheckpointError": "shared.engine.errors",
+    "DraftError": "shared.engine.errors",
+    "DraftLength": "shared.engine.drafter",
+    "DraftScore": "shared.engine.runner",
+    "Engine": "shared.engine.engine",
+    "EngineError": "shared.engine.errors",
+    "FinishReason": "shared.engine.outputs",
+    "KVBlockLayout": "shared.engine.kv_cache",
+    "KVLayoutError": "shared.engine.errors",
+    "ModelConfig": "shared.engine.config",
+    "ModelRunner": "shared.engine.runner",
+    "OutOfBlocksError": "shared.engine.errors",
+    "PagedKVPool": "shared.engine.kv_cache",
+    "PromptLookup": "shared.engine.drafter",
+    "RequestDrafter": "shared.engine.drafter",
+    "RequestError": "shared.engine.engine",
+    "RequestOutput": "shared.engine.engine",
+    "SampleOutput": "shared.engine.sampler",
+    "SamplingParams": "shared.engine.sampler",
+    "SamplingParamsError": "shared.engine.errors",
+    "ScheduledBatch": "shared.engine.scheduler",
+    "Scheduler": "shared.engine.scheduler",
+    "SchedulerConfig": "shared.engine.scheduler",
+    "SchedulerConfigError": "shared.engine.scheduler",
+    "Sequence": "shared.engine.sequence",
+    "SequenceStateError": "shared.engine.errors",
+    "SlidingWindowState": "shared.engine.kv_cache",
+    "SpecDecodeConfig": "shared.engine.drafter",
+    "SpecDecodeConfigError": "shared.engine.drafter",
+    "SpecStats": "shared.engine.drafter",
+    "StepOutput": "shared.engine.engine",
+    "UnsupportedModelError": "shared.engine.errors",
+    "load_model": "shared.engine.weights",
+    "load_weights": "shared.engine.weights",
+    "make_generator": "shared.engine.sampler",
+    "sample": "shared.engine.sampler",
+    "verify_draft": "shared.engine.speculative",
+    "verify_greedy": "shared.engine.speculative",
+    "verify_lookup_draft": "shared.engine.drafter",
+    "verify_sampled": "shared.engine.speculative",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,7 +1,8 @@
-"""The bundled model's directory, for engine code (defined in `shared/bundled.py`)."""
+"""Where the bundled model lives: `models/tiny-coder/` at the repository's top (see its
+README.md, the model card). It is the default model of `kvfabric up`."""
 
 from __future__ import annotations
 
-from shared.bundled import BUNDLED_MODEL_DIR
+from pathlib import Path
 
-__all__ = ["BUNDLED_MODEL_DIR"]
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-coder"

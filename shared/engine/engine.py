@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 
@@ -35,6 +34,7 @@ from shared.engine.drafter import (
 )
 from shared.engine.errors import EngineError, OutOfBlocksError
 from shared.engine.kv_cache import SlidingWindowState
+from shared.engine.outputs import FinishReason
 from shared.engine.runner import DraftScore, ModelRunner
 from shared.engine.sampler import SampleOutput, SamplingParams, make_generator, sample
 from shared.engine.scheduler import Scheduler, SchedulerConfig
@@ -43,12 +43,6 @@ from shared.engine.sequence import Sequence
 
 class RequestError(EngineError):
     """A request cannot be served as given: empty prompt, or longer than the engine allows."""
-
-
-class FinishReason(StrEnum):
-    STOP = "stop"  # eos or one of the request's stop token ids (the token is included)
-    LENGTH = "length"  # max_new_tokens, or the engine's max_model_len
-    ABORT = "abort"
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,3 @@ def describe(runner: ModelRunner, config: EngineWorkerConfig) -> dict[str, str]:
         "layer_types": "".join("f" if t == FULL else "s" for t in model_config.layer_types),
         "sliding_window": str(model_config.sliding_window or 0),
     }
-
-
-def kv_load(runner: ModelRunner) -> dict[str, int]:
-    """The KV figures of a LoadReport."""
-    return {
-        "num_kv_pages_total": runner.allocator.num_blocks,
-        "num_kv_pages_free": runner.allocator.num_free_blocks,
-    }

@@ -1,19 +1,18 @@
-"""The SSD KV store (slot files under a shared directory, NIXL or aiofiles I/O) and the
-prefill -> decode KV transfer over NIXL. Re-exports only."""
+"""The SSD KV store: block hashes (the cache's keys), slot files under a shared directory
+read and written through NIXL or aiofiles, and a writer's side of the KV event protocol.
+Re-exports only."""
 
-from shared.kvstore.backends import AIOFILES, AioFilesIO, BlockIO, IoOp, make_backend
+from shared.kvstore.backends import AIOFILES, AioFilesIO, BlockIO, IoOp
 from shared.kvstore.errors import (
     BackendUnavailable,
     DiskFull,
     KvStoreError,
     PayloadSizeError,
     StoreIOError,
-    TransferError,
-    TransferTimeout,
 )
 from shared.kvstore.scan import ScannedSlot
 from shared.kvstore.slots import MissReason, SlotHeader, SlotRef
-from shared.kvstore.store import KvStore, KvStoreConfig, SkipReason
+from shared.kvstore.store import KvStore, KvStoreConfig, SkipReason, make_backend
 
 __all__ = [
     "AIOFILES",
@@ -32,7 +31,5 @@ __all__ = [
     "SlotHeader",
     "SlotRef",
     "StoreIOError",
-    "TransferError",
-    "TransferTimeout",
     "make_backend",
 ]

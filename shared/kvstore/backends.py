@@ -1,6 +1,6 @@
 """How slot bytes move between a host staging buffer and files: one small Protocol, two
 implementations (NIXL file plugins in nixl_files.py, a thread-pool path through aiofiles
-here), chosen by name with `make_backend`.
+here), chosen by name with `shared.kvstore.store.make_backend`.
 
 The store owns the files (it opens them and hands the backend each fd once) and the staging
 buffers (allocated once, registered once); a backend only runs batches of `IoOp`s between
@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 from aiofiles.os import wrap
 
-from shared.kvstore.errors import BackendUnavailable, DiskFull, StoreIOError
+from shared.kvstore.errors import DiskFull, StoreIOError
 
 PAGE_NBYTES = 4096
 AIOFILES = "aiofiles"
@@ -89,20 +89,6 @@ def coalesce(ops: Sequence[IoOp], max_nbytes: int = 64 << 20) -> list[IoOp]:
         else:
             merged.append(op)
     return merged
-
-
-def make_backend(
-    name: str, *, agent_name: str, params: dict[str, str] | None = None, num_threads: int = 4
-) -> BlockIO:
-    """`aiofiles`, or `nixl:<PLUGIN>` with its init `params` (POSIX: use_uring, use_aio,
-    use_posix_aio); raises `BackendUnavailable` with the reason."""
-    if name == AIOFILES:
-        return AioFilesIO(num_threads=num_threads)
-    if name.startswith(NIXL_PREFIX):
-        from shared.kvstore.nixl_files import NixlFileIO
-
-        return NixlFileIO(name.removeprefix(NIXL_PREFIX), agent_name=agent_name, params=params)
-    raise BackendUnavailable(f"unknown store backend {name!r}: use {AIOFILES!r} or nixl:<PLUGIN>")
 
 
 def _run_ops(buffer: np.ndarray, ops: Sequence[IoOp], is_write: bool) -> None:

@@ -1,13 +1,11 @@
-"""Typed errors of the SSD store and of the prefill -> decode transfer path.
+"""Typed errors of the SSD store.
 
 A store error never reaches a client: a failed read is a miss and a failed write is a skip,
-both counted. These exceptions cross module boundaries (backend -> store, NIXL -> transfer)
-so that each caller handles exactly the failures it can act on.
+both counted. These exceptions cross module boundaries (backend -> store) so that each
+caller handles exactly the failures it can act on.
 """
 
 from __future__ import annotations
-
-from shared.schema import ErrorCode, Unavailable
 
 
 class KvStoreError(Exception):
@@ -32,13 +30,3 @@ class StoreIOError(KvStoreError):
 
 class DiskFull(StoreIOError):
     """ENOSPC (or the filesystem reporting no free space): the write is skipped."""
-
-
-class TransferError(Unavailable):
-    """A NIXL transfer to or from a peer failed: peer gone, metadata unavailable, UCX error."""
-
-
-class TransferTimeout(TransferError):
-    """A NIXL transfer or notification did not complete within its timeout."""
-
-    code = ErrorCode.DEADLINE_EXCEEDED

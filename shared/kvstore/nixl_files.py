@@ -11,7 +11,6 @@ file range fails at request creation (NIXL_ERR_NOT_FOUND), so files are register
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import time
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ import numpy as np
 from shared.kvstore.backends import IoOp, coalesce
 from shared.kvstore.errors import BackendUnavailable, DiskFull, StoreIOError
 from shared.logging import get_logger
+from shared.nixl import NixlUnavailable, import_nixl, release_handle
 
 log = get_logger(__name__)
 
@@ -28,18 +28,6 @@ log = get_logger(__name__)
 # shared cores are not spent spinning on a slow disk, while the overshoot stays small.
 _POLL_MIN_S = 0.0001
 _POLL_MAX_S = 0.001
-
-
-def import_nixl():  # noqa: ANN201 - the module has no stable import path for type hints
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError as exc:
-        raise BackendUnavailable(f"NIXL is not installed: {exc}") from exc
-    # NIXL's Python logger writes INFO lines to stdout (one per agent and backend); keep
-    # stdout for the service unless the operator asks for them with NIXL_LOG_LEVEL.
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        logging.getLogger("nixl").setLevel(logging.WARNING)
-    return nixl_agent, nixl_agent_config
 
 
 class NixlFileIO:
@@ -51,7 +39,10 @@ class NixlFileIO:
         params: dict[str, str] | None = None,
         timeout_s: float = 60.0,
     ) -> None:
-        nixl_agent, nixl_agent_config = import_nixl()
+        try:
+            nixl_agent, nixl_agent_config = import_nixl()
+        except NixlUnavailable as exc:
+            raise BackendUnavailable(exc.message) from exc
         self.name = f"nixl:{plugin}"
         self.plugin = plugin
         self.timeout_s = timeout_s
@@ -142,16 +133,6 @@ class NixlFileIO:
         for descs in self._buffers:
             self._agent.deregister_memory(descs, [self.plugin])
         self._buffers.clear()
-
-
-def release_handle(handle: object) -> None:
-    """Release a transfer request. NIXL cancels one still in flight; if it cannot, the handle
-    stays alive (its finaliser retries) and the failure is logged, not raised over the error
-    that brought us here (a timeout)."""
-    try:
-        handle.release()  # type: ignore[attr-defined]
-    except Exception as exc:  # nixlBind errors share no importable base class
-        log.warning("NIXL transfer request not released", error=str(exc))
 
 
 def _is_full(fd: int) -> bool:

@@ -19,9 +19,10 @@ from enum import StrEnum
 from pathlib import Path
 
 from shared.kvstore.allocator import Allocation, SlotAllocator
-from shared.kvstore.backends import BlockIO, IoOp, alloc_staging, make_backend
-from shared.kvstore.errors import DiskFull, PayloadSizeError, StoreIOError
+from shared.kvstore.backends import AIOFILES, NIXL_PREFIX, AioFilesIO, BlockIO, IoOp, alloc_staging
+from shared.kvstore.errors import BackendUnavailable, DiskFull, PayloadSizeError, StoreIOError
 from shared.kvstore.files import FileTable, next_epoch
+from shared.kvstore.nixl_files import NixlFileIO
 from shared.kvstore.reader import CHUNK_NBYTES, SlotReader
 from shared.kvstore.scan import ScannedSlot, scan_headers
 from shared.kvstore.slots import (
@@ -248,3 +249,15 @@ class KvStore:
     def close(self) -> None:
         self._files.close()
         self.backend.close()
+
+
+def make_backend(
+    name: str, *, agent_name: str, params: dict[str, str] | None = None, num_threads: int = 4
+) -> BlockIO:
+    """`aiofiles`, or `nixl:<PLUGIN>` with its init `params` (POSIX: use_uring, use_aio,
+    use_posix_aio); raises `BackendUnavailable` with the reason."""
+    if name == AIOFILES:
+        return AioFilesIO(num_threads=num_threads)
+    if name.startswith(NIXL_PREFIX):
+        return NixlFileIO(name.removeprefix(NIXL_PREFIX), agent_name=agent_name, params=params)
+    raise BackendUnavailable(f"unknown store backend {name!r}: use {AIOFILES!r} or nixl:<PLUGIN>")

@@ -122,7 +122,7 @@ class KvEventPublisher:
             writer_id=self.writer_id, seq=self.seq, ts_ms=time.time_ns() // 1_000_000, events=events
         )
         # The message id makes a retried publish a no-op in the log (JetStream dedupe).
-        await self.bus.js_publish(
+        await self.bus.js.publish(
             self.bus.subjects.kv_events(self.writer_id),
             batch,
             msg_id=f"{self.writer_id}:{self.seq}",

@@ -3,15 +3,17 @@ taking it: in one place, so that both engines refuse the same requests in the sa
 
 from __future__ import annotations
 
+from shared.kvstore.blocks import BlockLayoutError, RequestBlocks
 from shared.schema import BadRequest, unpack_token_ids
 from shared.schema.inference import GenerateRequest
 
 
 def checked_prompt(
     request: GenerateRequest, *, model_name: str, block_size_tokens: int, max_model_len: int
-) -> list[int]:
-    """The prompt's token ids; `BadRequest` when this worker cannot serve it: another model or
-    block size, an empty prompt, or one that leaves no room to generate."""
+) -> tuple[list[int], RequestBlocks]:
+    """The prompt's token ids and block layout (the chain it carries, as the router checked
+    it); `BadRequest` when this worker cannot serve it: another model or block size, an empty
+    prompt, one that leaves no room to generate, or a chain of the wrong length."""
     if request.model != model_name:
         raise BadRequest(f"model {request.model!r} is not served here ({model_name})")
     if request.block_size_tokens != block_size_tokens:
@@ -26,4 +28,7 @@ def checked_prompt(
             f"prompt of {len(token_ids)} tokens leaves no room to generate "
             f"(max_model_len {max_model_len})"
         )
-    return token_ids
+    try:
+        return token_ids, RequestBlocks.of_request(request)
+    except BlockLayoutError as exc:
+        raise BadRequest(f"block_hashes: {exc}") from exc

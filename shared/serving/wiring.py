@@ -21,15 +21,15 @@ from shared.bus import Bus
 from shared.config import EngineWorkerConfig
 from shared.discovery import discover
 from shared.kvstore.store import KvStore
-from shared.kvstore.swa_client import SwaClient
-from shared.kvstore.transfer import KvTransferAgent
 from shared.kvstore.writer import KvEventPublisher
 from shared.logging import get_logger
+from shared.mock_engine import MockModel, open_mock_store
 from shared.runtime import ServiceRuntime
 from shared.serving.kv_io import open_store
-from shared.serving.mock import MockModel, open_mock_store
 from shared.serving.staging import StagingSpace
 from shared.subjects import SWA_MEMCACHE
+from shared.swa_client import SwaClient
+from shared.transfer import KvTransferAgent
 
 log = get_logger(__name__)
 

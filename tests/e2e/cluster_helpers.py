@@ -11,8 +11,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from services.admin.launcher import Cluster, ClusterSpec
+from shared import kv_index_client as index_client
 from shared.bus import Bus
-from shared.kvstore import index_client
 from shared.schema import UsageRecord
 from shared.testing import unique_root
 
@@ -80,7 +80,7 @@ async def usage_records(
         records.setdefault(record.request_id, record)
 
     subjects = bus.subjects
-    subscription = await bus.consume(
+    subscription = await bus.js.consume(
         subjects.usage_stream, subjects.usage_all, UsageRecord, on_record
     )
     try:

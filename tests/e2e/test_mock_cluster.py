@@ -26,9 +26,9 @@ from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
 from shared.config import BUNDLED_MODEL_DIR
 from shared.discovery import discover
-from shared.kvstore.hashing import BlockHasher
+from shared.kvstore.blocks import RequestBlocks
+from shared.mock_engine import fake_tokens
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
-from shared.testing.mock_requests import fake_tokens
 from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster, usage_records
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -86,20 +86,23 @@ async def _round(bus: Bus, prompts: list[list[int]]) -> list[GenerateResult]:
 
 async def _indexed(bus: Bus, prompt: list[int]) -> None:
     """Until kv-index knows every complete block of `prompt`."""
-    hashes = BlockHasher(model_id=MODEL, block_size_tokens=BLOCK).hashes(prompt)
+    hashes = RequestBlocks.hash_prompt(prompt, model=MODEL, block_size_tokens=BLOCK).hashes
     num_blocks = await num_indexed_blocks(bus, hashes, timeout_s=10.0)
     assert num_blocks == len(hashes), "kv-index never learnt the prompt's blocks"
 
 
 def test_mock_path_imports_neither_torch_nor_nixl() -> None:
-    """What keeps 16 mock workers cheap: none of them loads torch or NIXL."""
+    """What keeps 16 mock workers cheap: none of them loads torch or NIXL (they use only the
+    engine's torch-free modules: its lazy package, the bundled model's path, FinishReason)."""
     code = (
         "import sys, services.prefill.main, services.decode.main; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'nixl') "
-        "or m.startswith('shared.engine')))"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'nixl'))); "
+        "print(sorted(m for m in sys.modules if m.startswith('shared.engine')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    heavy, engine = out.stdout.splitlines()
+    assert heavy == "[]"
+    assert engine == "['shared.engine', 'shared.engine.bundled', 'shared.engine.outputs']"
 
 
 async def test_eight_and_eight_mock_workers_serve_concurrent_load(cluster: Cluster) -> None:

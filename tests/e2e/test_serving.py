@@ -21,11 +21,11 @@ import pytest
 from tokenizers import Tokenizer
 
 from services.admin.launcher import Cluster
-from shared.bundled import BUNDLED_MODEL_DIR
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
 from shared.discovery import discover
-from shared.kvstore.hashing import BlockHasher
+from shared.engine.bundled import BUNDLED_MODEL_DIR
+from shared.kvstore.blocks import RequestBlocks
 from shared.schema import (
     BadRequest,
     DeadlineExceeded,
@@ -97,7 +97,10 @@ def _request(token_ids: list[int], **kwargs: object) -> GenerateRequest:
 
 async def _indexed(bus: Bus, token_ids: list[int], salt: str = "", timeout_s: float = 5.0) -> int:
     """Wait until kv-index knows every complete block of `token_ids`; returns the hit."""
-    hashes = BlockHasher(model_id=MODEL, block_size_tokens=BLOCK, salt=salt).hashes(token_ids)
+    blocks = RequestBlocks.hash_prompt(
+        token_ids, model=MODEL, block_size_tokens=BLOCK, cache_salt=salt
+    )
+    hashes = blocks.hashes
     return await num_indexed_blocks(bus, hashes, timeout_s)
 
 

@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 from shared.bus import Bus
-from shared.kvstore.transfer import ByteRange, KvTransferAgent
+from shared.transfer import ByteRange, KvTransferAgent
 
 SERVICE = "decode"
 

@@ -14,3 +14,13 @@ class Echo(Message, tag="test_echo"):
 class EchoReply(Message, tag="test_echo_reply"):
     text: str
     instance_id: str
+
+
+class StreamOrder(Message, tag="test_stream_order"):
+    """Stream one chunk per character of `text` to `inbox` (the `GenerateRequest` shape:
+    the request names the inbox its chunks go to)."""
+
+    inbox: str
+    text: str
+    delay_s: float = 0.0
+    fail_after: int | None = None

@@ -92,7 +92,7 @@ async def test_a_decode_worker_that_stops_heartbeating_is_billed_and_raised(
         await usage.put(record)
 
     subjects = client.subjects
-    await client.consume(subjects.usage_stream, subjects.usage_all, UsageRecord, on_usage)
+    await client.js.consume(subjects.usage_stream, subjects.usage_all, UsageRecord, on_usage)
     record = await asyncio.wait_for(usage.get(), 5)
     assert record.request_id == request.request_id
     assert record.status is UsageStatus.FAILED and record.finish_reason == "error"

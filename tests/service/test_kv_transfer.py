@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 
 from shared.bus import Context, Endpoint
-from shared.kvstore import TransferError, TransferTimeout
-from shared.kvstore.transfer import ByteRange, KvTransferAgent
 from shared.natsd import NatsServer
 from shared.schema import ServiceError
 from shared.schema.transfer import NixlAgentInfo, NixlMetadataRequest
 from shared.testing.fixtures import BusFactory
+from shared.transfer import ByteRange, KvTransferAgent, TransferError, TransferTimeout
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 

@@ -1,13 +1,17 @@
-"""The stream pattern over a real nats-server: order, final marker, gaps, stalls, errors."""
+"""The stream pattern over a real nats-server: order, final marker, gaps, stalls, errors.
+
+As on the request path, the request names the caller's inbox and the chunks come from
+whoever the request was handed to (`StreamWriter`); the caller reads them with `ChunkReader`.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
-from shared.bus import HEADER_SEQ, Context, Endpoint, ReplyMode
+from shared.bus import HEADER_SEQ, Bus, Context, Endpoint
 from shared.schema import (
     BadRequest,
     NoResponders,
@@ -18,119 +22,126 @@ from shared.schema import (
     pack_token_ids,
     unpack_token_ids,
 )
-from shared.streams import Stream, StreamWriter
+from shared.streams import ChunkReader, StreamWriter
 from shared.testing.fixtures import BusFactory
-from tests.service.messages import Echo
+from tests.service.messages import StreamOrder
 
 pytestmark = pytest.mark.nats
 
 
-async def serve_counter(bus, *, fail_after: int | None = None) -> str:  # noqa: ANN001
-    """Streams one TokenChunk per character of the request's text."""
+async def serve_counter(front: Bus, producer: Bus) -> str:
+    """`front` takes the order and answers at once; `producer` streams one TokenChunk per
+    character of its text to the order's inbox (router -> decode worker)."""
+    tasks: set[asyncio.Task[None]] = set()
 
-    async def count(request: Echo, ctx: Context) -> AsyncIterator[TokenChunk]:
-        for seq, char in enumerate(request.text):
-            if fail_after is not None and seq == fail_after:
-                raise BadRequest(f"refusing {char!r}")
-            yield TokenChunk(
-                request_id=ctx.request_id, seq=seq, token_ids=pack_token_ids([ord(char)]), text=char
-            )
-            await asyncio.sleep(request.delay_s)
+    async def produce(order: StreamOrder, request_id: str) -> None:
+        writer = StreamWriter(producer, order.inbox, request_id=request_id)
+        for seq, char in enumerate(order.text):
+            if order.fail_after is not None and seq == order.fail_after:
+                await writer.fail(BadRequest(f"refusing {char!r}"))
+                return
+            ids = pack_token_ids([ord(char)])
+            await writer.send(TokenChunk(request_id=request_id, seq=seq, token_ids=ids, text=char))
+            await asyncio.sleep(order.delay_s)
+        await writer.finish()
 
-    subject = bus.subjects.endpoint(bus.service, "count")
-    await bus.serve(Endpoint("count", subject, Echo, count, ReplyMode.STREAM))
-    await bus.flush()
+    async def take(order: StreamOrder, ctx: Context) -> None:
+        if not order.inbox:
+            raise BadRequest("an inbox is required")
+        task = asyncio.create_task(produce(order, ctx.request_id))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    subject = front.subjects.endpoint(front.service, "count")
+    await front.serve(Endpoint("count", subject, StreamOrder, take))
+    await front.flush()
     return subject
 
 
+async def read_all(reader: ChunkReader[TokenChunk]) -> list[TokenChunk]:
+    chunks = []
+    while (chunk := await reader.next()) is not None:
+        chunks.append(chunk)
+    return chunks
+
+
+async def start(
+    client: Bus, subject: str, text: str, *, idle_timeout_s: float = 30.0, **order: Any
+) -> ChunkReader[TokenChunk]:
+    """Send an order naming a fresh inbox; the reader of that inbox."""
+    inbox = await client.open_inbox()
+    await client.request(
+        subject, StreamOrder(inbox=inbox.subject, text=text, **order), bytes, request_id="r-9"
+    )
+    return ChunkReader(inbox, TokenChunk, subject, idle_timeout_s=idle_timeout_s)
+
+
 async def test_chunks_arrive_in_order_then_end(bus_factory: BusFactory) -> None:
-    subject = await serve_counter(await bus_factory("streamer"))
     client = await bus_factory("client")
-    async with Stream(client, subject, Echo(text="hello"), TokenChunk, request_id="r-9") as chunks:
-        received = [chunk async for chunk in chunks]
+    subject = await serve_counter(await bus_factory("front"), await bus_factory("producer"))
+    reader = await start(client, subject, "hello")
+    received = await read_all(reader)
     assert "".join(c.text for c in received) == "hello"
     assert [int(unpack_token_ids(c.token_ids)[0]) for c in received] == [ord(c) for c in "hello"]
     assert {c.request_id for c in received} == {"r-9"}
+    assert reader.has_final and reader.num_received == 6  # five chunks and the empty final
+    assert await reader.next() is None  # ended: no more reads
 
 
 async def test_error_mid_stream_is_raised_typed(bus_factory: BusFactory) -> None:
-    subject = await serve_counter(await bus_factory("streamer"), fail_after=2)
     client = await bus_factory("client")
+    subject = await serve_counter(await bus_factory("front"), await bus_factory("producer"))
+    reader = await start(client, subject, "hello", fail_after=2)
     received = []
     with pytest.raises(BadRequest, match="refusing 'l'"):
-        async with Stream(client, subject, Echo(text="hello"), TokenChunk) as chunks:
-            async for chunk in chunks:
-                received.append(chunk.text)
+        while (chunk := await reader.next()) is not None:
+            received.append(chunk.text)
     assert received == ["h", "e"]
+    assert reader.has_final
 
 
 async def test_gap_is_detected(bus_factory: BusFactory) -> None:
     producer, client = await bus_factory("producer"), await bus_factory("client")
-    stream = Stream(
-        client,
-        client.subjects.endpoint("nobody", "listens"),
-        b"",
-        TokenChunk,
-        first_chunk_timeout_s=5,
-    )
-    # Nobody serves the subject; open the inbox by hand and play a producer that loses chunk 1.
     inbox = await client.open_inbox()
     await client.flush()  # the producer is another connection: make the server know the inbox
-    stream._inbox = inbox  # noqa: SLF001 - drive the reader without a request
+    reader = ChunkReader(inbox, TokenChunk, "a producer that loses chunk 1")
     writer = StreamWriter(producer, inbox.subject, request_id="r")
     await writer.send(TokenChunk(request_id="r", seq=0, text="a"))
     await producer.publish_raw(
         inbox.subject, encode(TokenChunk(request_id="r", seq=2, text="c")), {HEADER_SEQ: "2"}
     )
-    assert (await stream.__anext__()).text == "a"
+    first = await reader.next()
+    assert first is not None and first.text == "a"
     with pytest.raises(StreamGap, match="expected chunk 1, got 2"):
-        await stream.__anext__()
+        await reader.next()
     await inbox.close()
 
 
 async def test_stall_is_detected(bus_factory: BusFactory) -> None:
-    subject = await serve_counter(await bus_factory("streamer"))
     client = await bus_factory("client")
+    subject = await serve_counter(await bus_factory("front"), await bus_factory("producer"))
+    reader = await start(client, subject, "ab", delay_s=3.0, idle_timeout_s=0.3)
     received = []
     with pytest.raises(StreamStalled):
-        async with Stream(
-            client, subject, Echo(text="ab", delay_s=3.0), TokenChunk, idle_timeout_s=0.3
-        ) as chunks:
-            async for chunk in chunks:
-                received.append(chunk.text)
+        while (chunk := await reader.next()) is not None:
+            received.append(chunk.text)
     assert received == ["a"]
 
 
-async def test_no_responders(bus_factory: BusFactory) -> None:
+async def test_no_responders_from_a_producer_that_is_gone(bus_factory: BusFactory) -> None:
+    """A message whose reply subject is our inbox and nobody serves it comes back as the
+    server's 503 status: the reader raises NoResponders instead of waiting out its timeout."""
     client = await bus_factory("client")
+    inbox = await client.open_inbox()
+    reader = ChunkReader(inbox, TokenChunk, "nobody", first_chunk_timeout_s=5)
+    await client.publish_raw(client.subjects.endpoint("nobody", "home"), b"", reply=inbox.subject)
     with pytest.raises(NoResponders):
-        async with Stream(
-            client, client.subjects.endpoint("nobody", "home"), Echo(text="x"), TokenChunk
-        ) as chunks:
-            async for _ in chunks:
-                pass
+        await reader.next()
+    await inbox.close()
 
 
-async def test_a_third_party_can_write_the_stream(bus_factory: BusFactory) -> None:
-    """The request goes to one service, the chunks come from another (router -> decode)."""
-    front, worker, client = (
-        await bus_factory("front"),
-        await bus_factory("worker"),
-        await bus_factory("client"),
-    )
-
-    async def hand_off(request: Echo, ctx: Context) -> None:
-        # The front answers nothing itself: it passes the caller's inbox on to the worker.
-        writer = StreamWriter(worker, ctx.reply or "", request_id=ctx.request_id)
-        await writer.send(TokenChunk(request_id=ctx.request_id, seq=0, text=request.text.upper()))
-        await writer.finish()
-
-    subject = front.subjects.endpoint("front", "go")
-    await front.serve(Endpoint("go", subject, Echo, hand_off, ReplyMode.HANDOFF))
-    await front.flush()
-    async with Stream(client, subject, Echo(text="ok"), TokenChunk) as chunks:
-        received = [c.text async for c in chunks]
-    assert received == ["OK"]
-    with pytest.raises(BadRequest):  # the front's own failure still reaches the caller
-        async with Stream(client, subject, b"\xc1", TokenChunk) as chunks:
-            [c async for c in chunks]
+async def test_the_front_s_own_failure_reaches_the_caller(bus_factory: BusFactory) -> None:
+    client = await bus_factory("client")
+    subject = await serve_counter(await bus_factory("front"), await bus_factory("producer"))
+    with pytest.raises(BadRequest, match="inbox is required"):
+        await client.request(subject, StreamOrder(inbox="", text="x"), bytes)

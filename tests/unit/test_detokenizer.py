@@ -7,8 +7,8 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from shared.bundled import BUNDLED_MODEL_DIR
 from shared.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from shared.engine.bundled import BUNDLED_MODEL_DIR
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from services.admin.cli import app
 from services.admin.generate_cli import read_prompt, render_chat, result_json, summary_line
-from shared.bundled import BUNDLED_MODEL_DIR
 from shared.client import GenerateResult
+from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.schema import DecodeStats, PrefillTimings, RouteDecision, TokenUsage
 
 runner = CliRunner()

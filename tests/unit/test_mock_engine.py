@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from services.router.cost import CostModel
+from shared.cost_model import CostModel, CostModelError
+from shared.kvstore.blocks import RequestBlocks
 from shared.kvstore.hashing import BlockHasher
-from shared.testing.cost_model import MockCostModel, MockCostModelError
-from shared.testing.mock_engine import (
+from shared.mock_engine import (
     FinishReason,
     MockEngine,
     MockEngineConfig,
@@ -21,7 +21,7 @@ from shared.testing.mock_engine import (
 )
 
 CONFIG = MockEngineConfig(model_id="m", block_size_tokens=16, vocab_size=1000)
-COST = MockCostModel(
+COST = CostModel(
     prefill_tokens_per_s=1000.0,
     load_tokens_per_s=10_000.0,
     replay_tokens=128,
@@ -102,10 +102,13 @@ def test_outputs_are_deterministic_per_prompt_and_seed():
 
 
 @pytest.mark.parametrize(("num_cached_tokens", "salt"), [(0, ""), (48, ""), (32, "tenant-a")])
-def test_block_hashes_are_the_hashers_over_every_computed_token(num_cached_tokens, salt):
+def test_block_hashes_continue_the_request_s_chain_over_every_computed_token(
+    num_cached_tokens, salt
+):
     e = engine()
+    blocks = RequestBlocks.hash_prompt(PROMPT, model="m", block_size_tokens=16, cache_salt=salt)
     seq_id = e.add_request(PROMPT, MockSamplingParams(max_new_tokens=30),
-                           num_cached_tokens=num_cached_tokens, cache_salt=salt)  # fmt: skip
+                           num_cached_tokens=num_cached_tokens, blocks=blocks)  # fmt: skip
     outputs = run(e)
     output = tokens_of(outputs, seq_id)
     published = [h for o in outputs for h in o.new_block_hashes]
@@ -172,6 +175,29 @@ def test_requests_wait_for_pages_first_come_first_served():
     assert finished == [first, second]
 
 
+def test_reserved_pages_are_counted_once_and_come_back_however_the_request_ends():
+    e = engine(num_kv_pages=25)
+    needed = e.pages_needed(len(PROMPT), 60)
+    assert needed == 10
+    assert e.reserve_pages(needed) and e.reserve_pages(needed)
+    assert e.num_kv_pages_free == 5 and not e.reserve_pages(needed)  # nothing taken on refusal
+    done = e.add_request(PROMPT, MockSamplingParams(max_new_tokens=60), pages_reserved=True)
+    cut = e.add_request(PROMPT, MockSamplingParams(max_new_tokens=60), pages_reserved=True)
+    e.step()  # both admitted on their reservations: nothing more taken
+    assert (e.num_running(), e.num_kv_pages_free) == (2, 5)
+    assert e.abort(cut)
+    assert e.num_kv_pages_free == 15
+    run(e)
+    assert e.num_kv_pages_free == 25  # the finished one's came back in its last step
+    assert e.reserve_pages(needed)
+    e.release_pages(needed)  # a reservation whose request never reached the engine
+    assert e.num_kv_pages_free == 25
+    assert e.reserve_pages(e.pages_needed(len(PROMPT), 0))
+    e.add_request(PROMPT, MockSamplingParams(max_new_tokens=0), pages_reserved=True)
+    assert e.num_kv_pages_free == 25  # ended at once: its reservation is back
+    assert {o.seq_id for o in run(e) if o.finished} == {done + 2}
+
+
 @pytest.mark.parametrize(
     ("prompt", "kwargs", "match"),
     [
@@ -186,18 +212,14 @@ def test_requests_it_cannot_serve_raise_a_typed_error(prompt, kwargs, match):
         engine(max_model_len=10**7).add_request(prompt, **kwargs)
 
 
-def test_mock_and_router_start_from_the_same_reference_figures():
-    mock, router = MockCostModel(), CostModel()
-    for name in ("prefill_tokens_per_s", "load_tokens_per_s", "replay_tokens",
-                 "replay_tokens_per_s", "decode_step_base_s", "decode_step_per_seq_s"):  # fmt: skip
-        assert getattr(mock, name) == getattr(router, name), name
-    assert mock.prefill_s(100, 200, mock.num_replay_tokens(200, False)) == pytest.approx(
-        router.prefill(
-            num_queued_tokens=0,
-            num_prompt_tokens=300,
-            num_cached_tokens=200,
-            has_swa_snapshot=False,
-        ).own_s  # fmt: skip
+def test_the_router_estimates_what_the_mock_sleeps():
+    """One cost model: a request's own prefill in the router's estimate is the mock's time."""
+    cost = CostModel()
+    simulated = cost.prefill_s(100, 200, cost.num_replay_tokens(200, False))
+    estimate = cost.prefill(
+        num_queued_tokens=0, num_prompt_tokens=300, num_cached_tokens=200, has_swa_snapshot=False
     )
-    with pytest.raises(MockCostModelError):
-        MockCostModel(load_tokens_per_s=0)
+    assert simulated == pytest.approx(estimate.own_s)
+    assert cost.num_replay_tokens(200, True) == 0 and cost.replay_s(200, True) == 0.0
+    with pytest.raises(CostModelError):
+        CostModel(load_tokens_per_s=0)

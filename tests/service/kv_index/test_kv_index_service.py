@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from shared import kv_index_client as index_client
 from shared.bus import Bus
-from shared.kvstore import index_client
 from shared.kvstore.hashing import BlockHasher
 from shared.natsd import NatsServer
 from shared.schema import (
@@ -72,7 +72,7 @@ def batch(
 
 async def publish(bus: Bus, *batches: KvEventBatch) -> None:
     for b in batches:
-        await bus.js_publish(bus.subjects.kv_events(b.writer_id), b)
+        await bus.js.publish(bus.subjects.kv_events(b.writer_id), b)
 
 
 async def prefix(bus: Bus, hashes: list[int], num_shards: int = 1) -> int:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from shared import kv_index_client as index_client
 from shared.bus import Bus
-from shared.kvstore import KvStore, KvStoreConfig, SlotRef, index_client
+from shared.kvstore import KvStore, KvStoreConfig, SlotRef
 from shared.kvstore.hashing import BlockHasher
 from shared.kvstore.writer import KvEventPublisher
 from shared.natsd import NatsServer

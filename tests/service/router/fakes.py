@@ -12,8 +12,8 @@ import numpy as np
 
 from services.router.handler import Router
 from shared.bus import Bus, Context, Endpoint
-from shared.kvstore.hashing import BlockHasher
-from shared.kvstore.index_client import to_wire
+from shared.kv_index_client import to_wire
+from shared.kvstore.blocks import RequestBlocks
 from shared.schema import (
     BlockLocations,
     CancelRequest,
@@ -29,7 +29,6 @@ from shared.schema import (
     SamplingParams,
     SwaContains,
     SwaContainsReply,
-    pack_block_hashes,
     pack_token_ids,
     unpack_block_hashes,
 )
@@ -50,12 +49,12 @@ def make_request(
     first_token: int = 1,
 ) -> GenerateRequest:
     tokens = list(range(first_token, first_token + num_tokens))
-    hashes = BlockHasher(MODEL, block_size_tokens=BLOCK).hashes(tokens)
+    blocks = RequestBlocks.hash_prompt(tokens, model=MODEL, block_size_tokens=BLOCK)
     return GenerateRequest(
         request_id=request_id,
         model=MODEL,
         prompt_token_ids=pack_token_ids(tokens),
-        block_hashes=pack_block_hashes(hashes) if with_hashes else b"",
+        block_hashes=blocks.packed() if with_hashes else b"",
         block_size_tokens=BLOCK,
         sampling=SamplingParams(max_tokens=max_tokens),
         stream_inbox="caller-inbox",
@@ -63,7 +62,9 @@ def make_request(
 
 
 def hashes_of(request: GenerateRequest) -> list[int]:
-    return BlockHasher(MODEL, block_size_tokens=BLOCK).hashes(request.prompt_token_ids)
+    return RequestBlocks.hash_prompt(
+        request.prompt_token_ids, model=MODEL, block_size_tokens=BLOCK
+    ).hashes
 
 
 async def eventually(check: Callable[[], object], timeout_s: float = 5.0) -> None:

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from services.router.policy import RequestFacts
+from shared.kvstore.blocks import RequestBlocks
 from shared.schema import (
     BadRequest,
     DecodeJob,
@@ -50,7 +51,10 @@ async def test_picks_the_shorter_prefill_queue_and_a_decode_worker_with_room(
     await known(router, "prefill-1", "prefill-2", "decode-1", "decode-2")
     client = await bus_factory("ingress", "ingress-0")
 
-    request = make_request(num_tokens=4 * BLOCK + 5, max_tokens=350, with_hashes=False)
+    unhashed = make_request(num_tokens=4 * BLOCK + 5, max_tokens=350, with_hashes=False)
+    with pytest.raises(BadRequest, match="block_hashes: 0 block hashes for 69 tokens"):
+        await client.request(client.subjects.router_generate, unhashed, RouteDecision)
+    request = make_request(num_tokens=4 * BLOCK + 5, max_tokens=350)
     decision = await client.request(client.subjects.router_generate, request, RouteDecision)
 
     assert (decision.prefill_worker_id, decision.decode_worker_id) == ("prefill-2", "decode-2")
@@ -58,7 +62,7 @@ async def test_picks_the_shorter_prefill_queue_and_a_decode_worker_with_room(
     assert decision.estimated_ttft_ms > 0
     [decode_job] = d2.jobs
     assert isinstance(decode_job, DecodeJob) and decode_job.decision == decision
-    # The router filled in the block hashes the request came without.
+    # The caller's hashes travel on unchanged: nobody after it hashes the prompt again.
     assert decode_job.request.block_hashes == pack_block_hashes(hashes_of(request))
     await eventually(lambda: len(p2.jobs) == 1)
     [prefill_job] = p2.jobs
@@ -101,7 +105,7 @@ async def test_a_cache_hit_goes_to_the_node_holding_its_sliding_window_snapshot(
 
     # The case is what its name says: b's queue costs less than the replay a saves.
     cost = router.policy.cost
-    facts = RequestFacts.from_request(request, len(hashes))
+    facts = RequestFacts.of(request, RequestBlocks.of_request(request), len(hashes))
     ttft = {
         name: cost.prefill(
             num_queued_tokens=queued, num_prompt_tokens=facts.num_prompt_tokens,
@@ -159,7 +163,12 @@ async def test_bad_requests_are_refused_before_any_worker_sees_them(
     request = make_request()
     other = make_request(first_token=7)
     bad = {
-        "do not match": msgspec.structs.replace(request, block_hashes=other.block_hashes),
+        "does not match its tokens": msgspec.structs.replace(
+            request, block_hashes=other.block_hashes
+        ),
+        "block hashes for 69 tokens": msgspec.structs.replace(
+            request, block_hashes=request.block_hashes[:8]
+        ),
         "empty": msgspec.structs.replace(request, prompt_token_ids=b"", block_hashes=b""),
         "stream_inbox": msgspec.structs.replace(request, stream_inbox=""),
         "block_size_tokens": msgspec.structs.replace(request, block_size_tokens=0),
@@ -170,7 +179,7 @@ async def test_bad_requests_are_refused_before_any_worker_sees_them(
         assert words in caught.value.message
     assert not p1.jobs and not d1.jobs
     counters = router.counters.as_dict()
-    assert counters["num_rejected_bad_request"] == 4 and counters["num_routed"] == 0
+    assert counters["num_rejected_bad_request"] == 5 and counters["num_routed"] == 0
 
 
 async def test_full_queues_then_full_decode_pages_are_overloaded_with_a_retry_after(

@@ -17,9 +17,9 @@ import numpy as np
 import xxhash
 
 from shared.bus import Bus
-from shared.kvstore.swa_client import SwaClient
-from shared.kvstore.transfer import KvTransferAgent
 from shared.schema import NoResponders
+from shared.swa_client import SwaClient
+from shared.transfer import KvTransferAgent
 
 
 def pattern(nbytes: int) -> np.ndarray:

@@ -20,13 +20,13 @@ import xxhash
 
 from shared.bus import Bus, Context, Endpoint
 from shared.discovery import discover
-from shared.kvstore.swa_client import SwaClient, SwaLease
-from shared.kvstore.transfer import KvTransferAgent
 from shared.natsd import NatsServer
 from shared.schema import NoResponders
 from shared.schema.swa import SwaNixlRef, SwaPut, SwaPutReply
 from shared.schema.transfer import NixlAgentInfo, NixlMetadataRequest
+from shared.swa_client import SwaClient, SwaLease
 from shared.testing.fixtures import BusFactory, unique_root
+from shared.transfer import KvTransferAgent
 from tests.service.test_kv_transfer import read_line, stop
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]

@@ -9,11 +9,11 @@ import math
 
 import pytest
 
-from services.router.cost import CostModel
 from services.router.load import InflightDelta
 from services.router.policy import PolicyConfig, Rejection, RequestFacts, RoutePolicy
-from shared.kvstore.hashing import BlockHasher
-from shared.schema import GenerateRequest, pack_block_hashes, pack_token_ids
+from shared.cost_model import CostModel
+from shared.kvstore.blocks import RequestBlocks
+from shared.schema import GenerateRequest, pack_token_ids
 from shared.schema.errors import ErrorCode, Overloaded, Unavailable
 from shared.schema.inference import RouteDecision, SamplingParams
 from tests.unit.router.helpers import decoder, facts, report, table_with
@@ -208,20 +208,19 @@ def test_no_workers_is_a_typed_rejection_not_an_exception():
         assert isinstance(error, Unavailable) and error.numeric_code == 503
 
 
-def test_facts_from_request_keep_one_token_to_compute_and_name_the_boundary():
-    hasher = BlockHasher("m", block_size_tokens=16)
+def test_facts_keep_one_token_to_compute_and_name_the_boundary():
     tokens = list(range(64))  # exactly 4 blocks
-    hashes = hasher.hashes(tokens)
+    blocks = RequestBlocks.hash_prompt(tokens, model="m", block_size_tokens=16)
     request = GenerateRequest(
         request_id="r",
         model="m",
         prompt_token_ids=pack_token_ids(tokens),
-        block_hashes=pack_block_hashes(hashes),
+        block_hashes=blocks.packed(),
         block_size_tokens=16,
         sampling=SamplingParams(max_tokens=7),
     )
-    full_hit = RequestFacts.from_request(request, num_hit_blocks=4)
-    assert (full_hit.num_cached_tokens, full_hit.boundary_block_hash) == (48, hashes[2])
-    assert full_hit.max_tokens == 7
-    miss = RequestFacts.from_request(request, num_hit_blocks=0)
+    full_hit = RequestFacts.of(request, blocks, num_hit_blocks=4)
+    assert (full_hit.num_cached_tokens, full_hit.boundary_block_hash) == (48, blocks.hashes[2])
+    assert full_hit.max_tokens == 7 and full_hit.num_prompt_tokens == 64
+    miss = RequestFacts.of(request, blocks, num_hit_blocks=0)
     assert (miss.num_cached_tokens, miss.boundary_block_hash) == (0, None)

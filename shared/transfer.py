@@ -39,10 +39,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.bus import Bus, Context, Endpoint
-from shared.kvstore.errors import TransferError, TransferTimeout
-from shared.kvstore.nixl_files import import_nixl, release_handle
 from shared.logging import get_logger
-from shared.schema import DeadlineExceeded, Unavailable
+from shared.nixl import NixlUnavailable, import_nixl, release_handle
+from shared.schema import DeadlineExceeded, ErrorCode, Unavailable
 from shared.schema.transfer import NixlAgentInfo, NixlMetadataRequest, NixlRegion
 
 log = get_logger(__name__)
@@ -56,6 +55,17 @@ _PUMP_BUSY_S = 0.0005
 _CLOSE_PROGRESS_ROUNDS = 20
 
 
+class TransferError(Unavailable):
+    """A NIXL transfer to or from a peer failed: peer gone, metadata unavailable, UCX error,
+    or NIXL not installed here."""
+
+
+class TransferTimeout(TransferError):
+    """A NIXL transfer or notification did not complete within its timeout."""
+
+    code = ErrorCode.DEADLINE_EXCEEDED
+
+
 @dataclass(frozen=True, slots=True)
 class ByteRange:
     """`nbytes` at `local_offset` in our region <-> at `remote_offset` in the peer's."""
@@ -67,7 +77,10 @@ class ByteRange:
 
 class KvTransferAgent:
     def __init__(self, bus: Bus, buffer: np.ndarray, *, service: str) -> None:
-        nixl_agent, nixl_agent_config = import_nixl()
+        try:
+            nixl_agent, nixl_agent_config = import_nixl()
+        except NixlUnavailable as exc:
+            raise TransferError(exc.message) from exc
         self.bus = bus
         self.service = service
         self.buffer = buffer

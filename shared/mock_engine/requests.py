@@ -1,30 +1,26 @@
 """The mock engine's request-side types: params, outputs, usage, and its fake tokens.
 
-Shaped like `shared.engine`'s (`SamplingParams`, `StepOutput`, `FinishReason`) so a service
-handles both engines alike, without importing torch (2 s) for a mock.
+Shaped like `shared.engine`'s (`SamplingParams`, `StepOutput`; `FinishReason` is the model
+engine's own, from its torch-free `outputs` module) so a service handles both engines alike,
+without importing torch (2 s) for a mock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Protocol
 
 import xxhash
 
+from shared.engine.outputs import FinishReason
 from shared.schema.tokens import pack_token_ids
 
 
 class MockRequestError(ValueError):
     """A request the mock cannot serve: empty, too long, a cached prefix that is not whole
-    blocks of the prompt, or more pages than the engine has."""
-
-
-class FinishReason(StrEnum):  # the values of shared.engine.engine.FinishReason
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
+    blocks of the prompt, a block layout of another block size, or more pages than the
+    engine has."""
 
 
 class SamplingLike(Protocol):

@@ -23,10 +23,9 @@ import numpy as np
 import xxhash
 
 from shared.bus import Bus
-from shared.kvstore.errors import TransferError, TransferTimeout
-from shared.kvstore.transfer import ByteRange, KvTransferAgent
 from shared.logging import get_logger
 from shared.schema.swa import SwaGet, SwaGetReply, SwaNixlRef, SwaPut, SwaPutReply, SwaRelease
+from shared.transfer import ByteRange, KvTransferAgent, TransferError, TransferTimeout
 
 log = get_logger(__name__)
 

@@ -11,12 +11,17 @@ abort, has_unfinished, with simulated timing and real KV bookkeeping.
 
 - Tokens are fake but deterministic: output token k of a prompt is a seeded hash of the
   prompt and k (`fake_tokens`), so tests know every output in advance.
-- Timing follows `MockCostModel`; `step` never sleeps, it adds its duration to `clock_s`.
+- Timing follows `shared.cost_model.CostModel` (the router's own); `step` never sleeps, it
+  adds its duration to `clock_s`.
 - KV: a block is "computed" once all its tokens' K/V are (the last sampled token's are not
-  until the next step, as in the real engine), and its hash is `BlockHasher`'s chain, so
-  `new_block_hashes` can go straight into real `BlocksStored` events.
-- Pages for prompt + max_new_tokens are reserved when a request is admitted, so nothing is
-  ever preempted; a request that does not fit waits (first come, first served).
+  until the next step, as in the real engine), and its hash continues the request's chain
+  (`RequestBlocks`, taken from the request, not hashed again), so `new_block_hashes` can go
+  straight into real `BlocksStored` events.
+- Pages for prompt + max_new_tokens are taken when a request is admitted, so nothing is ever
+  preempted; a request that does not fit waits (first come, first served). A caller that
+  admits requests itself (the mock decode worker answers `DecodeJob` before the request
+  reaches the engine) reserves their pages first (`reserve_pages`): the engine's
+  `num_kv_pages_free` is then the one count of free pages, reservations included.
 
 Nothing here imports torch (2 s to import), so tests and load generators start fast.
 """
@@ -28,9 +33,9 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from shared.kvstore.hashing import BlockHasher
-from shared.testing.cost_model import MockCostModel
-from shared.testing.mock_requests import (
+from shared.cost_model import CostModel
+from shared.kvstore.blocks import RequestBlocks
+from shared.mock_engine.requests import (
     FinishReason,
     MockRequestError,
     MockSamplingParams,
@@ -38,20 +43,8 @@ from shared.testing.mock_requests import (
     MockUsage,
     SamplingLike,
     fake_token,
-    fake_tokens,
     prompt_digest,
 )
-
-__all__ = [
-    "FinishReason",
-    "MockEngine",
-    "MockEngineConfig",
-    "MockRequestError",
-    "MockSamplingParams",
-    "MockStepOutput",
-    "MockUsage",
-    "fake_tokens",
-]
 
 
 @dataclass(frozen=True)
@@ -73,15 +66,16 @@ class _Seq:
     token_ids: list[int]
     params: SamplingLike
     seed: int
-    hasher: BlockHasher
+    blocks: RequestBlocks
     num_cached_tokens: int
     num_replay_tokens: int
     num_pages: int
+    holds_pages: bool  # its pages are taken: reserved by the caller, or at admission
     num_prompt_tokens: int = field(init=False)
     digest: int = field(init=False)  # of the prompt: output token k hashes (digest, k)
     num_computed_tokens: int = 0
     is_loaded: bool = False  # its cached prefix has been loaded (charged once)
-    block_hashes: list[int] = field(default_factory=list)
+    num_blocks_published: int = 0  # the blocks already in step outputs (or cached)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -111,11 +105,10 @@ class _Plan:
 
 class MockEngine:
     def __init__(
-        self, config: MockEngineConfig | None = None, cost: MockCostModel | None = None
+        self, config: MockEngineConfig | None = None, cost: CostModel | None = None
     ) -> None:
         self.config = config or MockEngineConfig()
-        self.cost = cost or MockCostModel()
-        self.hasher = BlockHasher(self.config.model_id, self.config.block_size_tokens)
+        self.cost = cost or CostModel()
         self.clock_s = 0.0  # simulated time: the sum of every step's duration
         self.last_step_duration_s = 0.0
         self.num_kv_pages_free = self.config.num_kv_pages
@@ -127,6 +120,23 @@ class MockEngine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._pending)
 
+    def pages_needed(self, num_prompt_tokens: int, max_new_tokens: int) -> int:
+        """Pages a request holds from admission to its end: all it can grow to."""
+        max_len = min(num_prompt_tokens + max_new_tokens, self.config.max_model_len)
+        return math.ceil(max_len / self.config.block_size_tokens)
+
+    def reserve_pages(self, num_pages: int) -> bool:
+        """Set pages aside for a request the caller admitted and will add with
+        `pages_reserved=True`; False (nothing reserved) when fewer are free."""
+        if num_pages > self.num_kv_pages_free:
+            return False
+        self.num_kv_pages_free -= num_pages
+        return True
+
+    def release_pages(self, num_pages: int) -> None:
+        """Give back a reservation whose request never reached `add_request`."""
+        self.num_kv_pages_free += num_pages
+
     def add_request(
         self,
         token_ids: Seq[int],
@@ -134,10 +144,13 @@ class MockEngine:
         *,
         num_cached_tokens: int = 0,
         has_swa_snapshot: bool = True,
-        cache_salt: str = "",
+        blocks: RequestBlocks | None = None,
+        pages_reserved: bool = False,
     ) -> int:
         """Queue a request whose first `num_cached_tokens` (whole blocks) are loaded, not
-        computed; without the SWA snapshot their window is rebuilt by bounded replay."""
+        computed; without the SWA snapshot their window is rebuilt by bounded replay.
+        `blocks`: the request's block layout (hashed here, in the engine's namespace, when a
+        caller has none); `pages_reserved`: its pages were reserved (`reserve_pages`)."""
         params = params or MockSamplingParams()
         block = self.config.block_size_tokens
         if not token_ids:
@@ -152,29 +165,32 @@ class MockEngine:
                 f"num_cached_tokens {num_cached_tokens} must be whole {block}-token blocks "
                 f"shorter than the {len(token_ids)}-token prompt"
             )
-        max_len = min(len(token_ids) + params.max_new_tokens, self.config.max_model_len)
-        num_pages = math.ceil(max_len / block)
+        num_pages = self.pages_needed(len(token_ids), params.max_new_tokens)
         if num_pages > self.config.num_kv_pages:
             raise MockRequestError(
                 f"needs {num_pages} KV pages, the engine has {self.config.num_kv_pages}"
             )
-        hasher = self.hasher
-        if cache_salt:
-            hasher = BlockHasher(self.config.model_id, block, salt=cache_salt)
+        if blocks is None:
+            blocks = RequestBlocks.hash_prompt(
+                token_ids, model=self.config.model_id, block_size_tokens=block
+            )
+        elif blocks.block_size != block:
+            raise MockRequestError(f"blocks of {blocks.block_size} tokens, the engine's: {block}")
         seq = _Seq(
             seq_id=self._next_seq_id,
             token_ids=list(token_ids),
             params=params,
             seed=self.config.seed if params.seed is None else params.seed,
-            hasher=hasher,
+            blocks=blocks,
             num_cached_tokens=num_cached_tokens,
             num_replay_tokens=self.cost.num_replay_tokens(num_cached_tokens, has_swa_snapshot),
             num_pages=num_pages,
-            # The cached prefix's hashes, so the chain continues past it.
-            block_hashes=hasher.hashes(token_ids[:num_cached_tokens]),
+            holds_pages=pages_reserved,
+            num_blocks_published=num_cached_tokens // block,  # stored before it came here
         )
         self._next_seq_id += 1
         if params.max_new_tokens == 0:
+            self._free_pages(seq)
             self._pending.append(
                 MockStepOutput(seq.seq_id, (), True, FinishReason.LENGTH, usage=seq.usage())
             )
@@ -185,13 +201,12 @@ class MockEngine:
     def abort(self, seq_id: int) -> bool:
         """Stop a request and free its pages; False if unknown or already finished."""
         seq = self._running.pop(seq_id, None)
-        if seq is not None:
-            self.num_kv_pages_free += seq.num_pages
-        else:
+        if seq is None:
             seq = next((s for s in self._waiting if s.seq_id == seq_id), None)
             if seq is None:
                 return False
             self._waiting.remove(seq)
+        self._free_pages(seq)
         self._pending.append(
             MockStepOutput(seq_id, (), True, FinishReason.ABORT, usage=seq.usage())
         )
@@ -218,7 +233,9 @@ class MockEngine:
         for seq in plan.admit:
             self._waiting.popleft()
             self._running[seq.seq_id] = seq
-            self.num_kv_pages_free -= seq.num_pages
+            if not seq.holds_pages:
+                self.num_kv_pages_free -= seq.num_pages
+            seq.holds_pages = True
         for seq in plan.decode:
             seq.num_computed_tokens += 1  # the token sampled last step is fed in now
             outputs.append(self._advance(seq, sample=True))
@@ -246,10 +263,11 @@ class MockEngine:
         free = self.num_kv_pages_free
         num_seqs = len(self._running)
         for seq in self._waiting:
-            if budget <= 0 or seq.num_pages > free or num_seqs >= self.config.max_num_seqs:
+            needed = 0 if seq.holds_pages else seq.num_pages
+            if budget <= 0 or needed > free or num_seqs >= self.config.max_num_seqs:
                 break  # first come, first served: nobody overtakes the head
             admit.append(seq)
-            free -= seq.num_pages
+            free -= needed
             num_seqs += 1
             budget -= self._plan_prefill(seq, budget, prefill)
         for seq, num_tokens in prefill:
@@ -258,6 +276,12 @@ class MockEngine:
                 loaded, replayed = seq.num_cached_tokens, seq.num_replay_tokens
             duration_s += self.cost.prefill_s(num_tokens, loaded, replayed)
         return _Plan(decode, prefill, admit, duration_s)
+
+    def _free_pages(self, seq: _Seq) -> None:
+        """Return what the sequence holds or had reserved (once)."""
+        if seq.holds_pages:
+            self.num_kv_pages_free += seq.num_pages
+            seq.holds_pages = False
 
     @staticmethod
     def _plan_prefill(seq: _Seq, budget: int, prefill: list[tuple[_Seq, int]]) -> int:
@@ -280,18 +304,16 @@ class MockEngine:
                 or len(seq.token_ids) >= self.config.max_model_len
             ):
                 reason = FinishReason.LENGTH
-        num_blocks = self.hasher.num_blocks(seq.num_computed_tokens)
+        num_blocks = seq.num_computed_tokens // self.config.block_size_tokens
         new_hashes: list[int] = []
-        if num_blocks > len(seq.block_hashes):
-            block = self.config.block_size_tokens
-            start = len(seq.block_hashes) * block
-            parent = seq.block_hashes[-1] if seq.block_hashes else 0
-            new_hashes = seq.hasher.hashes(seq.token_ids[start : num_blocks * block], parent)
-            seq.block_hashes.extend(new_hashes)
+        if num_blocks > seq.num_blocks_published:
+            chain = seq.blocks.extend(seq.token_ids, num_blocks)
+            new_hashes = chain[seq.num_blocks_published :]
+            seq.num_blocks_published = num_blocks
         usage = None
         if reason is not None:
             del self._running[seq.seq_id]
-            self.num_kv_pages_free += seq.num_pages
+            self._free_pages(seq)
             usage = seq.usage()
         return MockStepOutput(
             seq.seq_id, new_tokens, reason is not None, reason, (), tuple(new_hashes), usage

@@ -1,0 +1,282 @@
+"""`Bus`: a service's one NATS connection and everything it does over it.
+
+- `Bus.connect` (connection.py): retries the first connect too, so a service may start
+  before its server; reconnects forever once connected.
+- `serve(Endpoint)` / `stop_serving` (endpoints.py): request/reply endpoints in the service's
+  queue group and on the instance's own subject, typed errors in headers, deadlines enforced.
+- `request`: the caller's side, raising the typed `ServiceError` the server sent, or
+  `NoResponders` / `DeadlineExceeded`.
+- `publish` / `subscribe`: events (fan-out, decoded into structs).
+- `open_inbox` / `publish_raw` / `subscribe_raw` / `scatter`: the primitives of
+  `shared.streams` and `shared.discovery`.
+- `js` (jetstream.py): streams, acknowledged publishes, ordered consumers, object store.
+- `close`: drain the connection. Safe to repeat, as is `stop_serving`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from shared import telemetry
+from shared.bus.connection import connect_nats
+from shared.bus.endpoints import Endpoint, EndpointServer, EndpointStats
+from shared.bus.jetstream import JetStream
+from shared.bus.wire import (
+    ERROR_CODE_HEADER,
+    HEADER_DEADLINE_MS,
+    HEADER_REQUEST_ID,
+    HEADER_SCHEMA,
+    NO_RESPONDERS_STATUS,
+    STATUS_HEADER,
+    RawMessage,
+    effective_timeout_s,
+    raise_if_error,
+    raw_message,
+)
+from shared.logging import get_logger
+from shared.schema import (
+    DeadlineExceeded,
+    InternalError,
+    NoResponders,
+    decode,
+    encode,
+    schema_header,
+)
+from shared.subjects import DEFAULT_ROOT, Subjects
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+
+class Inbox:
+    """A fresh subscription whose messages are read one at a time (stream consumers)."""
+
+    def __init__(self, subject: str, subscription: Subscription) -> None:
+        self.subject = subject
+        self._subscription = subscription
+
+    async def next(self, timeout_s: float) -> RawMessage | None:
+        """The next message, or None when `timeout_s` passes first."""
+        try:
+            msg = await self._subscription.next_msg(timeout=timeout_s)
+        except nats.errors.TimeoutError:
+            return None
+        return raw_message(msg)
+
+    async def close(self) -> None:
+        # Already gone is fine: closing twice is allowed.
+        with contextlib.suppress(nats.errors.BadSubscriptionError):
+            await self._subscription.unsubscribe()
+
+
+class Bus:
+    def __init__(self, nc: Client, *, subjects: Subjects, service: str, instance_id: str) -> None:
+        self._nc = nc
+        self.subjects = subjects
+        self.service = service
+        self.instance_id = instance_id
+        self._endpoints = EndpointServer(nc, subjects, service, instance_id)
+        self._event_subscriptions: list[Subscription] = []
+        self.js = JetStream(nc, self._event_subscriptions)
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        service: str,
+        instance_id: str | None = None,
+        root: str = DEFAULT_ROOT,
+        connect_timeout_s: float = 10.0,
+        reconnect_wait_s: float = 0.5,
+    ) -> Bus:
+        """Connect, retrying until `connect_timeout_s`; once connected, reconnect forever."""
+        instance_id = instance_id or f"{service}-{uuid.uuid4().hex[:8]}"
+        nc = await connect_nats(
+            url,
+            name=f"{service}/{instance_id}",
+            connect_timeout_s=connect_timeout_s,
+            reconnect_wait_s=reconnect_wait_s,
+        )
+        return cls(nc, subjects=Subjects(root), service=service, instance_id=instance_id)
+
+    @property
+    def is_connected(self) -> bool:
+        return self._nc.is_connected
+
+    @property
+    def max_payload_bytes(self) -> int:
+        return self._nc.max_payload
+
+    @property
+    def num_inflight(self) -> int:
+        return self._endpoints.num_inflight
+
+    def endpoint_stats(self) -> list[EndpointStats]:
+        return self._endpoints.stats()
+
+    # -- serving -------------------------------------------------------------------------
+    async def serve(self, endpoint: Endpoint) -> None:
+        """Serve `endpoint` on its pooled subject (queue group = service) and on its
+        instance subject (`<subject>.<instance_id>`, no queue group)."""
+        await self._endpoints.serve(endpoint)
+
+    async def stop_serving(self, grace_s: float) -> None:
+        """Stop taking work, finish in-flight requests within `grace_s`, cancel the rest."""
+        await self._endpoints.stop(grace_s)
+
+    async def close(self) -> None:
+        """Drain the connection (flush what we published, unsubscribe) and close it."""
+        if self._nc.is_closed or self._nc.is_draining:
+            return
+        try:
+            await self._nc.drain()
+        except nats.errors.Error as exc:
+            log.warning("connection drain failed", error=str(exc))
+            await self._nc.close()
+
+    # -- calling -------------------------------------------------------------------------
+    def headers_for(
+        self, message: Any, *, request_id: str | None = None, deadline_ms: int | None = None
+    ) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if request_id:
+            headers[HEADER_REQUEST_ID] = request_id
+        if deadline_ms is not None:
+            headers[HEADER_DEADLINE_MS] = str(deadline_ms)
+        if not isinstance(message, bytes | bytearray):
+            headers[HEADER_SCHEMA] = schema_header(type(message))
+        telemetry.inject(headers)
+        return headers
+
+    async def request(
+        self,
+        subject: str,
+        message: Any,
+        reply_type: type[T],
+        *,
+        timeout_s: float = 5.0,
+        request_id: str | None = None,
+        deadline_ms: int | None = None,
+    ) -> T:
+        """Send one request and decode its reply; raise the server's typed error, or
+        `NoResponders`, or `DeadlineExceeded` when neither reply nor deadline comes in time."""
+        timeout_s = effective_timeout_s(timeout_s, deadline_ms, subject)
+        headers = self.headers_for(message, request_id=request_id, deadline_ms=deadline_ms)
+        data = message if isinstance(message, bytes | bytearray) else encode(message)
+        try:
+            msg = await self._nc.request(subject, data, timeout=timeout_s, headers=headers)
+        except nats.errors.NoRespondersError as exc:
+            raise NoResponders(f"no instance serves {subject}") from exc
+        except nats.errors.TimeoutError as exc:
+            raise DeadlineExceeded(f"no reply on {subject} within {timeout_s:.3f}s") from exc
+        if msg.headers and ERROR_CODE_HEADER in msg.headers:
+            raise_if_error(raw_message(msg))
+        if reply_type is bytes:
+            return msg.data  # type: ignore[return-value]
+        try:
+            return decode(msg.data, reply_type)
+        except msgspec.DecodeError as exc:
+            raise InternalError(
+                f"malformed {reply_type.__name__} reply on {subject}: {exc}"
+            ) from exc
+
+    async def publish(
+        self, subject: str, message: Any, *, headers: dict[str, str] | None = None
+    ) -> None:
+        await self._nc.publish(subject, encode(message), headers=headers)
+
+    async def publish_raw(
+        self, subject: str, data: bytes, headers: dict[str, str] | None = None, reply: str = ""
+    ) -> None:
+        await self._nc.publish(subject, data, reply=reply, headers=headers)
+
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Return once the server has processed everything sent so far (subscriptions
+        included), so another connection's publish is sure to find them."""
+        # nats-py 2.16 writes the PING straight to the socket while SUB commands still wait in
+        # its pending buffer for the flusher task: one PING/PONG can overtake a SUB (seen here:
+        # 38 of 300 cross-connection messages lost). The first round trip lets the flusher
+        # write the buffer; the second PING is then behind everything.
+        await self._nc.flush(timeout=timeout_s)
+        await self._nc.flush(timeout=timeout_s)
+
+    # -- events and raw subscriptions ----------------------------------------------------
+    async def subscribe(
+        self,
+        subject: str,
+        message_type: type[T],
+        handler: Callable[[T], Awaitable[None]],
+        *,
+        queue: str = "",
+    ) -> Subscription:
+        """Deliver decoded events to `handler`, in order. A malformed event is logged and
+        skipped: an event has nobody to reply to (events that must not be lost go through
+        `js`, where the consumer hears of every message it could not take)."""
+
+        async def on_message(msg: Msg) -> None:
+            try:
+                event = decode(msg.data, message_type)
+            except msgspec.DecodeError as exc:
+                log.warning("malformed event dropped", subject=msg.subject, error=str(exc))
+                return
+            try:
+                await handler(event)
+            except Exception:
+                log.exception("event handler crashed", subject=msg.subject)
+
+        subscription = await self._nc.subscribe(subject, queue=queue, cb=on_message)
+        self._event_subscriptions.append(subscription)
+        return subscription
+
+    async def subscribe_raw(
+        self, subject: str, handler: Callable[[RawMessage], Awaitable[None]]
+    ) -> Subscription:
+        async def on_message(msg: Msg) -> None:
+            try:
+                await handler(raw_message(msg))
+            except Exception:
+                log.exception("raw handler crashed", subject=msg.subject)
+
+        subscription = await self._nc.subscribe(subject, cb=on_message)
+        self._event_subscriptions.append(subscription)
+        return subscription
+
+    async def unsubscribe(self, subscription: Subscription) -> None:
+        """End a subscription made with `subscribe`/`subscribe_raw` (per-request ones)."""
+        if subscription in self._event_subscriptions:
+            self._event_subscriptions.remove(subscription)
+        await subscription.unsubscribe()
+
+    async def open_inbox(self) -> Inbox:
+        subject = self._nc.new_inbox()
+        return Inbox(subject, await self._nc.subscribe(subject))
+
+    async def scatter(
+        self, subject: str, data: bytes, *, timeout_s: float
+    ) -> AsyncIterator[RawMessage]:
+        """Publish once, yield every reply that arrives within `timeout_s` (discovery)."""
+        inbox = await self.open_inbox()
+        try:
+            await self.publish_raw(subject, data, reply=inbox.subject)
+            deadline = time.monotonic() + timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                msg = await inbox.next(left)
+                if msg is None:
+                    break
+                if msg.headers.get(STATUS_HEADER) == NO_RESPONDERS_STATUS:
+                    break
+                yield msg
+        finally:
+            await inbox.close()

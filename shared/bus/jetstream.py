@@ -1,0 +1,148 @@
+"""JetStream, only where loss is unacceptable (DESIGN.md section 2): the usage log, the KV
+index's event log and its snapshots (an object store bucket).
+
+`bus.js` is this module's `JetStream` on the bus's connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
+
+from shared.bus.wire import RawMessage, raw_message
+from shared.logging import get_logger
+from shared.schema import Unavailable, decode, encode
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+# (the message as it came, its stream sequence, what went wrong decoding or handling it)
+OnStreamError = Callable[[RawMessage, int, Exception], Awaitable[None]]
+
+
+class JetStream:
+    def __init__(self, nc: Client, subscriptions: list[Subscription]) -> None:
+        self._nc = nc
+        self._subscriptions = subscriptions  # the bus's: drained with the connection
+
+    async def ensure_stream(
+        self,
+        name: str,
+        subjects: list[str],
+        *,
+        max_age_s: float | None = None,
+        max_bytes: int | None = None,
+        duplicate_window_s: float = 120.0,
+    ) -> None:
+        """Create the stream, or bring an existing one to this config (idempotent)."""
+        config = StreamConfig(
+            name=name,
+            subjects=subjects,
+            max_age=max_age_s,
+            max_bytes=max_bytes,
+            duplicate_window=duplicate_window_s,
+        )
+        js = self._nc.jetstream()
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await js.update_stream(config)
+
+    async def delete_stream(self, name: str) -> bool:
+        """Remove a stream and what it holds; False if there was none."""
+        try:
+            return await self._nc.jetstream().delete_stream(name)
+        except nats.js.errors.NotFoundError:
+            return False
+
+    async def stream_bounds(self, name: str) -> tuple[int, int]:
+        """(first, last) sequence numbers held by a stream."""
+        info = await self._nc.jetstream().stream_info(name)
+        return info.state.first_seq, info.state.last_seq
+
+    async def publish(
+        self, subject: str, message: Any, *, msg_id: str | None = None, timeout_s: float = 5.0
+    ) -> int:
+        """Publish with a storage acknowledgement; `msg_id` deduplicates (Nats-Msg-Id).
+        `Unavailable` when no stream stores the subject or no acknowledgement comes."""
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        try:
+            ack = await self._nc.jetstream().publish(
+                subject, encode(message), timeout=timeout_s, headers=headers
+            )
+        except nats.js.errors.NoStreamResponseError as exc:
+            raise Unavailable(f"no JetStream stream stores {subject}") from exc
+        except nats.errors.TimeoutError as exc:
+            raise Unavailable(f"JetStream did not acknowledge {subject} in {timeout_s}s") from exc
+        except nats.errors.ConnectionClosedError as exc:
+            raise Unavailable(f"connection closed before {subject} was stored") from exc
+        return ack.seq
+
+    async def consume(
+        self,
+        stream: str,
+        subject: str,
+        message_type: type[T],
+        handler: Callable[[T, int], Awaitable[None]],
+        *,
+        start_seq: int | None = None,
+        on_error: OnStreamError | None = None,
+    ) -> Subscription:
+        """Deliver a stream's messages in order (`handler(message, stream_seq)`), from
+        `start_seq` (or the start), then live: an ordered, ephemeral consumer.
+
+        A message that does not decode, or whose handler raises, goes to `on_error` (the
+        consumer decides what losing it means: kv-index resyncs the writer); without one it
+        is logged as an error and skipped."""
+        if start_seq is None:
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        else:
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq
+            )
+
+        async def on_message(msg: Msg) -> None:
+            stream_seq = msg.metadata.sequence.stream
+            try:
+                await handler(decode(msg.data, message_type), stream_seq)
+            except Exception as exc:
+                if on_error is None:
+                    log.exception(
+                        "stream message skipped", subject=msg.subject, stream_seq=stream_seq
+                    )
+                    return
+                try:
+                    await on_error(raw_message(msg), stream_seq, exc)
+                except Exception:
+                    log.exception("stream error handler crashed", subject=msg.subject)
+
+        subscription = await self._nc.jetstream().subscribe(
+            subject, stream=stream, cb=on_message, ordered_consumer=True, config=config
+        )
+        self._subscriptions.append(subscription)
+        return subscription
+
+    async def put_object(self, bucket: str, name: str, data: bytes) -> None:
+        js = self._nc.jetstream()
+        try:
+            store = await js.object_store(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            store = await js.create_object_store(bucket)
+        await store.put(name, data)
+
+    async def get_object(self, bucket: str, name: str) -> bytes | None:
+        js = self._nc.jetstream()
+        try:
+            store = await js.object_store(bucket)
+            return (await store.get(name)).data
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.ObjectNotFoundError):
+            return None
+        except nats.js.errors.NotFoundError:
+            return None

@@ -1,0 +1,145 @@
+"""What serving a request costs in time, in one place: the router estimates a request's time
+to first token with it, and the mock engine sleeps what it says, so a router driven against
+mock workers is judged against its own assumptions, not another model's.
+
+    prefill = compute of the uncached tokens + load of the hit tokens + replay of the window
+    decode step = a fixed part + a part per sequence + a part per context token attended
+
+The rates default to the reference deployment's per-GPU figures (DESIGN.md sections 5 and
+6, below); a deployment sets measured ones through the router's config. The TTFT the router
+compares against its objective is Mooncake's Conductor form (`T_queue + T_prefill(uncached)
++ T_transfer`), in seconds, rather than Dynamo's weighted overlap score.
+
+Queue wait counts queued tokens at the compute rate: a worker reports (and the router counts
+in flight) the tokens it still has to *compute*. Loading a queued job's hit tokens is left
+out of the wait because at the reference mix it overlaps with compute (1.5M tokens/s at 96%
+hit is exactly 60K miss tokens/s of compute, so the loads cannot be on the critical path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# One prefill GPU computes ~60K tokens/s without the cache and serves 1.5M tokens/s at 96%
+# hit, i.e. it reads 0.96 x 1.5M = 1.44M hit tokens/s.
+PREFILL_TOKENS_PER_S = 60_000.0
+LOAD_TOKENS_PER_S = 1_440_000.0
+# Bounded replay recomputes R = 128 tokens through the sliding layers (exact replay would be
+# 20 layers x 128 = 2,560).
+REPLAY_TOKENS = 128
+# A decode GPU emits ~14K tokens/s. The batch it does that at is not published; assuming 256
+# sequences, a step is 256 / 14K = 18.3 ms, split into a fixed 10 ms (weights, communication)
+# and 32.5 us per sequence. An assumption, not a measurement.
+DECODE_STEP_BASE_S = 0.010
+DECODE_STEP_PER_SEQ_S = 0.0000325
+
+
+class CostModelError(ValueError):
+    """A rate is not positive, or a cost is negative."""
+
+
+@dataclass(frozen=True)
+class PrefillEstimate:
+    """One worker's estimated time to first token for one request, by term."""
+
+    queue_wait_s: float
+    compute_s: float
+    load_s: float
+    replay_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_wait_s + self.compute_s + self.load_s + self.replay_s
+
+    @property
+    def own_s(self) -> float:
+        """The request's own prefill time, what an idle worker would take."""
+        return self.compute_s + self.load_s + self.replay_s
+
+
+@dataclass(frozen=True)
+class CostModel:
+    prefill_tokens_per_s: float = PREFILL_TOKENS_PER_S
+    load_tokens_per_s: float = LOAD_TOKENS_PER_S
+    replay_tokens: int = REPLAY_TOKENS
+    # A replayed token runs only the sliding layers, so it is cheaper than a full token; the
+    # default charges it as a full one (an upper bound) until the ratio is measured.
+    replay_tokens_per_s: float = PREFILL_TOKENS_PER_S
+    decode_step_base_s: float = DECODE_STEP_BASE_S
+    decode_step_per_seq_s: float = DECODE_STEP_PER_SEQ_S
+    # Attention reads every context token's KV each step. No published figure to derive it
+    # from, so off by default; tests and load generators set it.
+    decode_step_per_context_token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "load_tokens_per_s", "replay_tokens_per_s"):
+            if not getattr(self, name) > 0:
+                raise CostModelError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in (
+            "replay_tokens",
+            "decode_step_base_s",
+            "decode_step_per_seq_s",
+            "decode_step_per_context_token_s",
+        ):
+            if getattr(self, name) < 0:
+                raise CostModelError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    # -- prefill -------------------------------------------------------------------------
+    def num_replay_tokens(self, num_cached_tokens: int, has_swa_snapshot: bool) -> int:
+        """Tokens replayed through the sliding layers to rebuild the window at the boundary
+        (bounded replay); none with the snapshot, nothing to restore without a hit."""
+        if has_swa_snapshot or num_cached_tokens <= 0:
+            return 0
+        return min(self.replay_tokens, num_cached_tokens)
+
+    def prefill_s(
+        self, num_computed_tokens: int, num_loaded_tokens: int = 0, num_replayed_tokens: int = 0
+    ) -> float:
+        """Serial time of computing, loading and replaying that many tokens."""
+        return (
+            num_computed_tokens / self.prefill_tokens_per_s
+            + num_loaded_tokens / self.load_tokens_per_s
+            + num_replayed_tokens / self.replay_tokens_per_s
+        )
+
+    def queue_wait_s(self, num_queued_tokens: int) -> float:
+        return max(num_queued_tokens, 0) / self.prefill_tokens_per_s
+
+    def replay_s(self, num_cached_tokens: int, has_swa_snapshot: bool) -> float:
+        replayed = self.num_replay_tokens(num_cached_tokens, has_swa_snapshot)
+        return replayed / self.replay_tokens_per_s
+
+    def prefill(
+        self,
+        *,
+        num_queued_tokens: int,
+        num_prompt_tokens: int,
+        num_cached_tokens: int,
+        has_swa_snapshot: bool,
+    ) -> PrefillEstimate:
+        """The router's estimate for one request on one worker."""
+        return PrefillEstimate(
+            queue_wait_s=self.queue_wait_s(num_queued_tokens),
+            compute_s=(num_prompt_tokens - num_cached_tokens) / self.prefill_tokens_per_s,
+            load_s=num_cached_tokens / self.load_tokens_per_s,
+            replay_s=self.replay_s(num_cached_tokens, has_swa_snapshot),
+        )
+
+    def queue_tokens_of(
+        self, num_prompt_tokens: int, num_cached_tokens: int, has_swa_snapshot: bool
+    ) -> int:
+        """Tokens a job adds to its prefill worker's queue: what it has to compute, with a
+        replay counted in compute-token equivalents."""
+        replay_s = self.replay_s(num_cached_tokens, has_swa_snapshot)
+        return num_prompt_tokens - num_cached_tokens + round(replay_s * self.prefill_tokens_per_s)
+
+    # -- decode --------------------------------------------------------------------------
+    def decode_step_s(self, num_seqs: int, num_context_tokens: int = 0) -> float:
+        """One step over `num_seqs` sequences attending `num_context_tokens` in all."""
+        if num_seqs == 0:
+            return 0.0
+        return (
+            self.decode_step_base_s
+            + self.decode_step_per_seq_s * num_seqs
+            + self.decode_step_per_context_token_s * num_context_tokens
+        )

@@ -1,0 +1,12 @@
+"""Why a sequence ended: the model engine's and the mock engine's one enum (torch-free, so
+the mock workers import it without the model)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # eos or one of the request's stop token ids (the token is included)
+    LENGTH = "length"  # max_new_tokens, or the engine's max_model_len
+    ABORT = "abort"

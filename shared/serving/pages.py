@@ -1,0 +1,90 @@
+"""KV pages between a model worker's pool, the SSD store and its NIXL staging buffer.
+
+A page of the pool and a block of the store hold the same bytes (KVBlockLayout: block-major,
+full-attention layers only), so every move here is one copy per block, never a re-layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.engine.block_manager import BlockAllocator
+from shared.engine.kv_cache import PagedKVPool
+from shared.kvstore.blocks import RequestBlocks
+from shared.kvstore.slots import SlotRef
+from shared.kvstore.store import KvStore
+from shared.kvstore.writer import KvEventPublisher
+from shared.schema.inference import BlockLocations
+from shared.serving.kv_io import store_payloads
+
+
+@dataclass(frozen=True)
+class LoadedPrefix:
+    pages: list[int]  # pool pages holding blocks 0..len(pages)-1 of the prompt
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pages)
+
+
+async def load_prefix(
+    store: KvStore,
+    pool: PagedKVPool,
+    allocator: BlockAllocator,
+    locations: BlockLocations,
+    num_blocks: int,
+) -> LoadedPrefix:
+    """Read the first `num_blocks` cached blocks into freshly allocated pages.
+
+    A block that reads as a miss (evicted, torn, corrupt) ends the prefix there: the pages
+    after it are freed and the caller computes from that block on.
+    """
+    num_blocks = min(num_blocks, len(locations))
+    if num_blocks == 0:
+        return LoadedPrefix([])
+    refs = [SlotRef.from_location(row) for row in locations.rows()[:num_blocks]]
+    pages = allocator.allocate(num_blocks)
+    try:
+        results = await store.read_blocks(refs, [memoryview(pool.block_view(p)) for p in pages])
+    except BaseException:
+        allocator.free(pages)
+        raise
+    num_loaded = next((i for i, r in enumerate(results) if r is None), num_blocks)
+    allocator.free(pages[num_loaded:])
+    return LoadedPrefix(pages[:num_loaded])
+
+
+async def store_blocks(
+    publisher: KvEventPublisher,
+    pool: PagedKVPool,
+    pages: Sequence[int],
+    token_ids: Sequence[int],
+    blocks: RequestBlocks,
+    first_block: int,
+    end_block: int,
+) -> int:
+    """Write blocks [first_block, end_block) of a sequence (page i holds block i) to the store
+    and log them for kv-index; returns how many were written."""
+    payloads = [memoryview(pool.block_view(pages[i])) for i in range(first_block, end_block)]
+    return await store_payloads(publisher, token_ids, blocks, first_block, payloads)
+
+
+def stage_pages(pool: PagedKVPool, pages: Sequence[int], buffer: np.ndarray, offset: int) -> int:
+    """Copy pages, in order, into `buffer` at `offset`; returns the bytes written."""
+    nbytes = pool.layout.block_nbytes
+    for i, page in enumerate(pages):
+        start = offset + i * nbytes
+        buffer[start : start + nbytes] = pool.block_view(page)
+    return len(pages) * nbytes
+
+
+def unstage_pages(
+    buffer: np.ndarray, offset: int, pool: PagedKVPool, pages: Sequence[int]
+) -> None:
+    nbytes = pool.layout.block_nbytes
+    for i, page in enumerate(pages):
+        start = offset + i * nbytes
+        pool.block_view(page)[:] = buffer[start : start + nbytes]
