@@ -8,9 +8,10 @@ answer after the first chunks), so both are awaited at once.
 
 The stream belongs to the decode worker; if that worker dies, nobody will end the stream, so
 the caller watches its heartbeats (`LoadReport`, ~1 s): silence for `liveness_timeout_s`
-means the worker is gone. The caller then bills what it received (a FAILED `UsageRecord`
-with the request id as JetStream message id: if the worker did publish its own record
-first, JetStream keeps that one) and raises `Unavailable`, well before the idle timeout.
+means the worker is gone. The caller then bills what it received (a FAILED `UsageRecord`,
+through its durable outbox, with the request id as JetStream message id: if the worker did
+publish its own record first, JetStream keeps that one) and raises `Unavailable`, well
+before the idle timeout.
 
 Whenever the caller stops waiting before the stream ended (cancelled, deadline, stall, lost
 worker) it broadcasts `CancelRequest`, so every hop stops work it no longer owes.
@@ -35,6 +36,7 @@ from shared.schema import (
     DecodeStats,
     GenerateRequest,
     LoadReport,
+    Overloaded,
     RouteDecision,
     SamplingParams,
     ServiceError,
@@ -48,6 +50,8 @@ from shared.schema import (
 )
 from shared.streams import ChunkReader
 from shared.subjects import DECODE, INGRESS
+from shared.usage import usage_publisher
+from shared.usage_outbox import UsageOutbox
 
 log = get_logger(__name__)
 
@@ -112,29 +116,59 @@ async def generate(
     first_chunk_timeout_s: float = 600.0,
     idle_timeout_s: float = 60.0,
     route_timeout_s: float = 30.0,
+    overload_wait_s: float = 30.0,
+    outbox: UsageOutbox | None = None,
 ) -> GenerateResult:
     """Run one request through the cluster; `on_chunk(chunk)` sees every chunk as it comes.
 
-    Raises the router's typed error (`Overloaded` with `retry_after_s`, `BadRequest`,
-    `NoResponders` when no router runs), the stream's (`StreamWriter.fail` on decode, or an
-    error the router sent through it), `Unavailable` when the decode worker stops
-    heartbeating, `StreamStalled` / `DeadlineExceeded` from the reader.
+    `outbox` keeps the usage record of a stream whose decode worker died until JetStream has
+    it (ingress and `kvfabric generate` pass theirs); without one it is published once.
+
+    When the router turns the request away as `Overloaded` (nothing started anywhere), wait
+    its `retry_after_s` and send it again, for at most `overload_wait_s` in all (and never
+    past the request's deadline); 0 gives up at the first refusal.
+
+    Raises the router's typed error (`Overloaded` with `retry_after_s` once the wait is
+    spent, `BadRequest`, `NoResponders` when no router runs), the stream's
+    (`StreamWriter.fail` on decode, or an error the router sent through it), `Unavailable`
+    when the decode worker stops heartbeating, `StreamStalled` / `DeadlineExceeded` from the
+    reader.
     """
-    inbox = await bus.open_inbox()
-    try:
-        request = msgspec.structs.replace(request, stream_inbox=inbox.subject)
-        reader = ChunkReader(
-            inbox,
-            TokenChunk,
-            f"the stream of {request.request_id}",
-            first_chunk_timeout_s=first_chunk_timeout_s,
-            idle_timeout_s=idle_timeout_s,
-            deadline_ms=request.deadline_ms,
-        )
-        call = _Generation(bus, request, reader, on_chunk, liveness_timeout_s, route_timeout_s)
-        return await call.run()
-    finally:
-        await inbox.close()
+    waited_s = 0.0
+    while True:
+        inbox = await bus.open_inbox()
+        try:
+            attempt = msgspec.structs.replace(request, stream_inbox=inbox.subject)
+            reader = ChunkReader(
+                inbox,
+                TokenChunk,
+                f"the stream of {request.request_id}",
+                first_chunk_timeout_s=first_chunk_timeout_s,
+                idle_timeout_s=idle_timeout_s,
+                deadline_ms=request.deadline_ms,
+            )
+            call = _Generation(
+                bus, attempt, reader, on_chunk, liveness_timeout_s, route_timeout_s, outbox
+            )
+            return await call.run()
+        except Overloaded as exc:
+            wait_s = _overload_wait_s(exc, request.deadline_ms, overload_wait_s - waited_s)
+            if not call.refused_by_router or wait_s is None:
+                raise
+            log.info("router overloaded: sending again", request_id=request.request_id,
+                     wait_s=round(wait_s, 3), reason=exc.message)  # fmt: skip
+        finally:
+            await inbox.close()
+        await asyncio.sleep(wait_s)
+        waited_s += wait_s
+
+
+def _overload_wait_s(exc: Overloaded, deadline_ms: int | None, budget_s: float) -> float | None:
+    """How long to wait before sending a refused request again; None: give up."""
+    wait_s = exc.retry_after_s if exc.retry_after_s is not None else 1.0
+    if deadline_ms is not None:
+        budget_s = min(budget_s, (deadline_ms - now_ms()) / 1000)
+    return wait_s if wait_s <= budget_s else None
 
 
 class _Generation:
@@ -148,8 +182,10 @@ class _Generation:
         on_chunk: Callable[[TokenChunk], object] | None,
         liveness_timeout_s: float,
         route_timeout_s: float,
+        outbox: UsageOutbox | None,
     ) -> None:
         self.bus = bus
+        self.outbox = outbox
         self.request = request
         self.reader = reader
         self.on_chunk = on_chunk
@@ -162,6 +198,7 @@ class _Generation:
         self.started_ms = now_ms()
         self.first_token_at: float | None = None
         self.last_beat_at = 0.0
+        self.refused_by_router = False  # the router answered an error: nothing was started
 
     async def run(self) -> GenerateResult:
         bus, request = self.bus, self.request
@@ -205,14 +242,15 @@ class _Generation:
             await self._cancel(CancelRequest(request_id=request.request_id))
             raise
         except Exception as exc:
-            if not self.reader.has_final and not _router_refused(route):
-                code = exc.code if isinstance(exc, ServiceError) else "INTERNAL"
+            self.refused_by_router = _router_refused(route)
+            if not self.reader.has_final and not self.refused_by_router:
+                typed = isinstance(exc, ServiceError)
                 await self._cancel(
                     CancelRequest(
                         request_id=request.request_id,
                         reason="caller stopped waiting",
-                        error_code=str(code),
-                        error_message=str(exc),
+                        error_code=str(exc.code if typed else "INTERNAL"),
+                        error_message=exc.message if typed else "the caller failed",
                     )
                 )
             raise
@@ -244,7 +282,7 @@ class _Generation:
             await asyncio.sleep(self.liveness_timeout_s - silent_s)
 
     async def _bill_lost_stream(self, decision: RouteDecision) -> None:
-        """Publish the usage of what arrived, as the decode worker would have."""
+        """Record the usage of what arrived, as the decode worker would have."""
         record = UsageRecord(
             request_id=self.request.request_id,
             api_key_id=self.request.api_key_id,
@@ -259,21 +297,13 @@ class _Generation:
             prefill_worker_id=decision.prefill_worker_id,
             decode_worker_id=decision.decode_worker_id,
         )
-        subjects = self.bus.subjects
         try:
-            try:
-                await self.bus.js.publish(subjects.usage(INGRESS), record, msg_id=record.request_id)
-            except Unavailable:
-                # Created on a miss only: `ensure_stream` brings an existing stream to the
-                # default config, which would undo limits billing may have set on it.
-                await self.bus.js.ensure_stream(subjects.usage_stream, [subjects.usage_all])
-                await self.bus.js.publish(subjects.usage(INGRESS), record, msg_id=record.request_id)
-        except ServiceError as exc:
-            log.warning(
-                "usage of a lost stream not recorded",
-                request_id=record.request_id,
-                error=exc.message,
-            )
+            if self.outbox is not None:
+                await self.outbox.add(record)  # durable now; published until JetStream has it
+            else:
+                await usage_publisher(self.bus, INGRESS)(record)
+        except Exception:  # without an outbox, or with its disk failing: said loudly, in full
+            log.exception("usage of a lost stream not recorded", record=str(record))
 
     async def _cancel(self, cancel: CancelRequest) -> None:
         try:

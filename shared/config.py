@@ -47,6 +47,10 @@ class ServiceConfig:
     connect_timeout_s: float = 10.0
     log_level: str = "info"
     otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint; tracing export is off unless set
+    # `GET /health` on this port (0: any free one, named `health_url` in discovery); off when
+    # unset. Ingress answers /health on its API port whatever this says.
+    health_port: int | None = None
+    health_host: str = "127.0.0.1"
 
     def validate(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
@@ -64,6 +68,8 @@ class ServiceConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.health_port is not None and not 0 <= self.health_port < 65536:
+            raise ConfigError(f"health_port must be in [0, 65536), got {self.health_port}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
 

@@ -7,8 +7,10 @@ fills up and blocks the server the way an unread pipe would.
 
 from __future__ import annotations
 
+import ctypes
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +22,13 @@ _LISTEN = re.compile(r"Listening for client connections on ([0-9.]+|\[[0-9a-f:]+
 
 class NatsServerError(RuntimeError):
     pass
+
+
+def die_with_parent() -> None:
+    """A `preexec_fn`: the kernel SIGTERMs the child when the process that started it dies,
+    however it dies (SIGKILL included), so no child outlives its launcher."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def find_nats_server() -> str:
@@ -85,6 +94,7 @@ class NatsServer:
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,  # a killed `kvfabric up` (or test run) leaves no server
         )
         log_file.close()
         deadline = time.monotonic() + timeout_s

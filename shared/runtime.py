@@ -1,10 +1,15 @@
 """The lifecycle every service process shares (its main.py only wires its endpoints):
 
-start: config logged once -> logging and tracing -> connect -> `setup` (endpoints, HTTP) ->
-discovery and heartbeats -> serve until SIGTERM/SIGINT.
+start: config logged once -> logging and tracing -> connect -> (`/health` when a
+`health_port` is set) -> `setup` (endpoints, HTTP) -> discovery and heartbeats -> serve until
+SIGTERM/SIGINT.
 stop: heartbeat says draining -> stop announcing (heartbeats, discovery) -> stop taking work
 and finish in-flight requests within `shutdown_grace_s` -> the service's cleanup hooks ->
 drain the connection. Every step is safe to repeat.
+
+Ready: an instance is SERVING once set up, unless its setup said it is not ready yet
+(`hold_ready(reason)`: kv-index still replaying its event log); it then reports STARTING, in
+its heartbeats, in discovery (with the reason) and on `/health` (503), until `mark_ready()`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import asyncio
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from aiohttp import web
 
 from shared import telemetry
 from shared.bus import Bus, now_ms
@@ -44,7 +51,10 @@ class ServiceRuntime:
         self._duties: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self._num_heartbeats = 0
+        self._is_set_up = False
         self._is_shut_down = False
+        self.not_ready_reason: str | None = None
+        self._health: web.AppRunner | None = None
 
     @property
     def bus(self) -> Bus:
@@ -71,6 +81,45 @@ class ServiceRuntime:
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    # -- readiness -----------------------------------------------------------------------
+    def hold_ready(self, reason: str) -> None:
+        """Report STARTING, with `reason`, until `mark_ready` (the endpoints still serve)."""
+        self.not_ready_reason = reason
+        if self.state is InstanceState.SERVING:
+            self.state = InstanceState.STARTING
+
+    def mark_ready(self) -> None:
+        self.not_ready_reason = None
+        if self._is_set_up and self.state is InstanceState.STARTING:
+            self.state = InstanceState.SERVING
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of `/health`: 200 only while connected and SERVING."""
+        connected = self._bus is not None and self._bus.is_connected
+        is_ok = connected and self.state is InstanceState.SERVING
+        body: dict[str, Any] = {
+            "status": "ok" if is_ok else "unavailable",
+            "instance_id": self.instance_id,
+            "state": str(self.state),
+            "nats_connected": connected,
+        }
+        if self.not_ready_reason:
+            body["not_ready"] = self.not_ready_reason
+        return (200 if is_ok else 503), body
+
+    async def _serve_health(self, host: str, port: int) -> None:
+        async def health(_: web.Request) -> web.Response:
+            status, body = self.health()
+            return web.json_response(body, status=status)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        self._health = web.AppRunner(app, access_log=None)
+        await self._health.setup()
+        await web.TCPSite(self._health, host, port).start()
+        bound_host, bound_port = self._health.addresses[0][:2]
+        self.metadata["health_url"] = f"http://{bound_host}:{bound_port}/health"
 
     def load_report(self) -> LoadReport:
         self._num_heartbeats += 1
@@ -104,6 +153,8 @@ class ServiceRuntime:
                 root=self.config.root,
                 connect_timeout_s=self.config.connect_timeout_s,
             )
+            if self.config.health_port is not None:
+                await self._serve_health(self.config.health_host, self.config.health_port)
             await setup(self)
             self._discovery = DiscoveryResponder(
                 self._bus,
@@ -111,10 +162,12 @@ class ServiceRuntime:
                 description=self.description,
                 metadata=self.metadata,
                 load_report=self.load_report,
-                counters=lambda: self.counters(),
+                counters=self._discovery_counters,
             )
             await self._discovery.start()
-            self.state = InstanceState.SERVING
+            self._is_set_up = True
+            if self.not_ready_reason is None:
+                self.state = InstanceState.SERVING
             self._heartbeat = asyncio.create_task(self._beat())
             await self._bus.flush()
             log.info("serving", nats_url=self.config.nats_url, root=self.config.root)
@@ -123,10 +176,24 @@ class ServiceRuntime:
         finally:
             await self.shutdown()
 
+    def _discovery_counters(self) -> dict[str, Any]:
+        counters = self.counters()
+        if self.not_ready_reason:
+            counters = counters | {"not_ready": self.not_ready_reason}
+        return counters
+
+    async def publish_load_report(self) -> None:
+        """A heartbeat now, between the periodic ones: a worker whose load just dropped (a
+        decode worker freed a finished sequence's pages) says so before its caller's next
+        request reaches the router."""
+        if self._bus is not None and self._bus.is_connected:
+            await self._bus.publish(
+                self._bus.subjects.load(self.service, self.instance_id), self.load_report()
+            )
+
     async def _beat(self) -> None:
-        subject = self.bus.subjects.load(self.service, self.instance_id)
         while True:
-            await self.bus.publish(subject, self.load_report())
+            await self.publish_load_report()
             await asyncio.sleep(self.config.heartbeat_s)
 
     async def shutdown(self) -> None:
@@ -137,10 +204,7 @@ class ServiceRuntime:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
-        if self._bus is not None and self._bus.is_connected:
-            await self._bus.publish(
-                self._bus.subjects.load(self.service, self.instance_id), self.load_report()
-            )
+        await self.publish_load_report()  # draining: routers stop sending work at once
         if self._discovery is not None:
             await self._discovery.stop()
         if self._bus is not None:
@@ -155,6 +219,8 @@ class ServiceRuntime:
                 log.exception(
                     "cleanup failed", cleanup=getattr(cleanup, "__qualname__", str(cleanup))
                 )
+        if self._health is not None:
+            await self._health.cleanup()
         if self._bus is not None:
             await self._bus.close()
         telemetry.shutdown_tracing()

@@ -172,6 +172,21 @@ class Subjects:
     def kv_events_all(self) -> str:
         return f"{self.root}.kv.events.*"
 
+    def swa_events(self, instance_id: str) -> str:
+        """`SwaHeld` batches of one swa-memcache instance (core NATS: a lost batch shows as
+        a sequence gap and costs a resync)."""
+        return f"{self.root}.{SWA_MEMCACHE}.events.{check_token(instance_id, 'instance id')}"
+
+    @property
+    def swa_events_all(self) -> str:
+        return f"{self.root}.{SWA_MEMCACHE}.events.*"
+
+    @property
+    def swa_resync(self) -> str:
+        """`SwaResync` broadcast: the memcache it names (every one for "") publishes its full
+        state on its `swa_events` subject."""
+        return f"{self.root}.{SWA_MEMCACHE}.resync"
+
     def usage(self, service: str) -> str:
         """`UsageRecord`s, captured by the JetStream stream `usage_stream`."""
         return f"{self.root}.usage.{check_token(service, 'service')}"

@@ -25,7 +25,7 @@ from shared.client import build_request, generate
 from shared.config import ENGINES
 from shared.discovery import discover
 from shared.engine.bundled import BUNDLED_MODEL_DIR
-from shared.kvstore.hashing import BlockHasher
+from shared.kvstore.blocks import RequestBlocks
 from shared.schema import ServiceError, SwaGet, SwaGetReply, SwaPut, SwaPutReply
 from shared.subjects import DECODE, DEFAULT_ROOT, PREFILL, SERVICES
 
@@ -224,7 +224,9 @@ async def _demo_requests(cluster: Cluster, bus: Bus, echo) -> int:  # noqa: ANN0
     token_ids = (
         Tokenizer.from_file(str(BUNDLED_MODEL_DIR / "tokenizer.json")).encode(DEMO_PROMPT).ids
     )
-    hashes = BlockHasher(BUNDLED_MODEL_DIR.name, block_size_tokens=16).hashes(token_ids)
+    hashes = RequestBlocks.hash_prompt(
+        token_ids, model=BUNDLED_MODEL_DIR.name, block_size_tokens=16
+    ).hashes
     matched = await index_client.match(bus, hashes, num_shards=1)
     cached = max((m.num_blocks for m in matched.values()), default=0)
     echo(f"kv-index match: {len(token_ids)} tokens, {len(hashes)} blocks, {cached} cached")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,7 +28,9 @@ from shared.client import GenerateResult, build_request, generate
 from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.logging import configure_logging
 from shared.schema import GenerateRequest, ServiceError, TokenChunk, Unavailable
-from shared.subjects import DEFAULT_ROOT
+from shared.subjects import DEFAULT_ROOT, INGRESS
+from shared.usage import open_usage_outbox
+from shared.usage_outbox import OutboxLocked, UsageOutbox
 
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -172,18 +175,37 @@ async def _run(
     *,
     printer: TextPrinter | None,
     timeout_s: float,
+    overload_wait_s: float,
+    outbox_dir: Path,
 ) -> GenerateResult:
     bus = await _connect(nats_url, root)
     try:
-        return await generate(
-            bus,
-            request,
-            on_chunk=printer,
-            first_chunk_timeout_s=timeout_s,
-            idle_timeout_s=min(timeout_s, 60.0),
-        )
+        outbox = await _open_outbox(bus, outbox_dir)
+        try:
+            return await generate(
+                bus,
+                request,
+                on_chunk=printer,
+                first_chunk_timeout_s=timeout_s,
+                idle_timeout_s=min(timeout_s, 60.0),
+                overload_wait_s=overload_wait_s,
+                outbox=outbox,
+            )
+        finally:
+            # A lost stream's usage goes out now; if JetStream cannot take it, it stays on
+            # disk for the next `kvfabric generate`.
+            await outbox.close(timeout_s=5.0)
     finally:
         await bus.close()  # drains: a CancelRequest sent on Ctrl-C still goes out
+
+
+async def _open_outbox(bus: Bus, directory: Path) -> UsageOutbox:
+    """The CLI's outbox; another `generate` running beside this one holds it, so a second
+    one gets its own file, named by process id."""
+    try:
+        return await open_usage_outbox(bus, INGRESS, directory, "generate")
+    except OutboxLocked:
+        return await open_usage_outbox(bus, INGRESS, directory, f"generate-{os.getpid()}")
 
 
 def generate_command(
@@ -206,6 +228,12 @@ def generate_command(
     block_size: int = typer.Option(64, min=1, help="tokens per KV block (as the cluster uses)"),
     cache_salt: str = typer.Option("", help="tenant namespace of the block hashes"),
     timeout_s: float = typer.Option(300.0, min=0.001, help="deadline of the whole request"),
+    overload_wait_s: float = typer.Option(
+        30.0, min=0.0, help="wait out OVERLOADED refusals this long in all (0: fail at once)"
+    ),
+    state_dir: Path = typer.Option(
+        Path(".kvfabric"), help="usage of a lost stream waits in <state-dir>/outbox until stored"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object at the end"),
 ) -> None:
     """Generate from PROMPT through a running cluster; stream the text to stdout."""
@@ -225,7 +253,12 @@ def generate_command(
     configure_logging(service="admin", instance_id="generate", level="error")
     printer = None if as_json else TextPrinter()
     try:
-        result = asyncio.run(_run(nats_url, root, request, printer=printer, timeout_s=timeout_s))
+        result = asyncio.run(
+            _run(
+                nats_url, root, request, printer=printer, timeout_s=timeout_s,
+                overload_wait_s=overload_wait_s, outbox_dir=state_dir / "outbox",
+            )
+        )  # fmt: skip
     except ServiceError as exc:
         retry = f" (retry after {exc.retry_after_s:g} s)" if exc.retry_after_s else ""
         _end_line(printer)

@@ -1,13 +1,12 @@
 """The embedded one-machine cluster behind `kvfabric up`: a nats-server (unless an existing one
 is given), then one process per service instance, started in dependency order and stopped in
-the reverse order. Children die with the launcher even if it is killed (PR_SET_PDEATHSIG), so
-no orphan outlives it.
+the reverse order. Children, the nats-server among them, die with the launcher even if it is
+killed (PR_SET_PDEATHSIG), so no orphan outlives it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from shared.bus import Bus
 from shared.discovery import Instance, discover
-from shared.natsd import NatsServer
+from shared.natsd import NatsServer, die_with_parent
 from shared.subjects import (
     BILLING,
     DECODE,
@@ -68,6 +67,8 @@ class ClusterSpec:
     log_level: str = "info"
     shutdown_grace_s: float = 10.0
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service flags
+    # Per instance flags, after its service's: {"prefill-1": ["--node-id", "node-b"]}.
+    instance_args: dict[str, list[str]] = field(default_factory=dict)
 
     def num_replicas(self, service: str) -> int:
         return self.replicas.get(service, 1)
@@ -79,12 +80,6 @@ class Child:
     instance_id: str
     process: subprocess.Popen[bytes]
     log_path: Path
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: ask the kernel to SIGTERM it when the launcher dies."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 class Cluster:
@@ -119,10 +114,13 @@ class Cluster:
         if service == INGRESS:
             port = self.spec.http_port + index if self.spec.http_port else 0
             args += ["--http-host", self.spec.http_host, "--http-port", str(port)]
-        extra = self.spec.extra_args.get(service, [])
+        extra = self.spec.extra_args.get(service, []) + self.spec.instance_args.get(instance_id, [])
         if service in (PREFILL, DECODE) and "--store-dir" not in extra:
             # One SSD tier for the whole one-machine cluster: every worker reads every slot.
             args += ["--store-dir", str(self.spec.state_dir / "kvstore")]
+        if service == DECODE and "--usage-outbox-dir" not in extra:
+            # Under the state dir: a restarted cluster replays what its workers left pending.
+            args += ["--usage-outbox-dir", str(self.spec.state_dir / "outbox")]
         args += extra
         log_path = self.spec.state_dir / "logs" / f"{instance_id}.log"
         with log_path.open("ab") as log_file:
@@ -132,7 +130,7 @@ class Cluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C reaches the launcher only; it stops us in order
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self.children.append(Child(service, instance_id, process, log_path))
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from shared.config import ConfigError, EngineWorkerConfig
@@ -22,6 +23,9 @@ class DecodeConfig(EngineWorkerConfig):
     suffix_timeout_s: float = 600.0  # a job waits this long for its prefill's SuffixReady
     retry_after_s: float = 5.0  # OVERLOADED's hint when the pool cannot take a prompt
     pull_timeout_s: float = 30.0  # the NIXL read of a staged suffix
+    # Usage records wait here (<dir>/<instance_id>.usage, fsync'd) until JetStream has them;
+    # a restarted worker with the same instance id replays what it left.
+    usage_outbox_dir: Path = Path("/tmp/kvfabric/outbox")
 
     def validate(self) -> None:
         super().validate()

@@ -1,17 +1,19 @@
 """The end of a decode request: the store, swa-memcache, the stream's last chunk, usage.
 
 Order matters: the finished sequence's complete blocks (prompt tail + output) are written
-and logged for kv-index, and its window at the last block boundary is put into
-swa-memcache, *before* the final chunk -- an agent's next step follows the final chunk at
-once and must find its own answer cached. Usage goes to JetStream last, with the request id
-as message id, retried until stored (billing must not lose it). Each ending runs as its own
-task so the batch loop keeps stepping the other sequences meanwhile.
+and logged for kv-index, its window at the last block boundary is put into swa-memcache,
+and a heartbeat with its pages free goes out, all *before* the final chunk -- an agent's
+next step follows the final chunk at once and must find its own answer cached and room for
+it. Usage goes last, into the worker's durable outbox (shared.usage), which publishes it to
+JetStream with the request id as message id until the log has it (billing must not lose it).
+Each ending runs as its own task so the batch loop keeps stepping the other sequences.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 from services.decode.state import DecodeRequest, Finished
 from shared.bus import Bus
@@ -20,24 +22,40 @@ from shared.kvstore.writer import KvEventPublisher
 from shared.logging import get_logger
 from shared.schema import ServiceError, TokenChunk, UsageStatus, pack_token_ids
 from shared.serving.kv_io import store_payloads
-from shared.subjects import DECODE
 from shared.swa_client import SwaClient
+from shared.usage_outbox import UsageOutbox
 
 log = get_logger(__name__)
-
-USAGE_PUBLISH_ATTEMPTS = 5
 
 
 class Finisher:
     def __init__(
-        self, bus: Bus, store: KvStore, publisher: KvEventPublisher, swa: SwaClient | None
+        self,
+        bus: Bus,
+        store: KvStore,
+        publisher: KvEventPublisher,
+        swa: SwaClient | None,
+        outbox: UsageOutbox,
+        *,
+        report_load: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.bus = bus
         self.store = store
         self.publisher = publisher
         self.swa = swa
+        self.outbox = outbox  # every record is on disk before we count it, until JetStream has it
+        # A heartbeat before the stream ends: the sequence's pages are free by then, and the
+        # caller's next request (an agent's next turn follows at once) must not be routed on
+        # a report that still counts them (it was refused OVERLOADED before this).
+        self.report_load = report_load
         self.counts: Counter[str] = Counter()
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def counters(self) -> dict[str, int]:
+        outbox = {
+            f"usage_outbox_{k.removeprefix('num_')}": v for k, v in self.outbox.counters().items()
+        }
+        return dict(self.counts) | outbox | {"usage_outbox_pending": self.outbox.num_pending}
 
     async def send(self, state: DecodeRequest, token_ids: list[int], text: str) -> None:
         chunk = TokenChunk(
@@ -77,6 +95,11 @@ class Finisher:
             except Exception:  # the answer still goes out; only the next turn's hit suffers
                 log.exception("writing finished blocks failed", request_id=state.request_id)
         reason = finished.reason if finished is not None else "cancelled"
+        if self.report_load is not None:
+            try:
+                await self.report_load()
+            except Exception:  # a late heartbeat costs a retry, never the answer
+                log.exception("load report before the final chunk failed")
         try:
             if error is not None:
                 self.counts["num_failed"] += 1
@@ -119,15 +142,10 @@ class Finisher:
 
     async def _publish_usage(self, state: DecodeRequest, status: UsageStatus, reason: str) -> None:
         record = state.usage_record(status, reason, self.bus.instance_id)
-        subject = self.bus.subjects.usage(DECODE)
-        for attempt in range(USAGE_PUBLISH_ATTEMPTS):
-            try:
-                await self.bus.js.publish(subject, record, msg_id=state.request_id)
-                self.counts["num_usage_records"] += 1
-                return
-            except ServiceError as exc:
-                log.warning("usage record not stored yet", request_id=state.request_id,
-                            attempt=attempt + 1, error=str(exc))  # fmt: skip
-                await asyncio.sleep(0.2 * 2**attempt)
-        self.counts["num_usage_lost"] += 1
-        log.error("usage record lost", request_id=state.request_id, record=str(record))
+        try:
+            await self.outbox.add(record)
+        except Exception:  # the disk itself failed: the one way left to lose it, said loudly
+            self.counts["num_usage_unrecorded"] += 1
+            log.exception("usage record not kept", request_id=state.request_id, record=str(record))
+            return
+        self.counts["num_usage_records"] += 1

@@ -183,10 +183,11 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
         except ServiceError as exc:
             await self._fail(state, exc)
             raise
-        except Exception as exc:
-            log.exception("joining the suffix failed", request_id=ready.request_id)
-            await self._fail(state, InternalError(f"joining the suffix failed: {exc}"))
-            raise InternalError(f"joining the suffix failed: {exc}") from exc
+        except Exception:
+            # The caller's stream ends with a code and a safe message; the bus logs the
+            # trace (once) and answers prefill INTERNAL.
+            await self._fail(state, InternalError("joining the suffix failed"))
+            raise
         state.seq_id, state.joined = seq_id, True
         self._by_seq[seq_id] = state
         self._wake.set()
@@ -256,10 +257,10 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
                 continue
             try:
                 outputs = await self._step()
-            except Exception as exc:
-                log.exception("decode step failed")
+            except Exception:
+                log.exception("decode step failed", num_seqs=len(self._by_seq))
                 for state in list(self._by_seq.values()):
-                    await self._fail(state, InternalError(f"decode step failed: {exc}"))
+                    await self._fail(state, InternalError("decode step failed"))
                 continue
             if outputs is None:
                 self._wake.clear()

@@ -32,8 +32,8 @@ from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, DecodeJob, SuffixReady
 from shared.serving.wiring import open_mock_kv, open_model_kv, start_worker
 from shared.subjects import DECODE
-
-USAGE_LOG_MAX_AGE_S = 7 * 24 * 3600.0
+from shared.usage import ensure_usage_stream, open_usage_outbox
+from shared.usage_outbox import UsageOutbox
 
 
 async def setup(runtime: ServiceRuntime) -> None:
@@ -65,11 +65,14 @@ async def setup(runtime: ServiceRuntime) -> None:
         max_model_len=config.max_model_len or None,
         track_block_boundaries=True,
     )
-    await ensure_usage_stream(runtime)
-    kv = await open_model_kv(bus, config, DECODE, runner.layout.block_nbytes)
+    outbox = await open_outbox(runtime, config)
+    kv = await open_model_kv(runtime, config, DECODE, runner.layout.block_nbytes)
     worker = DecodeWorker(
         bus, engine, tokenizer, kv.agent, kv.staging,
-        Finisher(bus, kv.store, kv.publisher, kv.swa), model_name=config.model_dir.name,
+        Finisher(
+            bus, kv.store, kv.publisher, kv.swa, outbox, report_load=runtime.publish_load_report
+        ),
+        model_name=config.model_dir.name,
         retry_after_s=config.retry_after_s, pull_timeout_s=config.pull_timeout_s,
         suffix_timeout_s=config.suffix_timeout_s,
     )  # fmt: skip
@@ -78,7 +81,7 @@ async def setup(runtime: ServiceRuntime) -> None:
 
 async def setup_mock(runtime: ServiceRuntime, config: DecodeConfig) -> None:
     bus = runtime.bus
-    await ensure_usage_stream(runtime)
+    outbox = await open_outbox(runtime, config)
     model, store, publisher = await open_mock_kv(runtime, config)
     tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
     engine = MockEngine(
@@ -89,15 +92,26 @@ async def setup_mock(runtime: ServiceRuntime, config: DecodeConfig) -> None:
             num_kv_pages=config.num_kv_blocks,
         )
     )  # fmt: skip
-    finisher = Finisher(bus, store, publisher, swa=None)  # mock sequences have no window
+    # Mock sequences have no window: no swa-memcache.
+    finisher = Finisher(
+        bus, store, publisher, None, outbox, report_load=runtime.publish_load_report
+    )
     await serve(runtime, MockDecodeWorker(bus, engine, tokenizer, finisher, config, model), store)
 
 
-async def ensure_usage_stream(runtime: ServiceRuntime) -> None:
-    subjects = runtime.bus.subjects
-    await runtime.bus.js.ensure_stream(
-        subjects.usage_stream, [subjects.usage_all], max_age_s=USAGE_LOG_MAX_AGE_S
+async def open_outbox(runtime: ServiceRuntime, config: DecodeConfig) -> UsageOutbox:
+    """The usage log, and this worker's outbox for it (replaying what a previous run of the
+    same instance left). Closed after the worker stopped: the last records go out first."""
+    await ensure_usage_stream(runtime.bus)
+    outbox = await open_usage_outbox(
+        runtime.bus, DECODE, config.usage_outbox_dir, runtime.instance_id
     )
+
+    async def close() -> None:
+        await outbox.close(timeout_s=config.shutdown_grace_s)
+
+    runtime.on_stop(close)  # registered before the worker's: runs after it
+    return outbox
 
 
 async def serve(

@@ -67,7 +67,7 @@ class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
         return self.engine.config.num_kv_pages, self.engine.num_kv_pages_free
 
     def counters(self) -> dict[str, float]:
-        return self.finisher.counts | {"simulated_clock_s": round(self.engine.clock_s, 3)}
+        return self.finisher.counters() | {"simulated_clock_s": round(self.engine.clock_s, 3)}
 
     # -- DecodeJob, SuffixReady -----------------------------------------------------------
     def _pages_to_admit(self, num_prompt_tokens: int, sampling: SamplingParams) -> int:

@@ -75,7 +75,7 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
 
     def counters(self) -> dict[str, float]:
         spec = self.engine.spec_stats
-        return self.finisher.counts | {
+        return self.finisher.counters() | {
             "num_preemptions": self.engine.num_preemptions,
             "spec_acceptance_rate": round(spec.acceptance_rate, 4),
             "spec_tokens_per_forward": round(spec.tokens_per_forward, 4),

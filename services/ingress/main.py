@@ -1,9 +1,10 @@
 """ingress: the HTTP front door (OpenAI Chat Completions, OpenAI Responses, Anthropic
 Messages). DESIGN.md sections 1 and 3.
 
-Runs today: `GET /health` (200 while connected to NATS and serving, 503 otherwise), and the
-bound HTTP URL published as `http_url` in its discovery metadata, which is how `kvfabric up`
-learns where the API is served. The protocol endpoints are wired here as they land.
+Runs today: `GET /health` (200 while connected to NATS and SERVING; 503 while starting,
+draining or disconnected), and the bound HTTP URL published as `http_url` in its discovery
+metadata, which is how `kvfabric up` learns where the API is served. The protocol endpoints
+are wired here as they land.
 """
 
 from __future__ import annotations
@@ -12,20 +13,13 @@ from aiohttp import web
 
 from services.ingress.config import IngressConfig
 from shared.runtime import ServiceRuntime, service_main
-from shared.schema import InstanceState
 from shared.subjects import INGRESS
 
 
 def build_app(runtime: ServiceRuntime) -> web.Application:
     async def health(_: web.Request) -> web.Response:
-        is_ok = runtime.bus.is_connected and runtime.state is not InstanceState.DRAINING
-        body = {
-            "status": "ok" if is_ok else "unavailable",
-            "instance_id": runtime.instance_id,
-            "state": str(runtime.state),
-            "nats_connected": runtime.bus.is_connected,
-        }
-        return web.json_response(body, status=200 if is_ok else 503)
+        status, body = runtime.health()
+        return web.json_response(body, status=status)
 
     app = web.Application()
     app.router.add_get("/health", health)

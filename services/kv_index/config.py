@@ -27,6 +27,9 @@ class KvIndexConfig(ServiceConfig):
     # The event log (JetStream) keeps at most this much: snapshots cover what it dropped.
     log_max_bytes: int = 1 * GIB
     log_max_age_s: float = DAY_S
+    # How long start-up waits for the event log to be replayed before serving anyway, and
+    # reporting itself not ready until it has caught up (0: do not wait).
+    catch_up_timeout_s: float = 60.0
 
     def capacity_bytes(self) -> dict[str, int]:
         result = {}
@@ -48,4 +51,6 @@ class KvIndexConfig(ServiceConfig):
         for name in ("ttl_s", "evict_interval_s", "snapshot_interval_s", "log_max_age_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.catch_up_timeout_s < 0:
+            raise ConfigError("catch_up_timeout_s must be >= 0")
         self.capacity_bytes()

@@ -10,7 +10,7 @@ import msgspec
 
 from services.kv_index.config import KvIndexConfig
 from services.kv_index.index import KvIndex, Removal
-from shared.bus import Bus, Context
+from shared.bus import Bus, Context, RawMessage
 from shared.kv_index_client import to_wire
 from shared.logging import get_logger
 from shared.schema import (
@@ -100,17 +100,40 @@ class KvIndexService:
 
     # -- the event log -------------------------------------------------------------------
     async def on_event_batch(self, batch: KvEventBatch, stream_seq: int) -> None:
-        gap = self.index.apply(batch, time.time())
         self.last_stream_seq = stream_seq
+        try:
+            gap = self.index.apply(batch, time.time())
+        except Exception:  # a batch whose content cannot be applied (half applied, maybe)
+            log.exception(
+                "kv event batch not applied: resyncing its writer",
+                writer_id=batch.writer_id, seq=batch.seq, stream_seq=stream_seq,
+            )  # fmt: skip
+            await self._bad_batch(batch.writer_id, batch.seq)
+            return
         if gap is not None:
             log.warning("kv event gap, asking for resync", writer_id=gap.writer_id,
                         expected_seq=gap.expected_seq, received_seq=gap.received_seq)  # fmt: skip
-            request = ResyncRequest(
-                writer_id=gap.writer_id,
-                expected_seq=gap.expected_seq,
-                received_seq=gap.received_seq,
-            )
-            await self.bus.publish(self.bus.subjects.kv_resync(gap.writer_id), request)
+            await self._resync(gap.writer_id, gap.expected_seq, gap.received_seq)
+
+    async def on_bad_message(self, message: RawMessage, stream_seq: int, exc: Exception) -> None:
+        """A log entry that is no `KvEventBatch` at all: its writer (the subject's last
+        token) is asked for its whole state, which replaces whatever the entry held."""
+        self.last_stream_seq = max(self.last_stream_seq, stream_seq)
+        writer_id = message.subject.rsplit(".", 1)[-1]
+        log.error("malformed kv event batch: resyncing its writer", writer_id=writer_id,
+                  stream_seq=stream_seq, error=str(exc))  # fmt: skip
+        await self._bad_batch(writer_id, None)
+
+    async def _bad_batch(self, writer_id: str, seq: int | None) -> None:
+        self.index.counters.num_bad_batches += 1
+        expected = self.index.writer_seq.get(writer_id, 0) + 1
+        await self._resync(writer_id, expected, seq if seq is not None else expected)
+
+    async def _resync(self, writer_id: str, expected_seq: int, received_seq: int) -> None:
+        request = ResyncRequest(
+            writer_id=writer_id, expected_seq=expected_seq, received_seq=received_seq
+        )
+        await self.bus.publish(self.bus.subjects.kv_resync(writer_id), request)
 
     # -- duties --------------------------------------------------------------------------
     async def evict_once(self) -> int:

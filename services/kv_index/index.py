@@ -60,6 +60,7 @@ class Counters:
     num_batches: int = 0
     num_duplicate_batches: int = 0
     num_gaps: int = 0
+    num_bad_batches: int = 0  # malformed or not applicable: their writer was asked to resync
     num_blocks_stored: int = 0
     num_blocks_removed: int = 0
     num_matches: int = 0

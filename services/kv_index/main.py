@@ -11,7 +11,12 @@ Publishes: BlocksRemoved to <root>.kv.evict.<writer_id> after eviction (the writ
   slots and logs the removal), ResyncRequest to <root>.kv.resync.<writer_id> on a sequence gap.
 Recovery: a snapshot (JetStream object store) every `snapshot_interval_s` and at shutdown,
   then the event log from the snapshot's position; the log is bounded (`log_max_bytes`,
-  `log_max_age_s`), so it never grows without bound.
+  `log_max_age_s`), so it never grows without bound. Start-up serves once the log is
+  replayed; past `catch_up_timeout_s` it serves what it has and reports STARTING (discovery,
+  heartbeats, /health with --health-port) until it has caught up.
+A log entry that cannot be applied (malformed, or content the index rejects) is counted
+  (`num_bad_batches`), logged as an error with its writer and seq, and that writer is asked
+  to resync: nothing it held is silently lost.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from shared.schema.kv_index import CacheCommand, MatchRequest, RebuildBatch
 from shared.subjects import KV_INDEX
 
 log = get_logger(__name__)
-CATCH_UP_TIMEOUT_S = 60.0
+CATCH_UP_POLL_S = 0.01
 
 
 async def setup(runtime: ServiceRuntime) -> None:
@@ -54,13 +59,36 @@ async def setup(runtime: ServiceRuntime) -> None:
         )  # fmt: skip
     start_seq = service.last_stream_seq + 1 if service.last_stream_seq else None
     await bus.js.consume(
-        stream, subjects.kv_events_all, KvEventBatch, service.on_event_batch, start_seq=start_seq
-    )
-    # Answer only once the log is replayed: a restarted index gives the answers it gave before.
-    deadline = time.monotonic() + CATCH_UP_TIMEOUT_S
+        stream, subjects.kv_events_all, KvEventBatch, service.on_event_batch,
+        start_seq=start_seq, on_error=service.on_bad_message,
+    )  # fmt: skip
+    # Answer only once the log is replayed: a restarted index gives the answers it gave
+    # before. Past the timeout it answers what it has (a shorter hit is still correct) and
+    # says it is not ready until it has caught up.
+    deadline = time.monotonic() + config.catch_up_timeout_s
     while service.last_stream_seq < last_seq and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    log.info("event log replayed", stream_seq=service.last_stream_seq, last_seq=last_seq)
+        await asyncio.sleep(CATCH_UP_POLL_S)
+    if service.last_stream_seq < last_seq:
+        log.error("event log not replayed at start-up: serving, not ready",
+                  stream_seq=service.last_stream_seq, last_seq=last_seq,
+                  timeout_s=config.catch_up_timeout_s)  # fmt: skip
+        runtime.hold_ready(f"replaying the event log up to {last_seq}")
+
+        async def until_caught_up() -> None:
+            while service.last_stream_seq < last_seq:
+                await asyncio.sleep(CATCH_UP_POLL_S)
+            runtime.mark_ready()
+            log.info("event log replayed: ready", stream_seq=service.last_stream_seq)
+
+        catch_up = asyncio.create_task(until_caught_up())
+
+        async def stop_catch_up() -> None:
+            catch_up.cancel()
+            await asyncio.gather(catch_up, return_exceptions=True)
+
+        runtime.on_stop(stop_catch_up)
+    else:
+        log.info("event log replayed", stream_seq=service.last_stream_seq, last_seq=last_seq)
 
     shard = config.shard_id
     await bus.serve(

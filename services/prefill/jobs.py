@@ -111,7 +111,8 @@ class PrefillJobsBase(ABC, Generic[JobT]):
         self._finishing: set[asyncio.Task[None]] = set()
         self.counts = {"num_jobs": 0, "num_done": 0, "num_failed": 0, "num_cancelled": 0,
                        "num_tokens_computed": 0, "num_tokens_cached": 0,
-                       "num_blocks_stored": 0, "num_snapshots_put": 0}  # fmt: skip
+                       "num_blocks_stored": 0, "num_snapshots_put": 0,
+                       "num_persist_failed": 0}  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -138,8 +139,10 @@ class PrefillJobsBase(ABC, Generic[JobT]):
             "num_kv_pages_free": num_pages_free,
         }
 
-    def counters(self) -> dict[str, int]:
-        return dict(self.counts)
+    def counters(self) -> dict[str, int | str]:
+        """The counts, and which swa-memcache this worker's snapshots go to ("": any)."""
+        memcache = self.swa.memcache_instance_id if self.swa is not None else None
+        return {**self.counts, "swa_memcache": memcache or ""}
 
     # -- requests ------------------------------------------------------------------------
     async def handle_job(self, job: PrefillJob, ctx: Context) -> PrefillDone:
@@ -251,11 +254,11 @@ class PrefillJobsBase(ABC, Generic[JobT]):
             started = time.perf_counter()
             try:
                 elapsed_s = await self._forward(batch)
-            except Exception as exc:
-                log.exception("prefill forward pass failed")
+            except Exception:
+                log.exception("prefill forward pass failed", num_jobs=len(batch))
                 for entry, _ in batch:
                     self.counts["num_failed"] += 1
-                    self._drop(entry, InternalError(f"prefill failed: {exc}"))
+                    self._drop(entry, InternalError("prefill forward pass failed"))
                 continue
             for entry, num_tokens in batch:
                 if self._jobs.get(entry.request_id) is not entry:
@@ -276,29 +279,31 @@ class PrefillJobsBase(ABC, Generic[JobT]):
 
     async def _finish(self, entry: JobT) -> None:
         try:
-            timings = await self._handoff(entry)
+            timings, transfer_ms = await self._send_suffix(entry)
         except ServiceError as exc:  # decode gone, cancelled or timed out: a typed answer
             self.counts["num_failed"] += 1
             log.warning("prefill handoff failed", request_id=entry.request_id, error=str(exc))
             self._drop(entry, exc)
             return
-        except Exception as exc:
+        except Exception:
             self.counts["num_failed"] += 1
             log.exception("prefill handoff failed", request_id=entry.request_id)
-            self._drop(entry, InternalError(f"prefill handoff failed: {exc}"))
+            self._drop(entry, InternalError("prefill handoff failed"))
             return
+        # Decode holds the suffix and serves the request from here: what follows only
+        # decides whether the next turn finds these blocks, never whether this one ends.
+        started = time.perf_counter()
+        try:
+            await self._persist(entry)
+        except Exception:
+            self.counts["num_persist_failed"] += 1
+            log.exception("prefill blocks not stored", request_id=entry.request_id)
+        store_ms = (time.perf_counter() - started) * 1000
         self._drop(entry, None)
         self.counts["num_done"] += 1
         if not entry.done.done():
+            timings = msgspec.structs.replace(timings, transfer_ms=transfer_ms, store_ms=store_ms)
             entry.done.set_result(PrefillDone(request_id=entry.request_id, timings=timings))
-
-    async def _handoff(self, entry: JobT) -> PrefillTimings:
-        """Decode takes the suffix, then the new blocks go to the store: the job's timings."""
-        timings, transfer_ms = await self._send_suffix(entry)
-        started = time.perf_counter()
-        await self._persist(entry)
-        store_ms = (time.perf_counter() - started) * 1000
-        return msgspec.structs.replace(timings, transfer_ms=transfer_ms, store_ms=store_ms)
 
     @abstractmethod
     async def _send_suffix(self, entry: JobT) -> tuple[PrefillTimings, float]:
@@ -307,4 +312,6 @@ class PrefillJobsBase(ABC, Generic[JobT]):
 
     @abstractmethod
     async def _persist(self, entry: JobT) -> None:
-        """New complete blocks to the store; the window at the last boundary to memcache."""
+        """New complete blocks to the store; the window at the last boundary to memcache.
+        Runs after decode took the suffix: a failure here is logged and counted, never the
+        request's."""

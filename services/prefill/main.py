@@ -24,9 +24,8 @@ from shared.bus import Endpoint
 from shared.kvstore.store import KvStore
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, PrefillJob
-from shared.serving.wiring import node_memcache, open_mock_kv, open_model_kv, start_worker
+from shared.serving.wiring import node_swa_client, open_mock_kv, open_model_kv, start_worker
 from shared.subjects import PREFILL
-from shared.swa_client import SwaClient
 
 
 async def setup(runtime: ServiceRuntime) -> None:
@@ -44,7 +43,7 @@ async def setup(runtime: ServiceRuntime) -> None:
     bus = runtime.bus
     runner = await asyncio.to_thread(build_runner, config)
     runtime.metadata |= describe(runner, config)
-    kv = await open_model_kv(bus, config, PREFILL, runner.layout.block_nbytes)
+    kv = await open_model_kv(runtime, config, PREFILL, runner.layout.block_nbytes)
     compute_lock = asyncio.Lock()
     policy = RestorePolicy(
         use_memcache=config.swa_use_memcache,
@@ -65,7 +64,7 @@ async def setup_mock(runtime: ServiceRuntime, config: PrefillConfig) -> None:
     bus = runtime.bus
     model, store, publisher = await open_mock_kv(runtime, config)
     # Placeholder snapshots are small: inline, no NIXL.
-    swa = SwaClient(bus, None, memcache_instance_id=await node_memcache(bus, config.node_id))
+    swa = await node_swa_client(runtime, config, None)
     await serve(runtime, MockPrefillWorker(bus, publisher, swa, config, model), store)
 
 

@@ -81,7 +81,7 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
     def kv_pages(self) -> tuple[int, int]:
         return self.runner.allocator.num_blocks, self.runner.allocator.num_free_blocks
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int | str]:
         return super().counters() | {
             "num_snapshot_hits": self.restorer.num_snapshot_hits,
             "num_snapshot_misses": self.restorer.num_snapshot_misses,

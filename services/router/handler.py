@@ -3,9 +3,15 @@ sent to them, `RouteDecision` back (docs/request-flow.md).
 
 One request: check the prompt's block hashes (cheaply, `RequestBlocks.check`) -> kv-index
 match (the hit length and where its blocks lie; no answer = routed cold) -> which nodes'
-swa-memcache hold the hit's boundary snapshot -> `RoutePolicy.choose` -> count the work in
+swa-memcache hold the hit's boundary snapshot (a lookup in `SwaMap`, kept from the memcaches'
+`SwaHeld` events: no question to any memcache) -> `RoutePolicy.choose` -> count the work in
 flight (and tell the other replicas) -> `DecodeJob` to the decode worker, awaiting
 `JobAccepted` -> reply; the `PrefillJob` is seen through in the background (`PrefillJobs`).
+
+The map: at start the router subscribes to every memcache's events and then broadcasts a
+`SwaResync` (each memcache answers with its full state); a sequence gap, or a batch from a
+memcache it does not know, gets a `SwaResync` naming that instance; a memcache whose
+heartbeats stop is forgotten with the other pruned instances.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from services.router.counters import RouterCounters
 from services.router.load import InflightDelta, LoadTable
 from services.router.policy import Rejection, RequestFacts, RoutePolicy
 from services.router.prefill_jobs import PrefillJobs
+from services.router.swa_map import SwaMap
 from shared import kv_index_client as index_client
 from shared.bus import Bus, Context, Endpoint
 from shared.cost_model import CostModel
@@ -40,17 +47,16 @@ from shared.schema import (
     PrefillJob,
     RouteDecision,
     ServiceError,
-    SwaContains,
-    SwaContainsReply,
+    SwaHeld,
+    SwaResync,
     num_packed_tokens,
-    pack_block_hashes,
 )
 from shared.subjects import DECODE, PREFILL, SWA_MEMCACHE
 
 log = get_logger(__name__)
 
-# The services whose heartbeats the router keeps: the workers it routes to and the memcaches
-# it asks about sliding-window snapshots.
+# The services whose heartbeats the router keeps: the workers it routes to, and the memcaches
+# whose snapshots it maps (a memcache pruned for silence is forgotten by the map too).
 WATCHED_SERVICES = frozenset({PREFILL, DECODE, SWA_MEMCACHE})
 
 
@@ -93,6 +99,7 @@ class Router:
         self.table = LoadTable(bus.instance_id, heartbeat_timeout_s=config.heartbeat_timeout_s)
         self.policy = RoutePolicy(cost or CostModel(), config.policy_config())
         self.counters = RouterCounters()
+        self.swa_map = SwaMap()
         self.prefill_jobs = PrefillJobs(
             bus, self.table, self.policy, self.counters, self.record_sent,
             prefill_timeout_s=config.prefill_timeout_s,
@@ -111,6 +118,9 @@ class Router:
         await self.bus.subscribe(subjects.load_all, LoadReport, self.on_load_report)
         await self.bus.subscribe(subjects.router_inflight, InflightNotice, self.on_inflight)
         await self.bus.subscribe(subjects.cancel, CancelRequest, self.on_cancel)
+        await self.bus.subscribe(subjects.swa_events_all, SwaHeld, self.on_swa_held)
+        await self.bus.flush()  # subscribed before asking, or the first answers are missed
+        await self.bus.publish(subjects.swa_resync, SwaResync(reason="router started"))
         if warmup_s > 0:
             await asyncio.sleep(warmup_s)
         await self.bus.serve(
@@ -127,9 +137,15 @@ class Router:
         taken again only once forgotten: its heartbeat sequence starts over)."""
         for instance_id in self.table.prune(time.monotonic()):
             log.warning("instance dropped: its heartbeats stopped", instance_id=instance_id)
+            self.swa_map.forget(instance_id)
 
     def load_fields(self) -> dict[str, int]:
         return {"num_running": len(self.prefill_jobs)}
+
+    def stats(self) -> dict[str, int]:
+        """The counters discovery shows: routing, and the snapshot map's."""
+        swa = {f"swa_map_{name}": value for name, value in vars(self.swa_map.counters).items()}
+        return self.counters.as_dict() | swa | {"swa_map_num_memcaches": len(self.swa_map)}
 
     # -- events --------------------------------------------------------------------------
     async def on_load_report(self, report: LoadReport) -> None:
@@ -144,6 +160,25 @@ class Router:
             notice.num_requests,
         )  # fmt: skip
         self.table.apply_peer(delta, time.monotonic())
+
+    async def on_swa_held(self, batch: SwaHeld) -> None:
+        """A memcache's change of what it holds; a resync asked when the map missed some."""
+        try:
+            should_resync = self.swa_map.apply(batch, time.monotonic())
+        except ValueError as exc:  # not packed u64: the next batch shows the gap
+            log.warning(
+                "malformed swa-memcache batch dropped", instance_id=batch.instance_id,
+                seq=batch.seq, error=str(exc),
+            )  # fmt: skip
+            return
+        if should_resync:
+            log.info("asking swa-memcache for its full state", instance_id=batch.instance_id,
+                     seq=batch.seq)  # fmt: skip
+            resync = SwaResync(
+                instance_id=batch.instance_id,
+                reason=f"router {self.router_id}: missed batches before seq {batch.seq}",
+            )
+            await self.bus.publish(self.bus.subjects.swa_resync, resync)
 
     async def on_cancel(self, notice: CancelRequest) -> None:
         if self.prefill_jobs.cancel(notice.request_id):
@@ -190,7 +225,7 @@ class Router:
         blocks = checked_request(request)
         match = await self._match(request.request_id, blocks.hashes)
         facts = RequestFacts.of(request, blocks, match.num_blocks if match else 0)
-        swa_node_ids = await self._swa_holders(facts.boundary_block_hash)
+        swa_node_ids = self._swa_holders(facts.boundary_block_hash)
         cached = cached_prefix(match, facts.num_cached_tokens // request.block_size_tokens)
         decision = await self._place(request, facts, swa_node_ids, cached)
         self.prefill_jobs.start(
@@ -231,28 +266,11 @@ class Router:
             return None
         return max(matches.values(), key=lambda m: (m.num_blocks, m.tier == "ssd"))
 
-    async def _swa_holders(self, boundary_block_hash: int | None) -> frozenset[str]:
-        """Nodes whose swa-memcache holds the boundary's snapshot (no answer = not held)."""
+    def _swa_holders(self, boundary_block_hash: int | None) -> frozenset[str]:
+        """Nodes whose swa-memcache holds the boundary's snapshot, as far as the map knows."""
         if boundary_block_hash is None:
             return frozenset()
-        memcaches = self.table.workers(SWA_MEMCACHE, time.monotonic())
-        ask = SwaContains(block_hashes=pack_block_hashes([boundary_block_hash]))
-        held = await asyncio.gather(*(self._holds(m.instance_id, ask) for m in memcaches))
-        return frozenset(m.node_id for m, is_held in zip(memcaches, held, strict=True) if is_held)
-
-    async def _holds(self, instance_id: str, ask: SwaContains) -> bool:
-        subjects = self.bus.subjects
-        try:
-            reply = await self.bus.request(
-                subjects.instance(subjects.swa_contains, instance_id),
-                ask,
-                SwaContainsReply,
-                timeout_s=self.config.swa_contains_timeout_s,
-            )
-        except ServiceError as exc:
-            log.warning("swa-memcache contains failed", instance_id=instance_id, error=exc.message)
-            return False
-        return reply.found[:1] == b"\x01"
+        return self.swa_map.holders(boundary_block_hash)
 
     async def _place(
         self,

@@ -23,10 +23,8 @@ from shared.schema.control import InstanceState, LoadReport
 
 @dataclass(frozen=True)
 class InflightDelta:
-    """Work one router replica sent to one instance; announced to the other replicas.
-
-    A wire message for it can be added to shared/schema later; the fields are all it needs.
-    """
+    """Work one router replica sent to one instance. It travels to the other replicas as an
+    `InflightNotice` (shared/schema/control.py), negated when the work is withdrawn."""
 
     router_id: str
     instance_id: str

@@ -7,16 +7,21 @@ Serves (pooled in queue group `router`, and on `<subject>.<instance_id>`):
                               block hashes that do not match the tokens), OVERLOADED with a
                               retry-after (TTFT objective, full queues, no free decode pages),
                               UNAVAILABLE (no worker serving)
-Asks: kv-index match (every shard; no answer within `match_timeout_s` = routed cold), the
-  swa-memcache of every node (`contains` the hit's boundary block, `swa_contains_timeout_s`).
+Asks: kv-index match (every shard; no answer within `match_timeout_s` = routed cold). Which
+  nodes hold the hit's boundary snapshot is a lookup in the router's own map (`swa_map.py`),
+  not a question: no request to any swa-memcache per generate.
 Sends: DecodeJob to <root>.decode.run.<id> (-> JobAccepted), then in the background
   PrefillJob to <root>.prefill.run.<id> (-> PrefillDone), sent once more to another prefill
   worker when the first answers no-responders or its heartbeats stop; on a final failure
-  CancelRequest with the error code on <root>.request.cancel.
+  CancelRequest with the error code on <root>.request.cancel. SwaResync on
+  <root>.swa-memcache.resync: to every memcache at start (each answers with its full state),
+  to one after a gap in its event sequence or a first batch from it that is not full.
 Listens: LoadReport heartbeats on <root>.load.> (prefill, decode, swa-memcache; an instance
   silent for `heartbeat_timeout_s` is dropped), InflightNotice on <root>.router.inflight
   (work the other replicas just sent, published for ours), CancelRequest (stops awaiting
-  that request's prefill).
+  that request's prefill), SwaHeld on <root>.swa-memcache.events.* (what each memcache
+  started or stopped holding, seq-numbered per instance; a memcache dropped for silent
+  heartbeats is dropped from the map too).
 Plus what every service has: registration, `$SRV` discovery, heartbeats, drain on SIGTERM.
 """
 
@@ -37,7 +42,7 @@ async def setup(runtime: ServiceRuntime) -> None:
     runtime.every(config.heartbeat_timeout_s / 2, router.prune)
     runtime.on_stop(router.stop)
     runtime.load_fields = router.load_fields
-    runtime.counters = router.counters.as_dict
+    runtime.counters = router.stats
 
 
 def main(argv: list[str] | None = None) -> int:

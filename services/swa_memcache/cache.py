@@ -13,6 +13,12 @@ peer is moving:
   unchanged while a reader pulls it. A pinned entry is never evicted; one replaced or
   expired while pinned leaves the index at once (new gets miss) and its range is retired,
   freed when the last lease on it ends.
+
+The cache also records which keys entered or left the index (a commit; a drop by TTL in
+`find` or `expire`, by LRU in `reserve`, by a put replacing it) so that `events.py` can tell
+the routers what this node holds: `take_changes` hands out the net change per key since the
+last take (a key put and dropped again in between is not reported; a replaced key neither,
+it is still held), `take_state` the full state (after a sweep) from which the next count.
 """
 
 from __future__ import annotations
@@ -73,6 +79,8 @@ class SnapshotCache:
         self._num_leases_by_offset: dict[int, int] = {}
         self._retired: dict[int, Region] = {}  # out of the index, still pinned
         self._next_lease_id = 1
+        # Key -> whether it was in the index at the last take (set when first touched since).
+        self._touched: dict[int, bool] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -110,9 +118,31 @@ class SnapshotCache:
         return self.buffer[where.offset : where.offset + where.nbytes]
 
     def contains(self, key: int, now: float) -> bool:
-        """Whether a get would hit, without counting or refreshing (router's question)."""
+        """Whether a get would hit, without counting or refreshing (an operator's question;
+        routers learn what we hold from `events.py`)."""
         entry = self._entries.get(key)
         return entry is not None and entry.expires_at > now
+
+    def keys(self, now: float) -> list[int]:
+        """Every key a get would hit at `now`."""
+        return [key for key, entry in self._entries.items() if entry.expires_at > now]
+
+    # -- what changed ----------------------------------------------------------------------
+    def take_changes(self) -> tuple[list[int], list[int]]:
+        """(added, removed): the keys that entered or left the index since the last take."""
+        added = [k for k, was_held in self._touched.items() if not was_held and k in self._entries]
+        removed = [
+            k for k, was_held in self._touched.items() if was_held and k not in self._entries
+        ]
+        self._touched.clear()
+        return added, removed
+
+    def take_state(self, now: float) -> list[int]:
+        """Every key held, after a sweep (so that the state and the index agree: no entry
+        past its TTL is left to be reported later), and count the next changes from it."""
+        self.expire(now)
+        self._touched.clear()
+        return list(self._entries)
 
     def pin(self, snapshot: Snapshot, now: float, lease_s: float) -> int:
         """Keep `snapshot`'s bytes in place for `lease_s` (a peer pulls them); the lease id."""
@@ -170,6 +200,7 @@ class SnapshotCache:
         """Publish a filled reservation as `key` (replacing an older entry)."""
         if key in self._entries:
             self._drop(key, now)
+        self._touched.setdefault(key, False)
         self._entries[key] = _Entry(region, snapshot_checksum, now + self.ttl_s)
         self.counters.num_puts += 1
 
@@ -192,6 +223,7 @@ class SnapshotCache:
 
     def _drop(self, key: int, now: float) -> None:
         entry = self._entries.pop(key)
+        self._touched.setdefault(key, True)
         if self._is_pinned(entry):
             self._retired[entry.region.offset] = entry.region
         else:

@@ -6,8 +6,17 @@ Serves (pooled in queue group `swa-memcache`, and on `<subject>.<instance_id>`):
   <root>.swa-memcache.get            SwaGet -> SwaGetReply
   <root>.swa-memcache.put            SwaPut -> SwaPutReply
   <root>.swa-memcache.release        SwaRelease (published, no reply): a reader's lease ends
-  <root>.swa-memcache.contains       SwaContains -> SwaContainsReply (no counting, no refresh)
+  <root>.swa-memcache.contains       SwaContains -> SwaContainsReply (no counting, no refresh;
+                                     for operators and tests: routers use our events)
   <root>.swa-memcache.nixl-metadata  NixlMetadataRequest -> NixlAgentInfo (our NIXL agent)
+Publishes (core NATS, `events.py`):
+  <root>.swa-memcache.events.<id>    SwaHeld: the hashes we started or stopped holding, after
+                                     each put, get (lazy expiry) and sweep; seq-numbered from
+                                     the clock; our full state at start, on request, and an
+                                     empty one at shutdown. The routers' map of who holds what.
+Listens:
+  <root>.swa-memcache.resync         SwaResync (broadcast): one naming us or every memcache
+                                     ("") is answered with our full state on our events subject
 
 Snapshots up to `inline_max_bytes` (256 KiB) ride inline in the messages. Larger ones move
 over NIXL (UCX) in and out of one registered buffer of `capacity_bytes` that holds every
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 from services.swa_memcache.cache import SnapshotCache
 from services.swa_memcache.config import SwaMemcacheConfig
+from services.swa_memcache.events import SwaEventPublisher
 from services.swa_memcache.handlers import SwaHandlers
 from shared.bus import Endpoint
 from shared.logging import get_logger
@@ -53,9 +63,14 @@ async def setup(runtime: ServiceRuntime) -> None:
         max_payload_bytes=bus.max_payload_bytes,
     )  # fmt: skip
 
+    events = SwaEventPublisher(bus, cache, node_id=config.node_id)
+    await events.start()
+    runtime.on_stop(events.stop)
+
     subjects = bus.subjects
-    await bus.serve(Endpoint("get", subjects.swa_get, SwaGet, handlers.get))
-    await bus.serve(Endpoint("put", subjects.swa_put, SwaPut, handlers.put))
+    # Every handler that can change what we hold is followed by a batch of the change.
+    await bus.serve(Endpoint("get", subjects.swa_get, SwaGet, events.tracked(handlers.get)))
+    await bus.serve(Endpoint("put", subjects.swa_put, SwaPut, events.tracked(handlers.put)))
     await bus.serve(Endpoint("release", subjects.swa_release, SwaRelease, handlers.release))
     await bus.serve(Endpoint("contains", subjects.swa_contains, SwaContains, handlers.contains))
     if agent is not None:
@@ -66,7 +81,7 @@ async def setup(runtime: ServiceRuntime) -> None:
             close()
 
         runtime.on_stop(close_agent)
-    runtime.every(config.expire_interval_s, handlers.expire)
+    runtime.every(config.expire_interval_s, events.tracked(handlers.expire, confirm=True))
     runtime.counters = lambda: (
         vars(cache.counters)
         | vars(handlers.counters)
@@ -74,6 +89,8 @@ async def setup(runtime: ServiceRuntime) -> None:
             "num_entries": len(cache),
             "num_pinned": cache.num_pinned,
             "used_bytes": cache.used_bytes,
+            "num_event_batches": events.num_batches,
+            "num_resyncs": events.num_resyncs,
         }
     )
 

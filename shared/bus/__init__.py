@@ -4,7 +4,7 @@
 
 from shared.bus.core import Bus, Inbox
 from shared.bus.endpoints import Context, Endpoint, EndpointStats, Handler
-from shared.bus.jetstream import JetStream
+from shared.bus.jetstream import JetStream, NoStream
 from shared.bus.wire import (
     ERROR_CODE_HEADER,
     ERROR_HEADER,
@@ -39,6 +39,7 @@ __all__ = [
     "Handler",
     "Inbox",
     "JetStream",
+    "NoStream",
     "RawMessage",
     "effective_timeout_s",
     "error_headers",

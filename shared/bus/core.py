@@ -142,9 +142,12 @@ class Bus:
             return
         try:
             await self._nc.drain()
-        except nats.errors.Error as exc:
+        except nats.errors.Error as exc:  # not connected now (the server is gone): just close
             log.warning("connection drain failed", error=str(exc))
-            await self._nc.close()
+            try:
+                await self._nc.close()
+            except (nats.errors.Error, OSError) as close_exc:
+                log.warning("connection close failed", error=str(close_exc))
 
     # -- calling -------------------------------------------------------------------------
     def headers_for(

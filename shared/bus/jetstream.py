@@ -23,6 +23,12 @@ from shared.schema import Unavailable, decode, encode
 log = get_logger(__name__)
 
 T = TypeVar("T")
+
+
+class NoStream(Unavailable):
+    """No JetStream stream stores the subject published to."""
+
+
 # (the message as it came, its stream sequence, what went wrong decoding or handling it)
 OnStreamError = Callable[[RawMessage, int, Exception], Awaitable[None]]
 
@@ -70,15 +76,17 @@ class JetStream:
     async def publish(
         self, subject: str, message: Any, *, msg_id: str | None = None, timeout_s: float = 5.0
     ) -> int:
-        """Publish with a storage acknowledgement; `msg_id` deduplicates (Nats-Msg-Id).
-        `Unavailable` when no stream stores the subject or no acknowledgement comes."""
+        """Publish a struct (or raw bytes) with a storage acknowledgement; `msg_id`
+        deduplicates (Nats-Msg-Id). `NoStream` when no stream stores the subject,
+        `Unavailable` when no acknowledgement comes."""
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        data = message if isinstance(message, bytes) else encode(message)
         try:
             ack = await self._nc.jetstream().publish(
-                subject, encode(message), timeout=timeout_s, headers=headers
+                subject, data, timeout=timeout_s, headers=headers
             )
         except nats.js.errors.NoStreamResponseError as exc:
-            raise Unavailable(f"no JetStream stream stores {subject}") from exc
+            raise NoStream(f"no JetStream stream stores {subject}") from exc
         except nats.errors.TimeoutError as exc:
             raise Unavailable(f"JetStream did not acknowledge {subject} in {timeout_s}s") from exc
         except nats.errors.ConnectionClosedError as exc:

@@ -61,10 +61,12 @@ from shared.schema.swa import (
     SwaContainsReply,
     SwaGet,
     SwaGetReply,
+    SwaHeld,
     SwaNixlRef,
     SwaPut,
     SwaPutReply,
     SwaRelease,
+    SwaResync,
 )
 from shared.schema.tokens import (
     num_packed_tokens,
@@ -87,6 +89,8 @@ __all__ = [
     "SwaPutReply",
     "SwaPut",
     "SwaRelease",
+    "SwaResync",
+    "SwaHeld",
     "SwaNixlRef",
     "SwaGetReply",
     "SwaGet",

@@ -60,10 +60,34 @@ class SwaRelease(Message, tag="swa_release"):
 
 
 class SwaContains(Message, tag="swa_contains"):
-    """router -> a node's memcache: which of these boundaries does it hold?"""
+    """An operator or a test -> a node's memcache: which of these boundaries does it hold?
+    (Routers do not ask: they keep a map from `SwaHeld` events.)"""
 
     block_hashes: bytes  # packed u64
 
 
 class SwaContainsReply(Message, tag="swa_contains_reply"):
     found: bytes  # one byte per asked hash: 1 held, 0 not
+
+
+class SwaHeld(Message, tag="swa_held"):
+    """A memcache -> every router (`Subjects.swa_events`): what it now holds.
+
+    `seq` counts per instance and starts from the clock in microseconds, so a restarted
+    instance shows a jump; a receiver that sees a gap asks for a `SwaResync`. `is_full`: the
+    batch starts a full state (`added` replaces what the receiver knew of this instance; a
+    large state continues in the following non-full batches)."""
+
+    instance_id: str
+    node_id: str
+    seq: int
+    is_full: bool = False
+    added: bytes = b""  # packed u64 block hashes now held
+    removed: bytes = b""  # packed u64 block hashes no longer held: expired, evicted
+
+
+class SwaResync(Message, tag="swa_resync"):
+    """A router -> the memcaches (`Subjects.swa_resync`): publish your full state again."""
+
+    instance_id: str = ""  # "": every memcache (a router that just started)
+    reason: str = ""

@@ -81,9 +81,7 @@ def stage_pages(pool: PagedKVPool, pages: Sequence[int], buffer: np.ndarray, off
     return len(pages) * nbytes
 
 
-def unstage_pages(
-    buffer: np.ndarray, offset: int, pool: PagedKVPool, pages: Sequence[int]
-) -> None:
+def unstage_pages(buffer: np.ndarray, offset: int, pool: PagedKVPool, pages: Sequence[int]) -> None:
     nbytes = pool.layout.block_nbytes
     for i, page in enumerate(pages):
         start = offset + i * nbytes

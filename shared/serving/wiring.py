@@ -34,6 +34,7 @@ from shared.transfer import KvTransferAgent
 log = get_logger(__name__)
 
 SWA_STAGING_BYTES = 4 << 20  # the head of the NIXL buffer: large snapshot puts
+MEMCACHE_LOOKUP_S = 1.0  # a worker that started before its node's memcache looks again
 
 
 class ServedWorker(Protocol):
@@ -60,37 +61,61 @@ class ModelKv:
 
 
 async def open_model_kv(
-    bus: Bus, config: EngineWorkerConfig, service: str, block_nbytes: int
+    runtime: ServiceRuntime, config: EngineWorkerConfig, service: str, block_nbytes: int
 ) -> ModelKv:
     """The store (`block_nbytes` per block) and its log, then the NIXL buffer registered
-    and served as `service`'s."""
+    and served as `service`'s, and the node's swa-memcache."""
+    bus = runtime.bus
     store = await open_store(config, bus.instance_id, block_nbytes)
     publisher = KvEventPublisher(bus, store)
     await publisher.start()
     buffer = np.zeros(config.handoff_staging_bytes + SWA_STAGING_BYTES, dtype=np.uint8)
     agent = await asyncio.to_thread(KvTransferAgent, bus, buffer, service=service)
     await agent.serve()
-    swa = SwaClient(
-        bus, agent, memcache_instance_id=await node_memcache(bus, config.node_id),
-        staging_offset=0, staging_nbytes=SWA_STAGING_BYTES,
-    )  # fmt: skip
+    swa = await node_swa_client(
+        runtime, config, agent, staging_offset=0, staging_nbytes=SWA_STAGING_BYTES
+    )
     staging = StagingSpace(SWA_STAGING_BYTES, config.handoff_staging_bytes)
     return ModelKv(store, publisher, agent, swa, staging)
 
 
+async def node_swa_client(
+    runtime: ServiceRuntime,
+    config: EngineWorkerConfig,
+    agent: KvTransferAgent | None,
+    **staging: int,
+) -> SwaClient:
+    """A client of this node's swa-memcache: snapshots are node-local (DESIGN.md section 5),
+    and the router sends an agent's next step to the node whose memcache holds its window.
+    Workers and memcaches start together, so one that is not there yet is looked for again
+    every `MEMCACHE_LOOKUP_S` (off the request path); until then any instance serves."""
+    bus = runtime.bus
+    swa = SwaClient(
+        bus, agent, memcache_instance_id=await node_memcache(bus, config.node_id), **staging
+    )
+    if swa.memcache_instance_id is None:
+        log.warning("no swa-memcache on this node yet: snapshots go to any instance",
+                    node_id=config.node_id)  # fmt: skip
+
+        async def look_again() -> None:
+            if swa.memcache_instance_id is None:
+                swa.memcache_instance_id = await node_memcache(bus, config.node_id)
+                if swa.memcache_instance_id is not None:
+                    log.info("this node's swa-memcache found", node_id=config.node_id,
+                             instance_id=swa.memcache_instance_id)  # fmt: skip
+
+        runtime.every(MEMCACHE_LOOKUP_S, look_again)
+    return swa
+
+
 async def node_memcache(bus: Bus, node_id: str) -> str | None:
-    """The swa-memcache instance on this node: snapshots are node-local (DESIGN.md section
-    5), and the router sends an agent's next step to the node whose memcache holds its
-    window. None (any instance, and a warning) when this node runs none at start-up."""
+    """The swa-memcache instance on `node_id` (the first by id), or None."""
     local = sorted(
         i.instance_id
         for i in await discover(bus, service=SWA_MEMCACHE, timeout_s=0.5)
         if i.metadata.get("node_id") == node_id
     )
-    if not local:
-        log.warning("no swa-memcache on this node: snapshots go to any instance", node_id=node_id)
-        return None
-    return local[0]
+    return local[0] if local else None
 
 
 async def open_mock_kv(

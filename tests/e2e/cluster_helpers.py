@@ -23,10 +23,12 @@ def run_cluster(
     replicas: dict[str, int],
     extra_args: dict[str, list[str]],
     ready_timeout_s: float,
+    instance_args: dict[str, list[str]] | None = None,
 ) -> Iterator[Cluster]:
     """A module fixture's body (`yield from run_cluster(...)`): start every service as its own
     process under a fresh subject root, wait until all are ready, yield the cluster, and stop
-    it through the handle that started it."""
+    it through the handle that started it. `instance_args`: flags of single instances
+    (`{"prefill-1": ["--node-id", "node-1"]}`), after their service's `extra_args`."""
     spec = ClusterSpec(
         state_dir=state_dir,
         nats_port=0,
@@ -34,6 +36,7 @@ def run_cluster(
         root=unique_root(),
         replicas=replicas,
         extra_args=extra_args,
+        instance_args=instance_args or {},
         shutdown_grace_s=3.0,
     )
     cluster = Cluster(spec)
@@ -72,12 +75,17 @@ async def num_indexed_blocks(bus: Bus, block_hashes: Sequence[int], timeout_s: f
 async def usage_records(
     bus: Bus, request_ids: set[str], timeout_s: float
 ) -> dict[str, UsageRecord]:
-    """The first `UsageRecord` of each request on JetStream (the decode worker's, or the
-    caller's when that worker died); fails the test when one is missing after `timeout_s`."""
-    records: dict[str, UsageRecord] = {}
+    """The `UsageRecord` of each request on JetStream (the decode worker's, or the caller's
+    when that worker died). Fails the test when one is missing after `timeout_s`, or when a
+    request has more than one: the whole log is read, up to its last message, so a
+    duplicate is seen, not hidden."""
+    records: dict[str, list[UsageRecord]] = {}
+    last_read = 0
 
     async def on_record(record: UsageRecord, seq: int) -> None:
-        records.setdefault(record.request_id, record)
+        nonlocal last_read
+        records.setdefault(record.request_id, []).append(record)
+        last_read = seq
 
     subjects = bus.subjects
     subscription = await bus.js.consume(
@@ -89,6 +97,12 @@ async def usage_records(
             missing = sorted(request_ids - records.keys())
             assert time.monotonic() < deadline, f"no usage record for {', '.join(missing)}"
             await asyncio.sleep(0.05)
-        return records
+        _, last_seq = await bus.js.stream_bounds(subjects.usage_stream)
+        while last_read < last_seq:
+            assert time.monotonic() < deadline, "the usage log was not read to its end"
+            await asyncio.sleep(0.05)
+        repeated = {r: len(records[r]) for r in request_ids if len(records[r]) != 1}
+        assert not repeated, f"usage records per request, expected exactly one: {repeated}"
+        return {r: records[r][0] for r in request_ids}
     finally:
         await bus.unsubscribe(subscription)

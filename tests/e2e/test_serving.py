@@ -34,7 +34,8 @@ from shared.schema import (
     Unavailable,
     UsageRecord,
 )
-from shared.subjects import DECODE, PREFILL, ROUTER
+from shared.subjects import DECODE, INGRESS, PREFILL, ROUTER
+from shared.usage import open_usage_outbox
 from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster, usage_records
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -299,6 +300,7 @@ def test_generate_cli_streams_and_reports_hits(cluster: Cluster) -> None:
     args = [
         KVFABRIC, "generate", CODE, "--nats-url", cluster.nats_url, "--root", cluster.spec.root,
         "--max-tokens", "16", "--block-size", str(BLOCK),
+        "--state-dir", str(cluster.spec.state_dir),
     ]  # fmt: skip
     first = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
@@ -326,7 +328,9 @@ async def test_killed_decode_worker_ends_the_stream_with_an_error_and_usage(
                 enough.set()
 
         request = _request(_tokens(CODE + "\n# more\n"), **LONG)
-        task = asyncio.create_task(generate(bus, request, on_chunk=on_chunk))
+        # The caller's own durable outbox: the lost stream's usage is kept until stored.
+        outbox = await open_usage_outbox(bus, INGRESS, cluster.spec.state_dir, "caller")
+        task = asyncio.create_task(generate(bus, request, on_chunk=on_chunk, outbox=outbox))
         await asyncio.wait_for(enough.wait(), 60)
         # Only this request runs now: the decode worker with a running sequence is ours.
         decode_id = await _busy_decoder(bus)
@@ -338,6 +342,8 @@ async def test_killed_decode_worker_ends_the_stream_with_an_error_and_usage(
         record = await _usage(bus, request.request_id)
         assert record.status == "failed"
         assert record.num_output_tokens > 0
+        assert await outbox.flush(timeout_s=10) and outbox.counters()["num_published"] == 1
+        await outbox.close()
     finally:
         await bus.close()
 

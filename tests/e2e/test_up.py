@@ -94,6 +94,28 @@ def test_up_status_and_clean_stop(tmp_path: Path) -> None:
             up.wait()
 
 
+def test_a_killed_launcher_leaves_no_process_behind(tmp_path: Path) -> None:
+    """SIGKILL gives `kvfabric up` no chance to stop anything: the kernel ends its children
+    (PR_SET_PDEATHSIG), the nats-server among them."""
+    up = subprocess.Popen(
+        [KVFABRIC, "up", "--engine", "mock", "--nats-port", "0", "--http-port", "0",
+         "--state-dir", str(tmp_path), "--root", unique_root()],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        text = "\n".join(_read_until_ready(up, timeout_s=120))
+        pids = [int(p) for p in re.findall(r"pid (\d+)", text)]
+        server_pid = int(re.search(r"nats-server\s.*pid (\d+)", text).group(1))
+        assert len(pids) == 8 and server_pid in pids
+    finally:
+        up.kill()
+        up.wait()
+    deadline = time.monotonic() + 30
+    while (alive := [pid for pid in pids if _is_alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alive == [], f"outlived the launcher: {alive}"
+
+
 def test_up_rejects_a_bad_replica_spec(tmp_path: Path) -> None:
     result = subprocess.run(
         [KVFABRIC, "up", "--replicas", "prefil=2", "--state-dir", str(tmp_path)],

@@ -57,15 +57,58 @@ async def test_a_full_stream_becomes_the_result(
     assert result.ttft_s is not None and 0 <= result.ttft_s <= result.total_s
 
 
-async def test_router_error_is_raised_typed(bus_factory: BusFactory) -> None:
+async def test_router_error_is_raised_typed_once_the_overload_wait_is_spent(
+    bus_factory: BusFactory,
+) -> None:
+    calls: list[str] = []
+
     async def refuse(request: GenerateRequest, ctx: Context) -> RouteDecision:
-        raise Overloaded("all decode workers are full", retry_after_s=2.5)
+        calls.append(request.request_id)
+        raise Overloaded("all decode workers are full", retry_after_s=0.2)
 
     client = await bus_factory("client")
     async with cluster(bus_factory, route=refuse):
         with pytest.raises(Overloaded, match="full") as caught:
-            await generate(client, a_request())
-    assert caught.value.retry_after_s == 2.5
+            await generate(client, a_request(), overload_wait_s=0.5)
+        assert caught.value.retry_after_s == 0.2
+        assert len(calls) == 3  # the first try and two more after 0.2 s each: 0.4 <= 0.5
+        calls.clear()
+        with pytest.raises(Overloaded):
+            await generate(client, a_request(), overload_wait_s=0)
+        assert len(calls) == 1
+
+
+async def test_an_overloaded_router_is_asked_again_after_its_retry_after(
+    bus_factory: BusFactory,
+) -> None:
+    decode = FakeDecode(await bus_factory("decode", DECODE_ID), [[0, 1], [2]])
+    refusals: list[str] = []
+
+    async def busy_once(request: GenerateRequest, ctx: Context) -> RouteDecision:
+        if not refusals:
+            refusals.append(request.stream_inbox)
+            raise Overloaded("no decode worker has 124 free KV pages", retry_after_s=0.1)
+        assert request.stream_inbox != refusals[0]  # a fresh stream for the new attempt
+        return await decode.route(request, ctx)
+
+    client = await bus_factory("client")
+    async with cluster(bus_factory, decode, route=busy_once):
+        result = await generate(client, a_request())
+    assert result.token_ids == [0, 1, 2] and len(refusals) == 1
+
+
+async def test_no_retry_past_the_request_s_deadline(bus_factory: BusFactory) -> None:
+    calls: list[str] = []
+
+    async def refuse(request: GenerateRequest, ctx: Context) -> RouteDecision:
+        calls.append(request.request_id)
+        raise Overloaded("busy", retry_after_s=5.0)
+
+    client = await bus_factory("client")
+    async with cluster(bus_factory, route=refuse):
+        with pytest.raises(Overloaded):
+            await generate(client, a_request(deadline_s=2.0))
+    assert len(calls) == 1  # waiting 5 s would pass the 2 s deadline: refused at once
 
 
 async def test_no_router_is_no_responders(bus_factory: BusFactory) -> None:

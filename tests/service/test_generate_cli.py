@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import structlog
@@ -43,6 +44,12 @@ def assert_one_clean_error_line(result: Result, *expected: str) -> None:
     assert len(lines) == 1, result.stderr
     for text in expected:
         assert text in lines[0]
+
+
+@pytest.fixture(autouse=True)
+def _in_a_fresh_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command keeps its usage outbox under ./.kvfabric: not in the repository."""
+    monkeypatch.chdir(tmp_path)
 
 
 def test_no_nats_server_is_a_clean_error() -> None:
@@ -101,7 +108,7 @@ async def test_overloaded_prints_the_retry_after(
         raise Overloaded("every decode worker is full", retry_after_s=2.5)
 
     async with cluster(bus_factory, route=refuse):
-        result = await invoke(nats_server, subject_root, "hello")
+        result = await invoke(nats_server, subject_root, "hello", "--overload-wait-s", "0")
     assert_one_clean_error_line(
         result, "generate: OVERLOADED: every decode worker is full (retry after 2.5 s)"
     )

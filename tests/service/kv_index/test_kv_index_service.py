@@ -237,3 +237,73 @@ async def _discovered(bus: Bus, shard: int) -> bool:
     return any(
         i.metadata.get("shard") == f"{shard}/2" for i in await discover(bus, service="kv-index")
     )
+
+
+async def test_a_batch_that_cannot_be_applied_is_counted_and_its_writer_resynced(
+    nats_server: NatsServer, subject_root: str, bus_factory: BusFactory
+) -> None:
+    """Nothing in the log is skipped silently: garbage bytes, and a well-formed batch whose
+    content the index rejects (a removal of hashes that are not packed u64), each count as a
+    bad batch and ask their writer for its whole state; what follows is still applied."""
+    index = start_index(nats_server, subject_root)
+    try:
+        writer = await bus_factory("prefill", "prefill-0")
+        resyncs: list[ResyncRequest] = []
+
+        async def on_resync(request: ResyncRequest) -> None:
+            resyncs.append(request)
+
+        await writer.subscribe(writer.subjects.kv_resync("prefill-0"), ResyncRequest, on_resync)
+        await writer.flush()
+        await wait_ready(writer)
+        subject = writer.subjects.kv_events("prefill-0")
+        await publish(writer, batch("prefill-0", 1, HASHES[:4]))
+        await writer.js.publish(subject, b"\xc1 not msgpack")
+        unappliable = KvEventBatch(
+            writer_id="prefill-0", seq=2, ts_ms=0,
+            events=(BlocksRemoved(tier="ssd", block_hashes=b"\x01\x02\x03"),),
+        )  # fmt: skip
+        await writer.js.publish(subject, unappliable)
+        await publish(writer, batch("prefill-0", 3, HASHES[4:6], 4))
+        assert await eventually(lambda: _true(len(resyncs) == 2))
+        assert resyncs[1].received_seq == 2  # the rejected batch's own seq
+        assert await eventually(lambda: _is(prefix(writer, HASHES), 6))
+        stats = await writer.request(
+            writer.subjects.kv_index_admin(0), CacheCommand(action="stats"), CacheStats
+        )
+        assert stats.counters["num_bad_batches"] == 2
+    finally:
+        stop(index)
+
+
+async def test_an_index_that_has_not_replayed_its_log_says_it_is_not_ready(
+    nats_server: NatsServer, subject_root: str, bus_factory: BusFactory
+) -> None:
+    """With no time to replay the log at start-up (catch_up_timeout_s 0) the index serves at
+    once, but discovery says STARTING, and why, until it has caught up. (/health answers
+    from the same state: tests/service/test_health.py.)"""
+    from shared.discovery import discover
+
+    writer = await bus_factory("prefill", "prefill-0")
+    await writer.js.ensure_stream(writer.subjects.kv_events_stream, [writer.subjects.kv_events_all])
+    batches = [batch("prefill-0", s, HASHES[:1]) for s in range(1, 10_001)]
+    for start in range(0, len(batches), 500):
+        await asyncio.gather(*(publish(writer, b) for b in batches[start : start + 500]))
+    index = start_index(nats_server, subject_root, 0, 1, "--catch-up-timeout-s", "0")
+    try:
+        found = await eventually(lambda: discover(writer, service="kv-index", timeout_s=0.2))
+        assert found, "kv-index never registered"
+        assert found[0].load["state"] == "starting"
+        assert "replaying the event log up to 10000" in found[0].counters["not_ready"]
+
+        async def serving() -> bool:
+            now = await discover(writer, service="kv-index", timeout_s=0.2)
+            return bool(now) and now[0].load["state"] == "serving"
+
+        assert await eventually(serving, timeout_s=30)
+        again = await discover(writer, service="kv-index", timeout_s=0.3)
+        assert "not_ready" not in again[0].counters
+        assert again[0].counters["num_batches"] == 10_000
+        assert await prefix(writer, HASHES) == 1
+    finally:
+        stop(index)

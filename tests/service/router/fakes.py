@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from shared.schema import (
     SamplingParams,
     SwaContains,
     SwaContainsReply,
+    SwaHeld,
+    SwaResync,
+    pack_block_hashes,
     pack_token_ids,
     unpack_block_hashes,
 )
@@ -213,26 +216,63 @@ class FakeKvIndex:
 
 
 class FakeMemcache:
-    """A node's swa-memcache: heartbeats (service swa-memcache) and answers `contains`."""
+    """A node's swa-memcache: heartbeats (service swa-memcache), tells the routers what it
+    holds (`SwaHeld`: its full state at start and whenever a `SwaResync` names it or every
+    memcache), and counts the `contains` questions it is asked (the router asks none)."""
 
     def __init__(self, bus: Bus, node_id: str, held: set[int]) -> None:
         self.bus = bus
         self.node_id = node_id
         self.held = held
+        self.seq = 1_000  # of its SwaHeld batches
+        self.num_beats = 0
         self.num_asked = 0
+        self.resyncs: list[SwaResync] = []
 
-    async def start(self, *, serve: bool = True) -> None:
+    @property
+    def instance_id(self) -> str:
+        return self.bus.instance_id
+
+    async def start(self, *, announce: bool = True) -> None:
+        subjects = self.bus.subjects
+        await self.bus.subscribe(subjects.swa_resync, SwaResync, self._on_resync)
+        await self.bus.serve(
+            Endpoint("contains", subjects.swa_contains, SwaContains, self._contains)
+        )
+        await self.beat()
+        if announce:
+            await self.publish(self.held, is_full=True)
+
+    async def beat(self) -> None:
+        self.num_beats += 1
         report = LoadReport(
-            service=self.bus.service, instance_id=self.bus.instance_id, seq=1, ts_ms=0,
+            service=self.bus.service, instance_id=self.instance_id, seq=self.num_beats, ts_ms=0,
             node_id=self.node_id,
         )  # fmt: skip
-        if serve:
-            subject = self.bus.subjects.swa_contains
-            await self.bus.serve(Endpoint("contains", subject, SwaContains, self._contains))
-        await self.bus.publish(
-            self.bus.subjects.load(self.bus.service, self.bus.instance_id), report
-        )
+        await self.bus.publish(self.bus.subjects.load(self.bus.service, self.instance_id), report)
         await self.bus.flush()
+
+    async def publish(
+        self,
+        added: Iterable[int] = (),
+        removed: Iterable[int] = (),
+        *,
+        is_full: bool = False,
+        num_lost: int = 0,
+    ) -> None:
+        """One batch; `num_lost` batches before it never reach anyone (a gap)."""
+        self.seq += 1 + num_lost
+        batch = SwaHeld(
+            instance_id=self.instance_id, node_id=self.node_id, seq=self.seq, is_full=is_full,
+            added=pack_block_hashes(list(added)), removed=pack_block_hashes(list(removed)),
+        )  # fmt: skip
+        await self.bus.publish(self.bus.subjects.swa_events(self.instance_id), batch)
+        await self.bus.flush()
+
+    async def _on_resync(self, request: SwaResync) -> None:
+        if request.instance_id in ("", self.instance_id):
+            self.resyncs.append(request)
+            await self.publish(self.held, is_full=True)
 
     async def _contains(self, request: SwaContains, ctx: Context) -> SwaContainsReply:
         self.num_asked += 1

@@ -102,3 +102,59 @@ def test_replaced_or_expired_while_pinned_keeps_bytes_until_release() -> None:
     assert cache.expire(now=102) == 0 and cache.used_bytes == 0
     with pytest.raises(ValueError):
         cache.pin(Snapshot(0, 0, 0), now=0, lease_s=1)
+
+
+def test_changes_are_net_per_key_since_the_last_take() -> None:
+    cache = SnapshotCache(capacity_bytes=100, ttl_s=10)
+    assert cache.take_changes() == ([], [])
+    cache.put(1, b"a" * 10, now=0)
+    cache.put(2, b"b" * 10, now=0)
+    cache.put(1, b"c" * 10, now=1)  # replaced: still one key held, added once
+    assert cache.take_changes() == ([1, 2], [])
+    assert cache.take_changes() == ([], [])  # taken: nothing new
+    cache.put(1, b"d" * 10, now=2)  # replaced again: held before and after
+    cache.put(3, b"e" * 10, now=2)
+    cache.put(3, b"f" * 10, now=2)
+    assert cache.take_changes() == ([3], [])
+    cache.put(4, b"g" * 10, now=3)
+    assert cache.get(2, now=10) is None  # TTL: dropped by the lookup
+    assert cache.take_changes() == ([4], [2])
+
+
+def test_ttl_sweep_and_lru_eviction_are_removals() -> None:
+    cache = SnapshotCache(capacity_bytes=30, ttl_s=10)
+    for key in (1, 2, 3):
+        cache.put(key, b"." * 10, now=key)
+    cache.take_changes()
+    cache.put(4, b"." * 10, now=4)  # full: the least recently used (1) goes
+    assert cache.take_changes() == ([4], [1])
+    assert cache.expire(now=12.5) == 1  # 2 expired at 12; 3 lives to 13
+    assert cache.take_changes() == ([], [2])
+
+
+def test_a_key_added_and_dropped_between_takes_is_not_reported() -> None:
+    cache = SnapshotCache(capacity_bytes=10, ttl_s=10)
+    cache.put(1, b"." * 10, now=0)
+    cache.put(2, b"." * 10, now=1)  # evicts 1, which nobody was told of
+    assert cache.take_changes() == ([2], [])
+    region = cache.reserve(10, now=2)  # a NIXL put making room: 2 goes
+    assert region is not None
+    cache.abort(region)  # the pull failed: nothing stored, 2 still gone
+    assert cache.take_changes() == ([], [2])
+
+
+def test_full_state_sweeps_first_and_counts_changes_from_it() -> None:
+    cache = SnapshotCache(capacity_bytes=100, ttl_s=10)
+    cache.put(1, b"." * 10, now=0)
+    cache.put(2, b"." * 10, now=5)
+    cache.put(3, b"." * 10, now=5)
+    assert cache.keys(now=12) == [2, 3]  # 1 is past its TTL, not yet swept
+    assert cache.take_state(now=12) == [2, 3]
+    assert len(cache) == 2 and cache.counters.num_expired == 1  # the state swept it
+    assert cache.take_changes() == ([], [])  # what changed before the state is in it
+    cache.put(1, b"." * 10, now=12)
+    cache.get(3, now=16)  # expired: dropped
+    assert cache.take_changes() == ([1], [3])
+    cache.put(4, b"." * 10, now=16)
+    assert cache.take_state(now=100) == []
+    assert cache.take_changes() == ([], [])  # 4 came and went before the state

@@ -1,0 +1,51 @@
+"""Usage records on their way to billing: the JetStream log they go to, and the durable
+local outbox every producer keeps them in until that log has them (DESIGN.md section 3:
+"nothing lost, no dropped usage record").
+
+Producers: each decode worker (one record per request it accepted), and the caller of a
+generation (`shared.client`) for a stream whose decode worker died. Both publish with the
+request id as message id, so whichever record JetStream stores first is the one kept, and a
+replayed one is dropped (within the stream's duplicate window; billing dedupes by request id
+past it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from shared.bus import Bus, NoStream
+from shared.schema import UsageRecord
+from shared.usage_outbox import UsageOutbox
+
+USAGE_LOG_MAX_AGE_S = 7 * 24 * 3600.0
+
+
+async def ensure_usage_stream(bus: Bus) -> None:
+    """Create the usage log, or bring it to this config (decode workers at start)."""
+    subjects = bus.subjects
+    await bus.js.ensure_stream(
+        subjects.usage_stream, [subjects.usage_all], max_age_s=USAGE_LOG_MAX_AGE_S
+    )
+
+
+def usage_publisher(bus: Bus, service: str) -> Callable[[UsageRecord], Awaitable[None]]:
+    """An acknowledged publish of one record on `service`'s usage subject, creating the log
+    (with the decode workers' config, `ensure_usage_stream`) if a caller comes first."""
+    subject = bus.subjects.usage(service)
+
+    async def publish(record: UsageRecord) -> None:
+        try:
+            await bus.js.publish(subject, record, msg_id=record.request_id)
+        except NoStream:
+            await ensure_usage_stream(bus)
+            await bus.js.publish(subject, record, msg_id=record.request_id)
+
+    return publish
+
+
+async def open_usage_outbox(bus: Bus, service: str, directory: Path, name: str) -> UsageOutbox:
+    """`<directory>/<name>.usage`, opened: what an earlier process left pending is replayed."""
+    outbox = UsageOutbox(directory / f"{name}.usage", usage_publisher(bus, service))
+    await outbox.open()
+    return outbox

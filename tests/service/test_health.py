@@ -1,0 +1,99 @@
+"""`/health` says what discovery says: 200 only while connected and SERVING -- 503 while the
+service is still setting up, while it holds itself not ready (kv-index replaying its log),
+and while draining. Ingress answers it on its API port from the same runtime state."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from services.ingress.config import IngressConfig
+from services.ingress.main import setup as ingress_setup
+from shared.config import ServiceConfig
+from shared.natsd import NatsServer
+from shared.runtime import ServiceRuntime
+from shared.schema import InstanceState
+
+pytestmark = pytest.mark.nats
+
+
+async def get(url: str) -> tuple[int, dict[str, str]]:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return response.status, await response.json()
+
+
+async def test_health_follows_setup_readiness_and_drain(
+    nats_server: NatsServer, subject_root: str
+) -> None:
+    config = ServiceConfig(
+        nats_url=nats_server.url, root=subject_root, instance_id="svc-0", health_port=0,
+        shutdown_grace_s=0.5,
+    )  # fmt: skip
+    runtime = ServiceRuntime("svc", config)
+    in_setup, finish_setup = asyncio.Event(), asyncio.Event()
+
+    async def setup(rt: ServiceRuntime) -> None:
+        in_setup.set()
+        await finish_setup.wait()
+        rt.hold_ready("replaying the event log up to 7")
+
+    run = asyncio.create_task(runtime.run(setup))
+    try:
+        await asyncio.wait_for(in_setup.wait(), 10)
+        url = runtime.metadata["health_url"]
+        status, body = await get(url)
+        assert (status, body["state"]) == (503, "starting")  # not set up yet
+        finish_setup.set()
+        for _ in range(500):  # setup ends, then discovery starts: the reason shows from then on
+            status, body = await get(url)
+            if body.get("not_ready"):
+                break
+            await asyncio.sleep(0.01)
+        assert (status, body["state"], body["status"]) == (503, "starting", "unavailable")
+        assert body["not_ready"] == "replaying the event log up to 7"
+        runtime.mark_ready()
+        status, body = await get(url)
+        assert (status, body["state"], body["nats_connected"]) == (200, "serving", True)
+        assert "not_ready" not in body
+    finally:
+        runtime.request_stop()
+        await asyncio.wait_for(run, 20)
+    assert runtime.state is InstanceState.DRAINING
+    assert runtime.health()[0] == 503
+
+
+async def test_ingress_health_is_503_until_serving(
+    nats_server: NatsServer, subject_root: str
+) -> None:
+    """Ingress's HTTP server is up (connected to NATS) before the instance is announced:
+    a load balancer must not send it traffic yet."""
+    config = IngressConfig(
+        nats_url=nats_server.url, root=subject_root, instance_id="ingress-0", http_port=0,
+        shutdown_grace_s=0.5,
+    )  # fmt: skip
+    runtime = ServiceRuntime("ingress", config)
+    http_up, finish_setup = asyncio.Event(), asyncio.Event()
+
+    async def slow_setup(rt: ServiceRuntime) -> None:
+        await ingress_setup(rt)
+        http_up.set()
+        await finish_setup.wait()
+
+    run = asyncio.create_task(runtime.run(slow_setup))
+    try:
+        await asyncio.wait_for(http_up.wait(), 10)
+        url = f"{runtime.metadata['http_url']}/health"
+        status, body = await get(url)
+        assert (status, body["state"], body["nats_connected"]) == (503, "starting", True)
+        finish_setup.set()
+        for _ in range(500):
+            status, body = await get(url)
+            if status == 200:
+                break
+            await asyncio.sleep(0.01)
+        assert (status, body["state"]) == (200, "serving")
+    finally:
+        runtime.request_stop()
+        await asyncio.wait_for(run, 20)

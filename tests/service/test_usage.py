@@ -1,0 +1,75 @@
+"""Usage records on a real nats-server: the publisher creates the log on a miss and JetStream
+keeps one record per request id; the outbox keeps records through a server outage and
+publishes them once it is back; the e2e helper sees a duplicate instead of hiding it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from shared.bus import Bus
+from shared.natsd import NatsServer
+from shared.schema import UsageRecord, UsageStatus
+from shared.subjects import DECODE
+from shared.testing import unique_root
+from shared.testing.fixtures import BusFactory
+from shared.usage import open_usage_outbox, usage_publisher
+from tests.e2e.cluster_helpers import usage_records
+
+pytestmark = pytest.mark.nats
+
+
+def record(request_id: str, num_output_tokens: int = 3) -> UsageRecord:
+    return UsageRecord(
+        request_id=request_id, api_key_id="key-1", model="m", num_cache_hit_tokens=64,
+        num_cache_miss_tokens=10, num_output_tokens=num_output_tokens,
+        status=UsageStatus.COMPLETED, finish_reason="length", started_ms=1, finished_ms=2,
+    )  # fmt: skip
+
+
+async def test_the_log_is_made_on_a_miss_and_keeps_one_record_per_request(
+    bus_factory: BusFactory,
+) -> None:
+    bus = await bus_factory("decode", "decode-0")
+    publish = usage_publisher(bus, DECODE)
+    await publish(record("r-1"))  # no stream yet: created, then stored
+    await publish(record("r-1", num_output_tokens=99))  # a replay: the message id dedupes it
+    await publish(record("r-2"))
+    found = await usage_records(bus, {"r-1", "r-2"}, timeout_s=5)
+    assert found["r-1"].num_output_tokens == 3
+
+
+async def test_the_e2e_helper_fails_on_a_second_record_for_a_request(
+    bus_factory: BusFactory,
+) -> None:
+    bus = await bus_factory("decode", "decode-0")
+    await usage_publisher(bus, DECODE)(record("r-1"))
+    # A producer bug: the same request under another message id is a second record.
+    await bus.js.publish(bus.subjects.usage(DECODE), record("r-1"), msg_id="r-1-again")
+    with pytest.raises(AssertionError, match=r"exactly one: \{'r-1': 2\}"):
+        await usage_records(bus, {"r-1"}, timeout_s=5)
+
+
+async def test_the_outbox_keeps_records_through_a_server_outage(tmp_path: Path) -> None:
+    server = NatsServer(tmp_path / "nats").start()
+    port, root = server.port, unique_root()
+    bus = await Bus.connect(server.url, service="decode", instance_id="decode-0", root=root)
+    outbox = await open_usage_outbox(bus, DECODE, tmp_path / "outbox", "decode-0")
+    try:
+        await outbox.add(record("before"))
+        assert await outbox.flush(timeout_s=10)
+        server.stop()  # JetStream gone: the next records are only on disk
+        for i in range(3):
+            await outbox.add(record(f"during-{i}"))
+        await asyncio.sleep(0.5)
+        assert outbox.num_pending == 3
+        server = NatsServer(tmp_path / "nats", port=port).start()  # same store: same log
+        assert await outbox.flush(timeout_s=30)
+        found = await usage_records(bus, {"before", "during-0", "during-1", "during-2"}, 10)
+        assert {r.request_id for r in found.values()} == set(found)
+    finally:
+        await outbox.close(timeout_s=1)
+        await bus.close()
+        server.stop()
