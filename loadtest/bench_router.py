@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from shared.bus import Bus, Context, Endpoint
@@ -40,6 +41,7 @@ from shared.natsd import NatsServer
 from shared.schema import (
     BlockLocations,
     DecodeJob,
+    GenerateRequest,
     JobAccepted,
     LoadReport,
     PrefillDone,
@@ -141,6 +143,11 @@ class Fakes:
         return SwaContainsReply(found=b"\x00")
 
 
+def routable(request: GenerateRequest) -> GenerateRequest:
+    """The router forwards the caller's inbox to decode (the fake one streams nothing)."""
+    return msgspec.structs.replace(request, stream_inbox="_INBOX.bench")
+
+
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) * CLOCK_TICK_S  # utime, stime
@@ -158,7 +165,7 @@ async def measure(
         cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        probe = build_request(prompts[0][:128], model=MODEL, block_size_tokens=BLOCK)
+        probe = routable(build_request(prompts[0][:128], model=MODEL, block_size_tokens=BLOCK))
         for _ in range(200):  # until it serves and knows the workers
             try:
                 await client.request(
@@ -168,7 +175,9 @@ async def measure(
             except Exception:  # noqa: BLE001 - not up yet: no responders, unavailable
                 await asyncio.sleep(0.1)
         # Hashed by the caller (here), before the router's clock starts.
-        requests = [build_request(p, model=MODEL, block_size_tokens=BLOCK) for p in prompts]
+        requests = [
+            routable(build_request(p, model=MODEL, block_size_tokens=BLOCK)) for p in prompts
+        ]
         await asyncio.sleep(1.0)
         idle_started, idle_cpu = time.monotonic(), cpu_s(router.pid)
         await asyncio.sleep(2.0)

@@ -82,16 +82,18 @@ def merge(replies: list[MatchReply], num_blocks: int) -> dict[str, PrefixMatch]:
 
 async def match(
     bus: Bus,
-    block_hashes: list[int],
+    block_hashes: list[int] | bytes,
     *,
     num_shards: int,
     timeout_s: float = 1.0,
     refresh: bool = True,
 ) -> dict[str, PrefixMatch]:
-    """Longest cached prefix per tier, asking every shard concurrently."""
+    """Longest cached prefix per tier, asking every shard concurrently. `block_hashes` may
+    come packed (u64, as a request carries them): the router sends them on as they came."""
     if not block_hashes:
         return {}
-    request = MatchRequest(block_hashes=pack_block_hashes(block_hashes), refresh=refresh)
+    packed = block_hashes if isinstance(block_hashes, bytes) else pack_block_hashes(block_hashes)
+    request = MatchRequest(block_hashes=packed, refresh=refresh)
     replies = await asyncio.gather(
         *(
             bus.request(
@@ -100,4 +102,4 @@ async def match(
             for shard in range(num_shards)
         )
     )
-    return merge(list(replies), len(block_hashes))
+    return merge(list(replies), len(packed) // 8)

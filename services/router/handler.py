@@ -223,7 +223,7 @@ class Router:
 
     async def _route(self, request: GenerateRequest) -> RouteDecision:
         blocks = checked_request(request)
-        match = await self._match(request.request_id, blocks.hashes)
+        match = await self._match(request.request_id, request.block_hashes)
         facts = RequestFacts.of(request, blocks, match.num_blocks if match else 0)
         swa_node_ids = self._swa_holders(facts.boundary_block_hash)
         cached = cached_prefix(match, facts.num_cached_tokens // request.block_size_tokens)
@@ -243,7 +243,7 @@ class Router:
         )  # fmt: skip
         return decision
 
-    async def _match(self, request_id: str, hashes: list[int]) -> PrefixMatch | None:
+    async def _match(self, request_id: str, hashes: bytes) -> PrefixMatch | None:
         """kv-index's longest hit. Whatever goes wrong there, the request is routed cold:
         computing the whole prompt is always correct, only slower."""
         if not hashes:
