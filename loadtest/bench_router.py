@@ -143,9 +143,9 @@ class Fakes:
         return SwaContainsReply(found=b"\x00")
 
 
-def routable(request: GenerateRequest) -> GenerateRequest:
+def routable(request: GenerateRequest, inbox: str) -> GenerateRequest:
     """The router forwards the caller's inbox to decode (the fake one streams nothing)."""
-    return msgspec.structs.replace(request, stream_inbox="_INBOX.bench")
+    return msgspec.structs.replace(request, stream_inbox=inbox)
 
 
 def cpu_s(pid: int) -> float:
@@ -164,8 +164,10 @@ async def measure(
          "--log-level", "warning"],
         cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
+    inbox = await client.open_inbox()
     try:
-        probe = routable(build_request(prompts[0][:128], model=MODEL, block_size_tokens=BLOCK))
+        probe = build_request(prompts[0][:128], model=MODEL, block_size_tokens=BLOCK)
+        probe = routable(probe, inbox.subject)
         for _ in range(200):  # until it serves and knows the workers
             try:
                 await client.request(
@@ -176,7 +178,8 @@ async def measure(
                 await asyncio.sleep(0.1)
         # Hashed by the caller (here), before the router's clock starts.
         requests = [
-            routable(build_request(p, model=MODEL, block_size_tokens=BLOCK)) for p in prompts
+            routable(build_request(p, model=MODEL, block_size_tokens=BLOCK), inbox.subject)
+            for p in prompts
         ]
         await asyncio.sleep(1.0)
         idle_started, idle_cpu = time.monotonic(), cpu_s(router.pid)
@@ -197,6 +200,7 @@ async def measure(
             (fakes.num_contains - contains_before) // num,
         )
     finally:
+        await inbox.close()
         router.terminate()
         router.wait(timeout=30)
 

@@ -151,6 +151,9 @@ class KvIndexService:
             await self.bus.publish(self.bus.subjects.kv_evict(removal.writer_id), notice)
 
     async def save_snapshot(self) -> None:
+        if not self.bus.is_connected:  # a stop with the server gone: the log still has it all
+            log.warning("snapshot not saved: not connected", stream_seq=self.last_stream_seq)
+            return
         state = msgspec.msgpack.encode(
             {
                 "version": SNAPSHOT_VERSION,

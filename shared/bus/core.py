@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -28,7 +29,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from shared import telemetry
-from shared.bus.connection import connect_nats
+from shared.bus.connection import abandon_pings, connect_nats
 from shared.bus.endpoints import Endpoint, EndpointServer, EndpointStats
 from shared.bus.jetstream import JetStream
 from shared.bus.wire import (
@@ -57,6 +58,7 @@ from shared.subjects import DEFAULT_ROOT, Subjects
 log = get_logger(__name__)
 
 T = TypeVar("T")
+CLOSE_TIMEOUT_S = 2.0  # a drain takes milliseconds while the server is there
 
 
 class Inbox:
@@ -137,17 +139,29 @@ class Bus:
         await self._endpoints.stop(grace_s)
 
     async def close(self) -> None:
-        """Drain the connection (flush what we published, unsubscribe) and close it."""
+        """Drain the connection (flush what we published, unsubscribe) and close it; with
+        the server gone, within CLOSE_TIMEOUT_S all the same."""
         if self._nc.is_closed or self._nc.is_draining:
             return
+        # Closing for good: a client whose server is gone keeps reconnecting, and nats-py can
+        # swallow the cancel that should stop that loop, so the process never exits (seen: a
+        # router outliving a killed `kvfabric up`). With attempts bounded the loop ends itself.
+        self._nc.options["max_reconnect_attempts"] = 1
+        drain = asyncio.create_task(self._nc.drain())
+        await asyncio.wait({drain}, timeout=CLOSE_TIMEOUT_S)
+        if drain.done() and drain.exception() is None:
+            return
+        # Failed (not connected) or stuck (the server died mid-drain: its flushes would wait
+        # out their 10 s timeouts): end the flushes and close.
+        error = drain.exception() if drain.done() else None
+        log.warning("connection drain failed", error=str(error or "timed out"))
+        abandon_pings(self._nc)
         try:
-            await self._nc.drain()
-        except nats.errors.Error as exc:  # not connected now (the server is gone): just close
-            log.warning("connection drain failed", error=str(exc))
-            try:
-                await self._nc.close()
-            except (nats.errors.Error, OSError) as close_exc:
-                log.warning("connection close failed", error=str(close_exc))
+            await self._nc.close()
+        except (nats.errors.Error, OSError) as exc:
+            log.warning("connection close failed", error=str(exc))
+        if not drain.done():
+            await asyncio.wait({drain}, timeout=CLOSE_TIMEOUT_S)
 
     # -- calling -------------------------------------------------------------------------
     def headers_for(

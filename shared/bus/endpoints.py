@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from shared import telemetry
+from shared.bus.connection import abandon_pings
 from shared.bus.wire import HEADER_DEADLINE_MS, HEADER_REQUEST_ID, error_headers, now_ms
 from shared.logging import bind_request, get_logger
 from shared.schema import (
@@ -39,6 +40,7 @@ from shared.subjects import Subjects, queue_group
 log = get_logger(__name__)
 
 Handler = Callable[[Any, "Context"], Awaitable[Any]]
+DRAIN_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,13 @@ class EndpointServer:
         if ctx.reply:
             await self._nc.publish(ctx.reply, b"" if reply is None else encode(reply))
 
+    @staticmethod
+    async def _drain(subscription: Subscription) -> None:
+        try:
+            await subscription.drain()
+        except nats.errors.Error as exc:
+            log.warning("endpoint drain failed", subject=subscription.subject, error=str(exc))
+
     async def _reply_error(self, ctx: Context, exc: ServiceError) -> None:
         if not ctx.reply or self._nc.is_closed:
             return
@@ -176,13 +185,23 @@ class EndpointServer:
 
     async def stop(self, grace_s: float) -> None:
         """Stop taking work (leave the queue groups, let already queued messages start), then
-        wait up to `grace_s` for in-flight requests; cancel what is still running."""
+        wait up to `grace_s` for in-flight requests; cancel what is still running. Bounded by
+        `grace_s` even when the server is gone (a drain then waits out its flush timeout:
+        10 s per subscription, seen when a killed `kvfabric up` took its server along)."""
         subscriptions, self._subscriptions = self._subscriptions, []
-        for subscription in subscriptions:
-            try:
-                await subscription.drain()
-            except nats.errors.Error as exc:
-                log.warning("endpoint drain failed", subject=subscription.subject, error=str(exc))
+        started = time.monotonic()
+        if self._nc.is_connected:
+            # A drain is an UNSUB and a round trip (milliseconds); one still waiting after
+            # DRAIN_TIMEOUT_S lost its server on the way (its flush is then ended).
+            drains = {asyncio.create_task(self._drain(s)) for s in subscriptions}
+            if drains:
+                _, late = await asyncio.wait(drains, timeout=min(grace_s, DRAIN_TIMEOUT_S))
+                if late and not self._nc.is_connected:
+                    abandon_pings(self._nc)
+                    log.warning("server gone while draining endpoints", num_late=len(late))
+        elif subscriptions:
+            log.warning("not connected: endpoints stop without draining")
+        grace_s = max(grace_s - (time.monotonic() - started), 0.0)
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
             for task in pending:
