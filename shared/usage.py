@@ -15,8 +15,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from shared.bus import Bus, NoStream
+from shared.logging import get_logger
 from shared.schema import UsageRecord
-from shared.usage_outbox import UsageOutbox
+from shared.usage_outbox import OutboxLocked, UsageOutbox
+
+log = get_logger(__name__)
 
 USAGE_LOG_MAX_AGE_S = 7 * 24 * 3600.0
 
@@ -49,3 +52,27 @@ async def open_usage_outbox(bus: Bus, service: str, directory: Path, name: str) 
     outbox = UsageOutbox(directory / f"{name}.usage", usage_publisher(bus, service))
     await outbox.open()
     return outbox
+
+
+async def adopt_orphans(bus: Bus, service: str, directory: Path, *, timeout_s: float = 30.0) -> int:
+    """Send what dead producers left in `directory`'s other outboxes, then remove them.
+
+    An instance that comes back under another id (compose and clusters name instances at
+    random) never reopens its old file; whoever shares the directory adopts it. An outbox
+    still locked belongs to a live process and is left alone, one whose records cannot be
+    sent within `timeout_s` stays for a later adopter. Returns how many records were sent."""
+    num_sent = 0
+    for path in sorted(directory.glob("*.usage")):
+        outbox = UsageOutbox(path, usage_publisher(bus, service))
+        try:
+            num_pending = await outbox.open()
+        except OutboxLocked:
+            continue  # alive, or adopted by someone else right now
+        if await outbox.flush(timeout_s):
+            await outbox.close_and_remove()
+            num_sent += num_pending
+        else:
+            await outbox.close(timeout_s=0.1)
+    if num_sent:
+        log.info("orphaned usage records sent", num_records=num_sent, directory=str(directory))
+    return num_sent

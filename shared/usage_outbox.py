@@ -208,6 +208,23 @@ class UsageOutbox:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases the flock
 
+    async def close_and_remove(self) -> None:
+        """Close an outbox with nothing pending and remove its files, while still holding
+        its lock (an adopter's end: no other process can be using them meanwhile)."""
+        if self._pending:
+            raise OutboxError(f"usage outbox {self._path} still holds {len(self._pending)}")
+        if self._sender is not None:
+            sender, self._sender = self._sender, None
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+        async with self._io:
+            self._path.unlink(missing_ok=True)
+            self._lock_path.unlink(missing_ok=True)
+            for fd in (self._fd, self._lock_fd):
+                if fd is not None:
+                    os.close(fd)
+            self._fd = self._lock_fd = None
+
     def _load(self) -> tuple[int, int, list[_Entry], int]:
         self._path.parent.mkdir(parents=True, exist_ok=True)
         fds = [os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)]

@@ -32,8 +32,12 @@ from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, DecodeJob, SuffixReady
 from shared.serving.wiring import open_mock_kv, open_model_kv, start_worker
 from shared.subjects import DECODE
-from shared.usage import ensure_usage_stream, open_usage_outbox
+from shared.usage import adopt_orphans, ensure_usage_stream, open_usage_outbox
 from shared.usage_outbox import UsageOutbox
+
+# How often a worker looks for outboxes of dead workers in its directory (an instance that
+# restarts under a new id never reopens its old one).
+ORPHAN_SWEEP_S = 30.0
 
 
 async def setup(runtime: ServiceRuntime) -> None:
@@ -111,6 +115,11 @@ async def open_outbox(runtime: ServiceRuntime, config: DecodeConfig) -> UsageOut
         await outbox.close(timeout_s=config.shutdown_grace_s)
 
     runtime.on_stop(close)  # registered before the worker's: runs after it
+
+    async def adopt() -> None:  # what dead workers sharing the directory left
+        await adopt_orphans(runtime.bus, DECODE, config.usage_outbox_dir)
+
+    runtime.every(ORPHAN_SWEEP_S, adopt)
     return outbox
 
 

@@ -11,11 +11,12 @@ import pytest
 
 from shared.bus import Bus
 from shared.natsd import NatsServer
-from shared.schema import UsageRecord, UsageStatus
+from shared.schema import Unavailable, UsageRecord, UsageStatus
 from shared.subjects import DECODE
 from shared.testing import unique_root
 from shared.testing.fixtures import BusFactory
-from shared.usage import open_usage_outbox, usage_publisher
+from shared.usage import adopt_orphans, open_usage_outbox, usage_publisher
+from shared.usage_outbox import UsageOutbox
 from tests.e2e.cluster_helpers import usage_records
 
 pytestmark = pytest.mark.nats
@@ -73,3 +74,32 @@ async def test_the_outbox_keeps_records_through_a_server_outage(tmp_path: Path) 
         await outbox.close(timeout_s=1)
         await bus.close()
         server.stop()
+
+
+async def test_a_dead_worker_s_outbox_is_adopted_and_removed(
+    bus_factory: BusFactory, tmp_path: Path
+) -> None:
+    """A worker that comes back under another id never reopens its old outbox: another one
+    sharing the directory sends what it left, then removes it; a live one is left alone."""
+    bus = await bus_factory("decode", "decode-new")
+    directory = tmp_path / "outbox"
+
+    async def unreachable(_: UsageRecord) -> None:
+        raise Unavailable("JetStream down")
+
+    dead = UsageOutbox(directory / "decode-old.usage", unreachable)
+    await dead.open()
+    for i in range(3):
+        await dead.add(record(f"left-{i}"))
+    await dead.close(timeout_s=0.1)  # the process ends with the three still pending
+    live = await open_usage_outbox(bus, DECODE, directory, "decode-new")
+    try:
+        assert await adopt_orphans(bus, DECODE, directory, timeout_s=10) == 3
+        found = await usage_records(bus, {f"left-{i}" for i in range(3)}, timeout_s=10)
+        assert len(found) == 3
+        assert sorted(p.name for p in directory.iterdir()) == [
+            "decode-new.usage", "decode-new.usage.lock",
+        ]  # fmt: skip
+        assert await adopt_orphans(bus, DECODE, directory, timeout_s=1) == 0  # ours: locked
+    finally:
+        await live.close()

@@ -29,3 +29,10 @@ def test_prefill_and_decode_share_one_store_volume() -> None:
         command = services[name]["command"]
         store_dir = command[command.index("--store-dir") + 1]
         assert f"kvstore:{store_dir}" in services[name]["volumes"]
+
+
+def test_decode_keeps_its_usage_outbox_on_a_volume() -> None:
+    command = yaml.safe_load(COMPOSE.read_text())["services"]["decode"]["command"]
+    outbox_dir = command[command.index("--usage-outbox-dir") + 1]
+    volumes = yaml.safe_load(COMPOSE.read_text())["services"]["decode"]["volumes"]
+    assert f"outbox:{outbox_dir}" in volumes
