@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvfabric-installed
 
-.PHONY: demo up test lint bench-bus setup clean
+.PHONY: demo up test lint bench-bus setup clean models
 
 setup: $(STAMP)
 
@@ -19,13 +19,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The models live outside the repository (shared/models.py); fetching is a no-op once cached.
+models: $(STAMP)
+	$(VENV)/bin/kvfabric models fetch
+
+demo: models
 	$(VENV)/bin/kvfabric demo
 
-up: $(STAMP)
+up: models
 	$(VENV)/bin/kvfabric up
 
-test: $(STAMP)
+test: models
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from shared.engine.bundled import BUNDLED_MODEL_DIR
+from shared.models import ModelError, model_path, served_name
 from shared.subjects import DEFAULT_ROOT, Subjects, check_token
 
 SHARED_ENV_PREFIX = "KVF_"
@@ -173,11 +173,17 @@ def _jsonable(value: Any) -> Any:
 class EngineWorkerConfig(ServiceConfig):
     """Fields of the services that run the model (prefill, decode)."""
 
-    model_dir: Path = BUNDLED_MODEL_DIR
+    # What this worker serves: a model's name (`kvfabric models list`: tiny-coder,
+    # SmolLM2-135M-Instruct) or a path, an HF directory or a .gguf file.
+    model: str = "tiny-coder"
     kv_block_size_tokens: int = 64
-    # Pages of the worker's KV pool. tiny-coder's block is 96 KiB (3 full layers x K/V x 64
-    # tokens x 2 heads x 64 dims x 2 bytes), so 512 pages are 48 MiB per worker.
-    num_kv_blocks: int = 512
+    # The KV pool: `num_kv_blocks` pages, or (0) as many as fit in `kv_pool_bytes`. A page is
+    # every full-attention layer's K and V for one block: 96 KiB for tiny-coder, 2.8 MiB
+    # for SmolLM2 in fp32 (30 layers x K/V x 64 tokens x 3 heads x 64 dims x 4 bytes), so
+    # 1 GiB is 10,922 pages of tiny-coder and 364 of SmolLM2 (23K tokens). Pages are touched
+    # as they are used (the pool is zero-filled lazily).
+    num_kv_blocks: int = 0
+    kv_pool_bytes: int = 1 << 30
     num_threads: int = 1  # torch threads: one per worker on a 2-core machine
     # Longest sequence served; 0: the model's max_position_embeddings (its training context).
     # Larger values run RoPE past what the model was trained on: right for timing (the
@@ -189,8 +195,9 @@ class EngineWorkerConfig(ServiceConfig):
     store_capacity_bytes: int = 8 << 30  # this worker's share
     store_file_nbytes: int = 256 << 20
     store_backend: str = "nixl:POSIX"  # nixl:GDS, nixl:GDS_MT, nixl:HF3FS, aiofiles
-    # NIXL-registered host memory for the prefill -> decode KV handoff (and SWA snapshots).
-    handoff_staging_bytes: int = 64 << 20
+    # NIXL-registered host memory for the prefill -> decode KV handoff; 0: room for one
+    # prompt of the longest length served (its pages and window), whatever the model.
+    handoff_staging_bytes: int = 0
     # `mock`: the same endpoints and messages over shared.mock_engine's MockEngine -- timing from
     # CostModel, deterministic fake tokens, but real KV events, store writes and usage.
     # No torch, no NIXL (the store uses aiofiles whatever store_backend says), so one host
@@ -205,15 +212,34 @@ class EngineWorkerConfig(ServiceConfig):
             raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.mock_speedup <= 0:
             raise ConfigError(f"mock_speedup must be > 0, got {self.mock_speedup}")
-        if not (self.model_dir / "config.json").is_file():
-            raise ConfigError(
-                f"model_dir {self.model_dir} has no config.json (an HF model directory)"
-            )
+        try:
+            model_path(self.model)
+        except ModelError as exc:
+            raise ConfigError(str(exc)) from exc
         if self.max_model_len < 0:
             raise ConfigError("max_model_len must be >= 0")
         for name in (
-            "kv_block_size_tokens", "num_kv_blocks", "num_threads", "store_capacity_bytes",
-            "store_file_nbytes", "handoff_staging_bytes", "mock_block_nbytes",
+            "kv_block_size_tokens", "num_threads", "store_capacity_bytes", "store_file_nbytes",
+            "mock_block_nbytes", "kv_pool_bytes",
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        for name in ("num_kv_blocks", "handoff_staging_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0: sized for the model)")
+
+    @property
+    def model_path(self) -> Path:
+        """The model's files (ModelError when a known model is not fetched)."""
+        return model_path(self.model)
+
+    @property
+    def model_name(self) -> str:
+        """What requests ask for and discovery says: a known model's name, else the file's."""
+        return served_name(self.model)
+
+    def pool_pages(self, block_nbytes: int) -> int:
+        """KV pool pages for blocks of `block_nbytes` (`num_kv_blocks`, else what fits)."""
+        if self.num_kv_blocks:
+            return self.num_kv_blocks
+        return max(self.kv_pool_bytes // max(block_nbytes, 1), 1)

@@ -16,21 +16,22 @@ from pathlib import Path
 
 import typer
 
-from services.admin import cache_cli, generate_cli
+from services.admin import cache_cli, generate_cli, models_cli
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of, parse_replicas
 from services.admin.status import render
-from shared import kv_index_client as index_client
+from shared import models
 from shared.bus import Bus
-from shared.client import build_request, generate
+from shared.client import GenerateResult, build_request, generate
 from shared.config import ENGINES
 from shared.discovery import discover
-from shared.engine.bundled import BUNDLED_MODEL_DIR
-from shared.kvstore.blocks import RequestBlocks
-from shared.schema import ServiceError, SwaGet, SwaGetReply, SwaPut, SwaPutReply
+from shared.engine.checkpoint import Checkpoint
+from shared.models import DEFAULT_MODELS
+from shared.schema import ServiceError
 from shared.subjects import DECODE, DEFAULT_ROOT, PREFILL, SERVICES
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
 app.add_typer(cache_cli.app, name="cache")
+app.add_typer(models_cli.app, name="models")
 app.command("generate")(generate_cli.generate_command)
 
 NATS_URL_HELP = "URL of a running NATS server (default: start an embedded one)"
@@ -49,7 +50,12 @@ def up(
     root: str = typer.Option(DEFAULT_ROOT, help="subject root"),
     log_level: str = typer.Option("info", help="debug|info|warning|error"),
     shutdown_grace_s: float = typer.Option(10.0, help="how long each service may drain"),
-    model: Path = typer.Option(BUNDLED_MODEL_DIR, help="HF model directory prefill and decode run"),
+    models_: str = typer.Option(
+        ",".join(DEFAULT_MODELS),
+        "--models",
+        help="models to serve, each by its own prefill and decode workers: names (kvfabric "
+        "models list) or paths, comma separated",
+    ),
     engine: str = typer.Option(
         "model", help="model: run it; mock: simulated timing, real KV events and usage"
     ),
@@ -66,7 +72,8 @@ def up(
         log_level,
         shutdown_grace_s,
     )
-    spec.extra_args = _model_args(model, engine)
+    spec.models = _models(models_, engine)
+    spec.extra_args = _engine_args(engine)
     raise typer.Exit(asyncio.run(_up(spec, serve_forever=True)))
 
 
@@ -74,11 +81,12 @@ def up(
 def demo(
     state_dir: Path | None = typer.Option(None, help="default: a fresh temporary directory"),
 ) -> None:
-    """Bring the cluster up on free ports, serve requests (health over HTTP, a kv-index match
-    of a tokenized prompt, a swa-memcache round trip), show its status, stop it."""
+    """Bring the cluster up on free ports (SmolLM2 and tiny-coder), ask SmolLM2 a coding
+    question, send the agent's second turn (the conversation and a tool's output, mostly
+    from the store), show the cluster's status, stop it."""
     state_dir = state_dir or Path(tempfile.mkdtemp(prefix="kvfabric-"))
     spec = ClusterSpec(state_dir=state_dir, nats_port=0, http_port=0)
-    spec.extra_args = _model_args(BUNDLED_MODEL_DIR)
+    spec.models = _models(",".join(DEFAULT_MODELS))
     raise typer.Exit(asyncio.run(_up(spec, serve_forever=False)))
 
 
@@ -139,13 +147,36 @@ def status(
         typer.echo(render(instances))
 
 
-def _model_args(model: Path, engine: str = "model") -> dict[str, list[str]]:
-    if not (model / "config.json").is_file():
-        raise typer.BadParameter(f"{model} is not an HF model directory", param_hint="--model")
+def _models(text: str, engine: str = "model") -> tuple[str, ...]:
+    """The --models list, each a known model (fetched: a mock worker reads its metadata too)
+    or an existing path; BadParameter naming what is wrong."""
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names:
+        raise typer.BadParameter("name at least one model", param_hint="--models")
+    resolved = []
+    for name in names:
+        try:
+            models.model_path(name)
+        except models.ModelError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--models") from exc
+        resolved.append(models.source(name).name if _is_known(name) else name)
+    if len(set(resolved)) != len(resolved):
+        raise typer.BadParameter(f"a model is named twice: {text}", param_hint="--models")
+    return tuple(resolved)
+
+
+def _is_known(name: str) -> bool:
+    try:
+        models.source(name)
+    except models.ModelError:
+        return False
+    return True
+
+
+def _engine_args(engine: str) -> dict[str, list[str]]:
     if engine not in ENGINES:
         raise typer.BadParameter(f"must be one of {', '.join(ENGINES)}", param_hint="--engine")
-    args = ["--model-dir", str(model), "--engine", engine]
-    return {PREFILL: args, DECODE: list(args)}
+    return {PREFILL: ["--engine", engine], DECODE: ["--engine", engine]}
 
 
 def _spec(
@@ -171,7 +202,8 @@ async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
     echo = lambda text: print(text, flush=True)  # noqa: E731
     bus = None
     try:
-        echo(f"starting {sum(spec.num_replicas(s) for s in START_ORDER)} service processes")
+        num_processes = sum(len(spec.instances(s)) for s in START_ORDER)
+        echo(f"starting {num_processes} service processes ({', '.join(spec.models)})")
         cluster.start()
         echo(
             f"nats-server   {cluster.nats_url}"
@@ -210,49 +242,80 @@ async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
         await asyncio.to_thread(cluster.stop, echo)
 
 
-DEMO_PROMPT = "import os\n\n\ndef list_files(path):\n    return sorted(os.listdir(path))\n" * 8
+DEMO_MODEL = "SmolLM2-135M-Instruct"
+DEMO_QUESTION = (
+    "Write a Python function is_palindrome(s) that returns True when the string s reads "
+    "the same forwards and backwards."
+)
+DEMO_TOOL_RESULT = (
+    "$ python -c 'from pal import is_palindrome; print(is_palindrome(\"Racecar\"))'\nFalse"
+)
+DEMO_FOLLOW_UP = "The test says False for 'Racecar'. Make it ignore case and spaces."
 
 
 async def _demo_requests(cluster: Cluster, bus: Bus, echo) -> int:  # noqa: ANN001
+    """What a coding agent does: a question to SmolLM2, then a second turn that sends the
+    whole conversation again with a tool's output, most of it from the store."""
     url = f"{cluster.http_urls[0]}/health"
     body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
     echo(f"GET {url} -> {body}")
-    # A prompt as ingress will see it: tokenized with the bundled model's tokenizer, hashed
-    # into blocks, looked up in kv-index; then a sliding-window snapshot through swa-memcache.
-    from tokenizers import Tokenizer
+    checkpoint = Checkpoint(models.model_path(DEMO_MODEL))
+    tokenizer, template = checkpoint.tokenizer(), checkpoint.chat_template()
 
-    token_ids = (
-        Tokenizer.from_file(str(BUNDLED_MODEL_DIR / "tokenizer.json")).encode(DEMO_PROMPT).ids
+    def tokens(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    # Turn 1: the chat template rendered and tokenized as ingress will do it.
+    messages = [{"role": "user", "content": DEMO_QUESTION}]
+    prompt = tokens(template.render(messages, add_generation_prompt=True))
+    first = await _demo_turn(bus, prompt, echo, turn=1)
+    echo(first.text.strip())
+    # Turn 2: the same conversation, the answer as it was generated (its ids, not its text
+    # tokenized again, so the prefix is byte-for-byte what the store holds), a tool result
+    # and the next question.
+    answered = messages + [{"role": "assistant", "content": first.text}]
+    rest = template.render(
+        [*answered, {"role": "tool", "content": DEMO_TOOL_RESULT},
+         {"role": "user", "content": DEMO_FOLLOW_UP}],
+        add_generation_prompt=True,
+    )  # fmt: skip
+    turn_2_tail = rest[len(template.render(answered, add_generation_prompt=False)) :]
+    second_prompt = prompt + first.token_ids + tokens("\n" + turn_2_tail.lstrip("\n"))
+    second = await _demo_turn(bus, second_prompt, echo, turn=2)
+    echo(second.text.strip())
+    # The same second prompt once more in another cache namespace: nothing hits, all of it
+    # is computed -- what turn 2 would have cost without the store.
+    cold_request = build_request(
+        second_prompt, model=DEMO_MODEL, max_tokens=1, cache_salt="demo-cold"
     )
-    hashes = RequestBlocks.hash_prompt(
-        token_ids, model=BUNDLED_MODEL_DIR.name, block_size_tokens=16
-    ).hashes
-    matched = await index_client.match(bus, hashes, num_shards=1)
-    cached = max((m.num_blocks for m in matched.values()), default=0)
-    echo(f"kv-index match: {len(token_ids)} tokens, {len(hashes)} blocks, {cached} cached")
-    snapshot = SwaPut(block_hash=hashes[-1], snapshot=b"\x00" * 4096)
-    stored = await bus.request(bus.subjects.swa_put, snapshot, SwaPutReply)
-    got = await bus.request(bus.subjects.swa_get, SwaGet(block_hash=hashes[-1]), SwaGetReply)
-    echo(f"swa-memcache put {stored.stored}, get found {got.found} ({len(got.snapshot)} bytes)")
-    # Two turns of an agent through router -> prefill -> decode: the second re-sends the
-    # first turn's prompt and answer and is served mostly from the store.
-    history = list(token_ids)
-    for turn in (1, 2):
-        request = build_request(history, model=BUNDLED_MODEL_DIR.name, max_tokens=32)
-        result = await generate(bus, request)
-        usage = result.usage
-        assert usage is not None  # a completed stream always ends with usage
-        echo(
-            f"generate turn {turn}: {usage.num_prompt_tokens} prompt tokens, "
-            f"{usage.num_cached_tokens} from the store, {usage.num_output_tokens} generated "
-            f"({result.finish_reason}), TTFT {(result.ttft_s or 0) * 1000:.0f} ms, "
-            f"prefill {result.decision.prefill_worker_id}, decode "
-            f"{result.decision.decode_worker_id}: {result.text!r}"
-        )
-        history += result.token_ids + [int(t) for t in token_ids[:8]]
-        await asyncio.sleep(0.2)  # kv-index applies the answer's BlocksStored asynchronously
+    cold = await generate(bus, cold_request)
+    echo(
+        f"time to first token: turn 1 {_ms(first.ttft_s)} ({len(prompt)} tokens, cold); "
+        f"turn 2 {_ms(second.ttft_s)} ({len(second_prompt)} tokens, "
+        f"{second.decision.num_cached_tokens} from the store); turn 2's prompt computed "
+        f"cold {_ms(cold.ttft_s)}"
+    )
     echo(render(await discover(bus, timeout_s=0.5)))
     return 0
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+async def _demo_turn(bus: Bus, prompt: list[int], echo, *, turn: int) -> GenerateResult:  # noqa: ANN001
+    request = build_request(prompt, model=DEMO_MODEL, max_tokens=160)
+    result = await generate(bus, request)
+    usage = result.usage
+    assert usage is not None  # a completed stream always ends with usage
+    echo(
+        f"generate turn {turn}: {usage.num_prompt_tokens} prompt tokens, "
+        f"{usage.num_cached_tokens} from the store, {usage.num_output_tokens} generated "
+        f"({result.finish_reason}), TTFT {(result.ttft_s or 0) * 1000:.0f} ms, "
+        f"prefill {result.decision.prefill_worker_id}, decode {result.decision.decode_worker_id}"
+    )
+    await asyncio.sleep(0.3)  # kv-index applies the answer's BlocksStored asynchronously
+    return result
 
 
 if __name__ == "__main__":

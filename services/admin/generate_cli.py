@@ -1,14 +1,14 @@
 """`kvfabric generate PROMPT`: one request through a running cluster, as ingress would send it.
 
-The prompt is tokenized here with the model directory's tokenizer (the cluster's workers run
-the same model), block-hashed and sent to the router (`shared.client.generate`). The text is
+The prompt is tokenized here with `--model`'s own tokenizer (the cluster's workers of that
+model run the same), block-hashed and sent to the router (`shared.client.generate`). The text is
 streamed to stdout as the decode worker sends it; a summary (cache hits, TTFT, where the
 prefill time went, draft acceptance) goes to stderr, so `kvfabric generate ... > out.py`
 keeps only the model's text. `--json` prints one object instead.
 
-`--chat` renders the model's own chat template (tokenizer_config.json `chat_template`, with
-jinja2) around the prompt as one user turn; `--raw` (the default) sends the prompt's tokens
-as they are, without a bos token.
+`--chat` renders the model's own chat template (tokenizer_config.json's, or the GGUF's) around
+the prompt as one user turn; `--raw` (the default) sends the prompt's tokens as they are,
+without a bos token.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from pathlib import Path
 
 import msgspec
 import typer
-from tokenizers import Tokenizer
 
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
-from shared.engine.bundled import BUNDLED_MODEL_DIR
+from shared.engine.checkpoint import Checkpoint
+from shared.engine.errors import EngineError
 from shared.logging import configure_logging
+from shared.models import DEFAULT_MODELS, ModelError, model_path, served_name
 from shared.schema import GenerateRequest, ServiceError, TokenChunk, Unavailable
 from shared.subjects import DEFAULT_ROOT, INGRESS
 from shared.usage import open_usage_outbox
@@ -53,37 +54,20 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     return text
 
 
-def render_chat(model_dir: Path, prompt: str) -> str:
+def load_model_files(model: str) -> tuple[str, Checkpoint]:
+    """The served name and the files of --model (a name or a path); BadParameter if absent."""
+    try:
+        return served_name(model), Checkpoint(model_path(model))
+    except ModelError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from exc
+
+
+def render_chat(checkpoint: Checkpoint, prompt: str) -> str:
     """The prompt as one user turn of the model's chat template, ready for the assistant."""
-    config_path = model_dir / "tokenizer_config.json"
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise typer.BadParameter(f"cannot read {config_path}: {exc}", param_hint="--chat") from exc
-    template = config.get("chat_template")
-    if not isinstance(template, str):
-        raise typer.BadParameter(
-            f"{config_path} has no chat_template; use --raw", param_hint="--chat"
-        )
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError as exc:
-        raise typer.BadParameter("--chat needs jinja2 (pip install jinja2); or use --raw") from exc
-    # The settings transformers renders chat templates with, so the text is the same.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(
-        messages=[{"role": "user", "content": prompt}],
-        add_generation_prompt=True,
-        bos_token=_token_text(config.get("bos_token")),
-        eos_token=_token_text(config.get("eos_token")),
-    )
-
-
-def _token_text(token: object) -> str:
-    # tokenizer_config.json spells a special token as a string or as {"content": ...}.
-    if isinstance(token, dict):
-        return str(token.get("content", ""))
-    return token if isinstance(token, str) else ""
+        return checkpoint.chat_template().render([{"role": "user", "content": prompt}])
+    except EngineError as exc:  # no template, or one that fails to render
+        raise typer.BadParameter(f"{exc}; or use --raw", param_hint="--chat") from exc
 
 
 def summary_line(result: GenerateResult) -> str:
@@ -217,8 +201,10 @@ def generate_command(
         "nats://127.0.0.1:4222", help="NATS server of the cluster", envvar="KVF_NATS_URL"
     ),
     root: str = typer.Option(DEFAULT_ROOT, help="subject root of the cluster", envvar="KVF_ROOT"),
-    model_dir: Path = typer.Option(
-        BUNDLED_MODEL_DIR, help="HF model directory: its tokenizer, its name is the model"
+    model: str = typer.Option(
+        DEFAULT_MODELS[0],
+        help="the model to ask (kvfabric models list), or its path: "
+        "its tokenizer and chat template, its name in the request",
     ),
     chat: bool = typer.Option(False, "--chat/--raw", help="wrap in the chat template, or not"),
     max_tokens: int = typer.Option(64, min=1, help="tokens to generate at most"),
@@ -238,14 +224,16 @@ def generate_command(
 ) -> None:
     """Generate from PROMPT through a running cluster; stream the text to stdout."""
     text = read_prompt(prompt, prompt_file)
-    tokenizer_path = model_dir / "tokenizer.json"
-    if not tokenizer_path.is_file():
-        raise typer.BadParameter(f"no tokenizer.json in {model_dir}", param_hint="--model-dir")
+    name, checkpoint = load_model_files(model)
     if chat:
-        text = render_chat(model_dir, text)
-    token_ids = Tokenizer.from_file(str(tokenizer_path)).encode(text, add_special_tokens=False).ids
+        text = render_chat(checkpoint, text)
+    try:
+        tokenizer = checkpoint.tokenizer()
+    except EngineError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from exc
+    token_ids = tokenizer.encode(text, add_special_tokens=False).ids
     request = build_request(
-        token_ids, model=model_dir.name, block_size_tokens=block_size, max_tokens=max_tokens,
+        token_ids, model=name, block_size_tokens=block_size, max_tokens=max_tokens,
         temperature=temperature, seed=seed, stop=stop, cache_salt=cache_salt,
         deadline_s=timeout_s,
     )  # fmt: skip

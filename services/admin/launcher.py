@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared import models
 from shared.bus import Bus
 from shared.discovery import Instance, discover
 from shared.natsd import NatsServer, die_with_parent
@@ -28,6 +29,7 @@ from shared.subjects import (
     ROUTER,
     SERVICES,
     SWA_MEMCACHE,
+    check_token,
 )
 
 # Start order: what others call comes up first. Stop order is the reverse: ingress stops
@@ -38,6 +40,15 @@ assert set(START_ORDER) == set(SERVICES)
 
 def module_of(service: str) -> str:
     return "services." + service.replace("-", "_")
+
+
+def _short(model: str) -> str:
+    """A model's name in instance ids: its first alias (`smollm2`), else its name."""
+    try:
+        known = models.source(model)
+    except models.ModelError:  # a path: the file's or directory's name
+        return check_token(models.served_name(model).lower().replace(".", "-"), "model name")
+    return (known.aliases or (known.name,))[0].lower()
 
 
 def parse_replicas(text: str) -> dict[str, int]:
@@ -69,9 +80,25 @@ class ClusterSpec:
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service flags
     # Per instance flags, after its service's: {"prefill-1": ["--node-id", "node-b"]}.
     instance_args: dict[str, list[str]] = field(default_factory=dict)
+    # What the prefill and decode workers serve: `replicas` of each service per model.
+    # Names (shared.models) or paths; the workers' `--model`, unless extra_args give one.
+    models: tuple[str, ...] = ("tiny-coder",)
 
     def num_replicas(self, service: str) -> int:
         return self.replicas.get(service, 1)
+
+    def instances(self, service: str) -> list[tuple[str, str | None]]:
+        """(instance id, model) of each instance of `service` (model None: not a worker).
+        With one model ids are `prefill-0`, ...; with several `prefill-<model>-0`, ...,
+        the model's short name (`smollm2`) in the id."""
+        count = self.num_replicas(service)
+        if service not in (PREFILL, DECODE):
+            return [(f"{service}-{i}", None) for i in range(count)]
+        if len(self.models) == 1:
+            return [(f"{service}-{i}", self.models[0]) for i in range(count)]
+        return [
+            (f"{service}-{_short(model)}-{i}", model) for model in self.models for i in range(count)
+        ]
 
 
 @dataclass
@@ -98,11 +125,10 @@ class Cluster:
             self.nats.start()
             self.nats_url = self.nats.url
         for service in START_ORDER:
-            for index in range(self.spec.num_replicas(service)):
-                self._spawn(service, index)
+            for index, (instance_id, model) in enumerate(self.spec.instances(service)):
+                self._spawn(service, index, instance_id, model)
 
-    def _spawn(self, service: str, index: int) -> None:
-        instance_id = f"{service}-{index}"
+    def _spawn(self, service: str, index: int, instance_id: str, model: str | None) -> None:
         args = [
             sys.executable, "-m", module_of(service),
             "--nats-url", self.nats_url,
@@ -115,6 +141,8 @@ class Cluster:
             port = self.spec.http_port + index if self.spec.http_port else 0
             args += ["--http-host", self.spec.http_host, "--http-port", str(port)]
         extra = self.spec.extra_args.get(service, []) + self.spec.instance_args.get(instance_id, [])
+        if model is not None and "--model" not in extra:
+            args += ["--model", model]
         if service in (PREFILL, DECODE) and "--store-dir" not in extra:
             # One SSD tier for the whole one-machine cluster: every worker reads every slot.
             args += ["--store-dir", str(self.spec.state_dir / "kvstore")]

@@ -7,6 +7,7 @@ from shared.discovery import Instance
 COLUMNS = (
     "SERVICE",
     "INSTANCE",
+    "MODEL",
     "STATE",
     "INFLIGHT",
     "QUEUED",
@@ -26,6 +27,7 @@ def render(instances: list[Instance]) -> str:
             (
                 i.service,
                 i.instance_id,
+                i.metadata.get("model", ""),
                 str(load.get("state", "?")),
                 str(load.get("num_inflight", 0)),
                 str(load.get("num_queued", 0)),

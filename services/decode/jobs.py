@@ -120,7 +120,7 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
     def kv_pages(self) -> tuple[int, int]:
         """The KV pool's pages: (total, free)."""
 
-    def load_fields(self) -> dict[str, int]:
+    def load_fields(self) -> dict[str, int | str]:
         joined = sum(r.joined for r in self.requests.values())
         num_pages_total, num_pages_free = self.kv_pages()
         return {
@@ -128,6 +128,7 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
             "num_running": joined,
             "num_kv_pages_total": num_pages_total,
             "num_kv_pages_free": num_pages_free,
+            "model": self.model_name,
         }
 
     # -- DecodeJob -----------------------------------------------------------------------

@@ -19,13 +19,12 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from tokenizers import Tokenizer
-
 from services.decode.config import DecodeConfig
 from services.decode.finish import Finisher
 from services.decode.jobs import DecodeJobsBase
 from services.decode.mock_worker import MockDecodeWorker
 from shared.bus import Endpoint
+from shared.engine.checkpoint import Checkpoint
 from shared.kvstore.store import KvStore
 from shared.mock_engine import MockEngine, MockEngineConfig
 from shared.runtime import ServiceRuntime, service_main
@@ -52,12 +51,12 @@ async def setup(runtime: ServiceRuntime) -> None:
     from shared.engine.drafter import SpecDecodeConfig
     from shared.engine.engine import Engine
     from shared.engine.scheduler import SchedulerConfig
-    from shared.engine.worker import build_runner, describe
+    from shared.engine.worker import build_runner, describe, handoff_staging_bytes, max_model_len
 
     bus = runtime.bus
     runner = await asyncio.to_thread(build_runner, config)
     runtime.metadata |= describe(runner, config)
-    tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
+    tokenizer = Checkpoint(config.model_path).tokenizer()
     engine = Engine(
         runner,
         SchedulerConfig(
@@ -66,17 +65,21 @@ async def setup(runtime: ServiceRuntime) -> None:
         spec_decode=SpecDecodeConfig(
             enabled=config.spec_decode, max_batch_size=config.spec_max_batch_size
         ),
-        max_model_len=config.max_model_len or None,
+        max_model_len=max_model_len(runner, config),
         track_block_boundaries=True,
     )
     outbox = await open_outbox(runtime, config)
-    kv = await open_model_kv(runtime, config, DECODE, runner.layout.block_nbytes)
+    kv = await open_model_kv(
+        runtime, config, DECODE, runner.layout.block_nbytes,
+        has_windows=bool(runner.config.sliding_layer_ids),
+        staging_nbytes=handoff_staging_bytes(runner, config),
+    )  # fmt: skip
     worker = DecodeWorker(
         bus, engine, tokenizer, kv.agent, kv.staging,
         Finisher(
             bus, kv.store, kv.publisher, kv.swa, outbox, report_load=runtime.publish_load_report
         ),
-        model_name=config.model_dir.name,
+        model_name=config.model_name,
         retry_after_s=config.retry_after_s, pull_timeout_s=config.pull_timeout_s,
         suffix_timeout_s=config.suffix_timeout_s,
     )  # fmt: skip
@@ -87,13 +90,13 @@ async def setup_mock(runtime: ServiceRuntime, config: DecodeConfig) -> None:
     bus = runtime.bus
     outbox = await open_outbox(runtime, config)
     model, store, publisher = await open_mock_kv(runtime, config)
-    tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
+    tokenizer = Checkpoint(config.model_path).tokenizer()
     engine = MockEngine(
         MockEngineConfig(
             model_id=model.name, block_size_tokens=config.kv_block_size_tokens,
             vocab_size=model.vocab_size, max_model_len=model.max_model_len,
             max_num_batched_tokens=config.max_batch_tokens, max_num_seqs=config.max_num_seqs,
-            num_kv_pages=config.num_kv_blocks,
+            num_kv_pages=config.pool_pages(config.mock_block_nbytes),
         )
     )  # fmt: skip
     # Mock sequences have no window: no swa-memcache.

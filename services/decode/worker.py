@@ -168,8 +168,11 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
             pages = self.runner.allocator.allocate(ready.num_blocks)
             unstage_pages(self.buffer, extent.offset, self.runner.pool, pages)
             start = extent.offset + ready.num_blocks * ready.block_nbytes
-            snapshot = bytes(self.buffer[start : start + ready.window_nbytes])
-            window = snapshot_from_bytes(self.runner.config, snapshot)
+            if ready.window_nbytes:
+                snapshot = bytes(self.buffer[start : start + ready.window_nbytes])
+                window = snapshot_from_bytes(self.runner.config, snapshot)
+            else:  # a model without sliding layers: no window was staged
+                window = self.runner.empty_window(ready.num_computed_tokens)
         finally:
             await self.staging.free(extent)
         return pages, window, pull_ms
@@ -200,7 +203,8 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         blocks = [(i, bytes(pool.block_view(seq.block_table[i]))) for i in range(first, end)]
         window = seq.boundary_window
         at_last_block = window is not None and window.end_position == end * self.block_size
-        snapshot = snapshot_to_bytes(window) if at_last_block and blocks else None
+        has_window = at_last_block and bool(self.runner.config.sliding_layer_ids)
+        snapshot = snapshot_to_bytes(window) if has_window and blocks else None
         self._finished[seq.seq_id] = Finished(
             STREAM_FINISH_REASONS[reason], list(seq.token_ids), blocks, snapshot
         )

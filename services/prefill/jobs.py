@@ -128,7 +128,7 @@ class PrefillJobsBase(ABC, Generic[JobT]):
     def kv_pages(self) -> tuple[int, int]:
         """The KV pool's pages: (total, free)."""
 
-    def load_fields(self) -> dict[str, int]:
+    def load_fields(self) -> dict[str, int | str]:
         computing = [j for j in self._jobs.values() if not j.finishing]
         num_pages_total, num_pages_free = self.kv_pages()
         return {
@@ -137,6 +137,7 @@ class PrefillJobsBase(ABC, Generic[JobT]):
             "num_running": len(self._jobs),
             "num_kv_pages_total": num_pages_total,
             "num_kv_pages_free": num_pages_free,
+            "model": self.model_name,
         }
 
     def counters(self) -> dict[str, int | str]:

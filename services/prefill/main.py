@@ -38,12 +38,16 @@ async def setup(runtime: ServiceRuntime) -> None:
     # Imported here: they import torch (2-10 s), which `--engine mock` never needs.
     from services.prefill.restore import PrefixRestorer, RestorePolicy
     from services.prefill.worker import PrefillWorker
-    from shared.engine.worker import build_runner, describe
+    from shared.engine.worker import build_runner, describe, handoff_staging_bytes, max_model_len
 
     bus = runtime.bus
     runner = await asyncio.to_thread(build_runner, config)
     runtime.metadata |= describe(runner, config)
-    kv = await open_model_kv(runtime, config, PREFILL, runner.layout.block_nbytes)
+    kv = await open_model_kv(
+        runtime, config, PREFILL, runner.layout.block_nbytes,
+        has_windows=bool(runner.config.sliding_layer_ids),
+        staging_nbytes=handoff_staging_bytes(runner, config),
+    )  # fmt: skip
     compute_lock = asyncio.Lock()
     policy = RestorePolicy(
         use_memcache=config.swa_use_memcache,
@@ -53,8 +57,8 @@ async def setup(runtime: ServiceRuntime) -> None:
     worker = PrefillWorker(
         bus, runner, PrefixRestorer(runner, kv.store, kv.swa, policy, compute_lock),
         kv.publisher, kv.swa, kv.agent, kv.staging,
-        model_name=config.model_dir.name, max_batch_tokens=config.max_batch_tokens,
-        max_model_len=config.max_model_len or runner.config.max_position_embeddings,
+        model_name=config.model_name, max_batch_tokens=config.max_batch_tokens,
+        max_model_len=max_model_len(runner, config),
         handoff_timeout_s=config.handoff_timeout_s, compute_lock=compute_lock,
     )  # fmt: skip
     await serve(runtime, worker, kv.store, kv.agent.close)

@@ -65,11 +65,12 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         self.config = config
         self.model = model
         self.cost = cost or CostModel()
-        self.num_kv_pages_free = config.num_kv_blocks
+        self.num_kv_pages = config.pool_pages(config.mock_block_nbytes)
+        self.num_kv_pages_free = self.num_kv_pages
         self._payload = bytes(config.mock_block_nbytes)
 
     def kv_pages(self) -> tuple[int, int]:
-        return self.config.num_kv_blocks, self.num_kv_pages_free
+        return self.num_kv_pages, self.num_kv_pages_free
 
     # -- jobs ----------------------------------------------------------------------------
     async def _admit(

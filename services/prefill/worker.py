@@ -149,8 +149,9 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         answers that it pulled them."""
         seq = entry.seq
         pages = seq.block_table[entry.num_cached_blocks :]  # the blocks this worker computed
+        # A model without sliding layers has no window: nothing staged, decode starts empty.
         window = seq.window if seq.window is not None else self.runner.empty_window(0)
-        window_bytes = snapshot_to_bytes(window)
+        window_bytes = snapshot_to_bytes(window) if self.runner.config.sliding_layer_ids else b""
         block_nbytes = self.runner.layout.block_nbytes
         try:
             extent = await self.staging.allocate(len(pages) * block_nbytes + len(window_bytes))
@@ -158,8 +159,9 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
             raise BadRequest(f"suffix too large to hand off: {exc}") from exc
         try:
             staged = stage_pages(self.runner.pool, pages, self.buffer, extent.offset)
-            end = extent.offset + staged + len(window_bytes)
-            self.buffer[extent.offset + staged : end] = np.frombuffer(window_bytes, np.uint8)
+            if window_bytes:
+                end = extent.offset + staged + len(window_bytes)
+                self.buffer[extent.offset + staged : end] = np.frombuffer(window_bytes, np.uint8)
             timings = entry.timings()
             async with self.agent.busy():  # decode pulls from our region until it answers
                 transfer_ms = await tell_decode(
@@ -182,6 +184,6 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         window = seq.boundary_window
         boundary = blocks.num_prefill_blocks * self.block_size
         if self.swa is None or window is None or window.end_position != boundary:
-            return
+            return  # (no swa client: the model has no sliding layers)
         if await put_window(self.swa, entry, snapshot_to_bytes(window)):
             self.counts["num_snapshots_put"] += 1

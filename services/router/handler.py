@@ -222,6 +222,10 @@ class Router:
             raise
 
     async def _route(self, request: GenerateRequest) -> RouteDecision:
+        # An unknown model first: the most useful answer to a request nothing here can serve.
+        unserved = self.policy.unserved_model(request.model, self.table, time.monotonic())
+        if unserved is not None:
+            raise unserved.to_error()
         blocks = checked_request(request)
         match = await self._match(request.request_id, request.block_hashes)
         facts = RequestFacts.of(request, blocks, match.num_blocks if match else 0)

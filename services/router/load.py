@@ -45,6 +45,7 @@ class WorkerView:
     num_running: int
     num_kv_pages_total: int
     num_kv_pages_free_reported: int
+    model: str = ""
     num_inflight_tokens: int = 0
     num_inflight_kv_pages: int = 0
     num_inflight_requests: int = 0
@@ -165,17 +166,26 @@ class LoadTable:
             num_running=report.num_running,
             num_kv_pages_total=report.num_kv_pages_total,
             num_kv_pages_free_reported=report.num_kv_pages_free,
+            model=report.model,
             num_inflight_tokens=sum(d.num_tokens for d in deltas),
             num_inflight_kv_pages=sum(d.num_kv_pages for d in deltas),
             num_inflight_requests=sum(d.num_requests for d in deltas),
         )
 
-    def workers(self, service: str, now_s: float) -> list[WorkerView]:
+    def workers(self, service: str, now_s: float, model: str | None = None) -> list[WorkerView]:
         """Instances of `service` that take new work: fresh heartbeat and SERVING (draining
-        and starting ones get none), sorted by instance id."""
+        and starting ones get none), serving `model` when given, sorted by instance id."""
         # Filtered before views are built: the table also holds every swa-memcache (~150 at
         # the reference deployment), and building all their views on each call was most of
         # the router's CPU per request (measured: 3.2 of 4.1 ms, loadtest/bench_router.py).
-        ids = sorted(i for i, k in self._instances.items() if k.report.service == service)
+        ids = sorted(
+            i
+            for i, k in self._instances.items()
+            if k.report.service == service and (model is None or k.report.model == model)
+        )
         views = (self.view(i, now_s) for i in ids)
         return [v for v in views if v is not None and v.state == InstanceState.SERVING]
+
+    def models(self, service: str, now_s: float) -> list[str]:
+        """The models instances of `service` taking new work serve, sorted."""
+        return sorted({w.model for w in self.workers(service, now_s)})

@@ -3,10 +3,12 @@ SLO-aware) and forwards the job. DESIGN.md sections 1 and 3, docs/request-flow.m
 
 Serves (pooled in queue group `router`, and on `<subject>.<instance_id>`):
   <root>.router.generate      GenerateRequest -> RouteDecision, once the decode worker accepted
-                              the job; errors: BAD_REQUEST (empty prompt, no stream inbox,
+                              the job; errors: NOT_FOUND (a model no worker serves, naming
+                              the served ones), BAD_REQUEST (empty prompt, no stream inbox,
                               block hashes that do not match the tokens), OVERLOADED with a
                               retry-after (TTFT objective, full queues, no free decode pages),
-                              UNAVAILABLE (no worker serving)
+                              UNAVAILABLE (no worker serving). Workers are chosen among those
+                              serving the request's model (their heartbeats name it).
 Asks: kv-index match (every shard; no answer within `match_timeout_s` = routed cold). Which
   nodes hold the hit's boundary snapshot is a lookup in the router's own map (`swa_map.py`),
   not a question: no request to any swa-memcache per generate.

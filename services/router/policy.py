@@ -26,6 +26,7 @@ from shared.kvstore.blocks import RequestBlocks
 from shared.schema.errors import (
     BadRequest,
     ErrorCode,
+    NotFound,
     Overloaded,
     ServiceError,
     Unavailable,
@@ -41,6 +42,7 @@ class RequestFacts:
     num_cached_tokens: int  # whole blocks, always < num_prompt_tokens
     max_tokens: int
     boundary_block_hash: int | None = None  # whose SWA snapshot restores the cached prefix
+    model: str | None = None  # None: any worker (tests of the policy alone)
 
     @classmethod
     def of(
@@ -54,6 +56,7 @@ class RequestFacts:
             num_cached_tokens=num_blocks * blocks.block_size,
             max_tokens=request.sampling.max_tokens,
             boundary_block_hash=blocks.boundary_hash(num_blocks),
+            model=request.model,
         )
 
 
@@ -72,6 +75,7 @@ _ERRORS: dict[ErrorCode, type[ServiceError]] = {
     ErrorCode.OVERLOADED: Overloaded,
     ErrorCode.UNAVAILABLE: Unavailable,
     ErrorCode.BAD_REQUEST: BadRequest,
+    ErrorCode.NOT_FOUND: NotFound,
 }
 
 
@@ -119,7 +123,7 @@ class RoutePolicy:
     ) -> list[PrefillOption]:
         """Every serving prefill worker with its estimate, best first."""
         options = []
-        for worker in table.workers(self.config.prefill_service, now_s):
+        for worker in table.workers(self.config.prefill_service, now_s, facts.model):
             if worker.instance_id in exclude:
                 continue
             has_swa = facts.num_cached_tokens > 0 and worker.node_id in swa_node_ids
@@ -134,6 +138,20 @@ class RoutePolicy:
             )
             options.append(PrefillOption(worker, estimate, has_swa, job_tokens))
         return sorted(options, key=PrefillOption.key)
+
+    def unserved_model(self, model: str, table: LoadTable, now_s: float) -> Rejection | None:
+        """NOT_FOUND naming the served models when no worker serves `model` but some serve
+        others (a caller's mistake); None when it is served, or when nothing is (that is
+        UNAVAILABLE, for `choose` to say)."""
+        served = sorted(
+            set(table.models(self.config.prefill_service, now_s))
+            & set(table.models(self.config.decode_service, now_s))
+        )
+        if not served or model in served:
+            return None
+        return Rejection(
+            ErrorCode.NOT_FOUND, f"model {model!r} is not served here; served: {', '.join(served)}"
+        )
 
     def choose(
         self, facts: RequestFacts, table: LoadTable, swa_node_ids: Collection[str], now_s: float
@@ -171,7 +189,7 @@ class RoutePolicy:
         if isinstance(prefill, Rejection):
             return prefill
         decode_id = previous.decode_worker_id
-        if not any(w.instance_id == decode_id for w in self._decoders(table, now_s)):
+        if not any(w.instance_id == decode_id for w in self._decoders(facts, table, now_s)):
             decode = self._choose_decode(facts, table, now_s)
             if isinstance(decode, Rejection):
                 return decode
@@ -208,7 +226,7 @@ class RoutePolicy:
     ) -> PrefillOption | Rejection:
         options = self.prefill_options(facts, table, swa_node_ids, now_s, exclude)
         if not options:
-            return Rejection(ErrorCode.UNAVAILABLE, "no prefill worker is serving")
+            return Rejection(ErrorCode.UNAVAILABLE, f"no prefill worker is serving{_of(facts)}")
         limit = self.config.max_queued_tokens
         # A worker with an empty queue always has room, or a prompt over the limit never runs.
         room = [
@@ -238,15 +256,15 @@ class RoutePolicy:
                 )
         return room[0]
 
-    def _decoders(self, table: LoadTable, now_s: float) -> list[WorkerView]:
-        return table.workers(self.config.decode_service, now_s)
+    def _decoders(self, facts: RequestFacts, table: LoadTable, now_s: float) -> list[WorkerView]:
+        return table.workers(self.config.decode_service, now_s, facts.model)
 
     def _choose_decode(
         self, facts: RequestFacts, table: LoadTable, now_s: float
     ) -> WorkerView | Rejection:
-        decoders = self._decoders(table, now_s)
+        decoders = self._decoders(facts, table, now_s)
         if not decoders:
-            return Rejection(ErrorCode.UNAVAILABLE, "no decode worker is serving")
+            return Rejection(ErrorCode.UNAVAILABLE, f"no decode worker is serving{_of(facts)}")
         needed = self.pages_needed(facts)
         if needed > max(w.num_kv_pages_total for w in decoders):
             return Rejection(
@@ -276,3 +294,7 @@ class RoutePolicy:
             has_swa_snapshot=prefill.has_swa_snapshot,
             estimated_ttft_ms=prefill.estimate.ttft_s * 1000.0,
         )
+
+
+def _of(facts: RequestFacts) -> str:
+    return f" model {facts.model!r}" if facts.model is not None else ""

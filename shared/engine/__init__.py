@@ -1,8 +1,9 @@
 """Model engine used by the prefill and decode services (plain torch).
 
 Re-exports, resolved on first use: `import shared.engine` (or a torch-free submodule such as
-`shared.engine.outputs`, `.config`, `.errors`, `.bundled`) does not import torch (2-10 s), so
-the mock workers, the CLI and every other process that does not run the model stay light.
+`shared.engine.outputs`, `.config`, `.errors`, `.bundled`, `.checkpoint`, `.gguf`,
+`.gguf_tokenizer`) does not import torch (2-10 s), so the mock workers, the CLI and every
+other process that does not run the model stay light.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ _EXPORTS = {
     "BlockAllocator": "shared.engine.block_manager",
     "BlockManager": "shared.engine.block_manager",
     "CausalLM": "shared.engine.model",
+    "ChatTemplate": "shared.engine.checkpoint",
+    "ChatTemplateError": "shared.engine.checkpoint",
+    "Checkpoint": "shared.engine.checkpoint",
     "CheckpointError": "shared.engine.errors",
     "DraftError": "shared.engine.errors",
     "DraftLength": "shared.engine.drafter",
@@ -21,6 +25,8 @@ _EXPORTS = {
     "Engine": "shared.engine.engine",
     "EngineError": "shared.engine.errors",
     "FinishReason": "shared.engine.outputs",
+    "GGUFFile": "shared.engine.gguf",
+    "GGUFTensor": "shared.engine.gguf",
     "KVBlockLayout": "shared.engine.kv_cache",
     "KVLayoutError": "shared.engine.errors",
     "ModelConfig": "shared.engine.config",
@@ -46,10 +52,14 @@ _EXPORTS = {
     "SpecStats": "shared.engine.drafter",
     "StepOutput": "shared.engine.engine",
     "UnsupportedModelError": "shared.engine.errors",
+    "config_from_gguf": "shared.engine.gguf",
+    "load_gguf_weights": "shared.engine.weights",
     "load_model": "shared.engine.weights",
     "load_weights": "shared.engine.weights",
     "make_generator": "shared.engine.sampler",
+    "read_gguf": "shared.engine.gguf",
     "sample": "shared.engine.sampler",
+    "tokenizer_from_gguf": "shared.engine.gguf_tokenizer",
     "verify_draft": "shared.engine.speculative",
     "verify_greedy": "shared.engine.speculative",
     "verify_lookup_draft": "shared.engine.drafter",

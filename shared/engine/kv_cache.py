@@ -124,6 +124,8 @@ class PagedKVPool:
             raise KVLayoutError(
                 f"block payload is {len(data)} bytes, layout needs {self.layout.block_nbytes}"
             )
+        if not data:  # no full-attention layers: nothing to copy (frombuffer refuses b"")
+            return
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self.kv[block_id].copy_(raw.view(self.layout.dtype).view(self.layout.block_shape))
 

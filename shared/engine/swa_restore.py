@@ -29,6 +29,7 @@ from shared.engine.kv_cache import PagedKVPool, SlidingWindowState, slots_for
 from shared.engine.model import CausalLM
 
 SNAPSHOT_MAGIC = b"KVFSWA1\0"
+SNAPSHOT_HEADER_NBYTES = len(SNAPSHOT_MAGIC) + 24 + 16  # magic, 3 u64 fields, dtype name
 
 
 class RestoreMode(StrEnum):
@@ -129,7 +130,7 @@ def snapshot_to_bytes(window: SlidingWindowState) -> bytes:
 
 def snapshot_from_bytes(config: ModelConfig, data: bytes) -> SlidingWindowState:
     """Inverse of `snapshot_to_bytes`; a malformed snapshot raises (the caller replays)."""
-    fixed = len(SNAPSHOT_MAGIC) + 24 + 16
+    fixed = SNAPSHOT_HEADER_NBYTES
     if len(data) < fixed or not data.startswith(SNAPSHOT_MAGIC):
         raise SequenceStateError("not a sliding-window snapshot")
     fields = data[len(SNAPSHOT_MAGIC) : len(SNAPSHOT_MAGIC) + 24]
@@ -149,6 +150,7 @@ def snapshot_from_bytes(config: ModelConfig, data: bytes) -> SlidingWindowState:
             f"snapshot holds {len(data) - fixed} bytes for window {window_tokens}; this model "
             f"needs {expected} bytes for window {config.sliding_window}"
         )
+    if numel == 0:  # no sliding layers: an empty window (frombuffer refuses b"")
+        return SlidingWindowState(torch.zeros(shape, dtype=dtype), end_position, window_tokens)
     raw = torch.frombuffer(bytearray(data[fixed:]), dtype=torch.uint8)
-    kv = raw.view(dtype).view(shape) if numel else torch.zeros(shape, dtype=dtype)
-    return SlidingWindowState(kv, end_position, window_tokens)
+    return SlidingWindowState(raw.view(dtype).view(shape), end_position, window_tokens)

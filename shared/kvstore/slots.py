@@ -57,8 +57,11 @@ class SlotGeometry:
 
     @classmethod
     def for_payload(cls, payload_nbytes: int, file_nbytes: int) -> SlotGeometry:
-        if payload_nbytes <= 0:
-            raise ValueError(f"payload_nbytes must be positive, got {payload_nbytes}")
+        # 0 is a model without full-attention layers (all sliding): its blocks hold no KV,
+        # only their header, which names the prefix kv-index matches (the window at its end
+        # is swa-memcache's or a replay's).
+        if payload_nbytes < 0:
+            raise ValueError(f"payload_nbytes must be >= 0, got {payload_nbytes}")
         slot_nbytes = slot_nbytes_for(payload_nbytes)
         return cls(payload_nbytes, max(1, file_nbytes // slot_nbytes))
 

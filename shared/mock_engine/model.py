@@ -1,6 +1,7 @@
 """What the mock prefill and decode workers (`--engine mock`) share.
 
-The served model's few facts come from its config.json, not from loading it: vocabulary
+The served model's few facts come from its metadata (config.json or the GGUF header), not
+from loading its weights: vocabulary
 (fake tokens are drawn from it), end-of-sequence ids and context length -- the same limits a
 real worker enforces, so requests that fail on the model fail on the mock. The store is the
 real one, written through aiofiles (no NIXL to import or register), with `mock_block_nbytes`
@@ -14,10 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from dataclasses import dataclass
 
 from shared.config import EngineWorkerConfig
+from shared.engine.checkpoint import Checkpoint
 from shared.kvstore.backends import AIOFILES
 from shared.kvstore.store import KvStore
 from shared.serving.kv_io import open_store
@@ -32,14 +33,13 @@ class MockModel:
 
     @classmethod
     def from_config(cls, config: EngineWorkerConfig) -> MockModel:
-        hf = json.loads((config.model_dir / "config.json").read_text())
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        checkpoint = Checkpoint(config.model_path)  # metadata only: no weights are read
+        model = checkpoint.config()
         return cls(
-            name=config.model_dir.name,
-            vocab_size=int(hf.get("vocab_size", 32_000)),
-            eos_token_ids=eos_ids,
-            max_model_len=config.max_model_len or int(hf.get("max_position_embeddings", 4096)),
+            name=config.model_name,
+            vocab_size=model.vocab_size,
+            eos_token_ids=checkpoint.eos_token_ids(),
+            max_model_len=config.max_model_len or model.max_position_embeddings,
         )
 
     def describe(self, config: EngineWorkerConfig) -> dict[str, str]:

@@ -26,6 +26,7 @@ class LoadReport(Message, tag="load_report"):
     num_running: int = 0
     num_kv_pages_total: int = 0
     num_kv_pages_free: int = 0
+    model: str = ""  # the model a prefill or decode worker serves ("" for other services)
 
 
 class InflightNotice(Message, tag="inflight_notice"):

@@ -14,6 +14,11 @@ from dataclasses import dataclass
 ALIGN = 4096  # page-aligned extents: what NIXL/UCX registration and O_DIRECT like
 
 
+def aligned(nbytes: int) -> int:
+    """What an extent of `nbytes` takes: whole ALIGN pages, one at least."""
+    return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+
+
 class StagingTooSmall(ValueError):
     """The request can never fit: the staging buffer is smaller than it."""
 
@@ -36,7 +41,7 @@ class StagingSpace:
         return sum(e.nbytes for e in self._free)
 
     def try_allocate(self, nbytes: int) -> Extent | None:
-        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        size = aligned(nbytes)
         for i, extent in enumerate(self._free):
             if extent.nbytes >= size:
                 rest = Extent(extent.offset + size, extent.nbytes - size)
@@ -45,9 +50,10 @@ class StagingSpace:
         return None
 
     async def allocate(self, nbytes: int, timeout_s: float | None = None) -> Extent:
-        if nbytes > self.nbytes:
+        if aligned(nbytes) > self.nbytes:  # would wait forever for room that cannot exist
             raise StagingTooSmall(
-                f"{nbytes} bytes to stage, the staging buffer holds {self.nbytes}"
+                f"{nbytes} bytes to stage ({aligned(nbytes)} in whole pages), the staging "
+                f"buffer holds {self.nbytes}"
             )
         async with self._changed:
             extent = self.try_allocate(nbytes)

@@ -44,7 +44,7 @@ class ServedWorker(Protocol):
 
     async def stop(self) -> None: ...
 
-    def load_fields(self) -> dict[str, int]: ...
+    def load_fields(self) -> dict[str, int | str]: ...
 
     def counters(self) -> Mapping[str, float]: ...
 
@@ -56,26 +56,36 @@ class ModelKv:
     store: KvStore
     publisher: KvEventPublisher  # BlocksStored / BlocksRemoved for kv-index
     agent: KvTransferAgent  # its `buffer`: SWA_STAGING_BYTES, then the handoff staging
-    swa: SwaClient
+    swa: SwaClient | None  # None: the model has no sliding layers
     staging: StagingSpace  # the handoff's part of the buffer
 
 
 async def open_model_kv(
-    runtime: ServiceRuntime, config: EngineWorkerConfig, service: str, block_nbytes: int
+    runtime: ServiceRuntime,
+    config: EngineWorkerConfig,
+    service: str,
+    block_nbytes: int,
+    *,
+    has_windows: bool,
+    staging_nbytes: int,
 ) -> ModelKv:
-    """The store (`block_nbytes` per block) and its log, then the NIXL buffer registered
-    and served as `service`'s, and the node's swa-memcache."""
+    """The store (`block_nbytes` per block) and its log, then the NIXL buffer (its handoff
+    part `staging_nbytes`) registered and served as `service`'s, and the node's
+    swa-memcache."""
     bus = runtime.bus
     store = await open_store(config, bus.instance_id, block_nbytes)
     publisher = KvEventPublisher(bus, store)
     await publisher.start()
-    buffer = np.zeros(config.handoff_staging_bytes + SWA_STAGING_BYTES, dtype=np.uint8)
+    buffer = np.zeros(staging_nbytes + SWA_STAGING_BYTES, dtype=np.uint8)
     agent = await asyncio.to_thread(KvTransferAgent, bus, buffer, service=service)
     await agent.serve()
-    swa = await node_swa_client(
-        runtime, config, agent, staging_offset=0, staging_nbytes=SWA_STAGING_BYTES
-    )
-    staging = StagingSpace(SWA_STAGING_BYTES, config.handoff_staging_bytes)
+    # A model without sliding layers has no windows: no swa-memcache to talk to.
+    swa = None
+    if has_windows:
+        swa = await node_swa_client(
+            runtime, config, agent, staging_offset=0, staging_nbytes=SWA_STAGING_BYTES
+        )
+    staging = StagingSpace(SWA_STAGING_BYTES, staging_nbytes)
     return ModelKv(store, publisher, agent, swa, staging)
 
 

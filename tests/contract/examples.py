@@ -216,6 +216,7 @@ EXAMPLES: dict[str, Message] = {
         num_running=8,
         num_kv_pages_total=4096,
         num_kv_pages_free=1024,
+        model="SmolLM2-135M-Instruct",
     ),
     "MatchRequest": MatchRequest(block_hashes=pack_block_hashes([1, 2**64 - 1]), refresh=False),
     "MatchReply": MatchReply(

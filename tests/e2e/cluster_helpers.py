@@ -24,11 +24,13 @@ def run_cluster(
     extra_args: dict[str, list[str]],
     ready_timeout_s: float,
     instance_args: dict[str, list[str]] | None = None,
+    models: tuple[str, ...] = ("tiny-coder",),
 ) -> Iterator[Cluster]:
     """A module fixture's body (`yield from run_cluster(...)`): start every service as its own
     process under a fresh subject root, wait until all are ready, yield the cluster, and stop
     it through the handle that started it. `instance_args`: flags of single instances
-    (`{"prefill-1": ["--node-id", "node-1"]}`), after their service's `extra_args`."""
+    (`{"prefill-1": ["--node-id", "node-1"]}`), after their service's `extra_args`;
+    `models`: what the prefill and decode workers serve (`replicas` of each per model)."""
     spec = ClusterSpec(
         state_dir=state_dir,
         nats_port=0,
@@ -37,6 +39,7 @@ def run_cluster(
         replicas=replicas,
         extra_args=extra_args,
         instance_args=instance_args or {},
+        models=models,
         shutdown_grace_s=3.0,
     )
     cluster = Cluster(spec)

@@ -31,6 +31,7 @@ from shared.schema import (
     DeadlineExceeded,
     GenerateRequest,
     LoadReport,
+    NotFound,
     Unavailable,
     UsageRecord,
 )
@@ -180,7 +181,9 @@ async def test_bad_requests_get_typed_errors_and_nothing_is_left_behind(cluster:
     try:
         prompt = _tokens(CODE)
         wrong_model = build_request(prompt, model="no-such-model", block_size_tokens=BLOCK)
-        with pytest.raises(BadRequest, match="no-such-model"):
+        with pytest.raises(
+            NotFound, match="'no-such-model' is not served here; served: tiny-coder"
+        ):
             await generate(bus, wrong_model)
         too_long = _request(prompt * (MAX_MODEL_LEN // len(prompt) + 1))  # past max_model_len
         with pytest.raises(BadRequest, match="max_model_len"):
@@ -299,7 +302,7 @@ async def test_cancellation_frees_decode_pages_and_bills_what_was_produced(
 def test_generate_cli_streams_and_reports_hits(cluster: Cluster) -> None:
     args = [
         KVFABRIC, "generate", CODE, "--nats-url", cluster.nats_url, "--root", cluster.spec.root,
-        "--max-tokens", "16", "--block-size", str(BLOCK),
+        "--max-tokens", "16", "--block-size", str(BLOCK), "--model", MODEL,
         "--state-dir", str(cluster.spec.state_dir),
     ]  # fmt: skip
     first = subprocess.run(args, capture_output=True, text=True, timeout=120)

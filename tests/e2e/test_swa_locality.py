@@ -31,8 +31,8 @@ import pytest
 from services.admin.launcher import Cluster
 from shared.bus import Bus
 from shared.client import build_request, generate
-from shared.config import BUNDLED_MODEL_DIR
 from shared.discovery import discover
+from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.kvstore.blocks import RequestBlocks
 from shared.schema import (
     LoadReport,

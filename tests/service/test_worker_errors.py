@@ -72,7 +72,7 @@ async def test_a_failed_prefill_pass_answers_a_fixed_message(
     worker.start()
     await bus.serve(Endpoint("run", bus.subjects.prefill_run, PrefillJob, worker.handle_job))
     client = await bus_factory("router")
-    request = build_request(list(range(3, 103)), model=config.model_dir.name,
+    request = build_request(list(range(3, 103)), model=config.model_name,
                             block_size_tokens=BLOCK)  # fmt: skip
     try:
         with capture_logs() as events, pytest.raises(InternalError) as caught:
@@ -99,7 +99,7 @@ async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
     outbox = await open_usage_outbox(bus, DECODE, tmp_path / "outbox", bus.instance_id)
     finisher = Finisher(bus, store, KvEventPublisher(bus, store), None, outbox)
     engine = MockEngine(MockEngineConfig(model_id=model.name, block_size_tokens=BLOCK))
-    tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(config.model_path / "tokenizer.json"))
     worker = MockDecodeWorker(bus, engine, tokenizer, finisher, config, model)
 
     async def broken_join(state: object, ready: object) -> int:

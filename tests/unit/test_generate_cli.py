@@ -14,6 +14,7 @@ from services.admin.cli import app
 from services.admin.generate_cli import read_prompt, render_chat, result_json, summary_line
 from shared.client import GenerateResult
 from shared.engine.bundled import BUNDLED_MODEL_DIR
+from shared.engine.checkpoint import Checkpoint
 from shared.schema import DecodeStats, PrefillTimings, RouteDecision, TokenUsage
 
 runner = CliRunner()
@@ -26,7 +27,8 @@ runner = CliRunner()
         (["hi", "--prompt-file", "x.txt"], "not both"),
         (["hi", "--max-tokens", "0"], "max-tokens"),
         (["hi", "--temperature", "-1"], "temperature"),
-        (["hi", "--model-dir", "/nonexistent"], "tokenizer.json"),
+        (["hi", "--model", "/nonexistent/model.gguf"], "does not exist"),
+        (["hi", "--model", "gpt-9"], "unknown model"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "prompt-file"),
         ([""], "empty"),
     ],
@@ -57,7 +59,7 @@ def test_prompt_sources(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # n
 
 
 def test_chat_renders_the_models_template() -> None:
-    text = render_chat(BUNDLED_MODEL_DIR, "def add(a, b):")
+    text = render_chat(Checkpoint(BUNDLED_MODEL_DIR), "def add(a, b):")
     assert text == "<｜begin▁of▁sentence｜><｜User｜>def add(a, b):<｜Assistant｜>"
     tokenizer = Tokenizer.from_file(str(BUNDLED_MODEL_DIR / "tokenizer.json"))
     ids = tokenizer.encode(text, add_special_tokens=False).ids
@@ -67,7 +69,7 @@ def test_chat_renders_the_models_template() -> None:
 def test_chat_without_a_template_is_a_clear_error(tmp_path) -> None:  # noqa: ANN001
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
     with pytest.raises(typer.BadParameter, match="no chat_template"):
-        render_chat(tmp_path, "hi")
+        render_chat(Checkpoint(tmp_path), "hi")
 
 
 def a_result() -> GenerateResult:

@@ -34,3 +34,12 @@ async def test_a_full_space_waits_and_an_oversized_request_fails() -> None:
         await space.allocate(3 * ALIGN)
     with pytest.raises(asyncio.TimeoutError):
         await space.allocate(2 * ALIGN, timeout_s=0.05)
+
+
+async def test_a_request_that_fits_only_before_rounding_fails_at_once() -> None:
+    """A buffer that is not whole pages: a request of its exact size needs one page more
+    than there is once rounded, and must fail, not wait for room that cannot exist."""
+    space = StagingSpace(offset=0, nbytes=3 * ALIGN + 48)
+    with pytest.raises(StagingTooSmall, match="in whole pages"):
+        await asyncio.wait_for(space.allocate(3 * ALIGN + 48), 1)
+    assert (await space.allocate(3 * ALIGN)).nbytes == 3 * ALIGN

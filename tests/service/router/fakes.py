@@ -98,8 +98,10 @@ class FakeWorker:
         queued_tokens: int = 0,
         pages_free: int = 1000,
         pages_total: int = 1000,
+        model: str = MODEL,
     ) -> None:
         self.bus = bus
+        self.model = model
         self.node_id = node_id or f"node-{bus.instance_id}"
         self.queued_tokens = queued_tokens
         self.pages_free = pages_free
@@ -126,6 +128,7 @@ class FakeWorker:
             num_queued_tokens=self.queued_tokens,
             num_kv_pages_total=self.pages_total,
             num_kv_pages_free=self.pages_free,
+            model=self.model,
         )
         await self.bus.publish(self.bus.subjects.load(self.bus.service, self.instance_id), report)
         await self.bus.flush()

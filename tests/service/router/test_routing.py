@@ -13,6 +13,7 @@ from shared.kvstore.blocks import RequestBlocks
 from shared.schema import (
     BadRequest,
     DecodeJob,
+    NotFound,
     Overloaded,
     PrefillJob,
     RouteDecision,
@@ -256,3 +257,33 @@ async def test_a_replica_counts_what_another_replica_just_sent(
     view = router_a.table.view("prefill-1", time.monotonic())
     assert (view.num_inflight_tokens, view.num_inflight_requests) == (69, 1)
     assert router_a.table.view("decode-1", time.monotonic()).num_inflight_requests == 2
+
+
+async def test_each_model_goes_to_its_own_workers_and_an_unknown_one_is_not_found(
+    bus_factory: BusFactory, start_router: StartRouter
+) -> None:
+    router = await start_router()
+    p1, p2 = await start_workers(bus_factory, PREFILL, {}, {"model": "SmolLM2-135M-Instruct"})
+    d1, d2 = await start_workers(bus_factory, DECODE, {}, {"model": "SmolLM2-135M-Instruct"})
+    for worker in (p1, p2, d1, d2):
+        await worker.serve()
+    await known(router, "prefill-1", "prefill-2", "decode-1", "decode-2")
+    client = await bus_factory("ingress", "ingress-0")
+    smol = msgspec.structs.replace(make_request("r-smol"), model="SmolLM2-135M-Instruct")
+    smol = msgspec.structs.replace(smol, block_hashes=pack_block_hashes(
+        RequestBlocks.hash_prompt(smol.prompt_token_ids, model=smol.model,
+                                  block_size_tokens=BLOCK).hashes
+    ))  # fmt: skip
+    decision = await client.request(client.subjects.router_generate, smol, RouteDecision)
+    assert (decision.prefill_worker_id, decision.decode_worker_id) == ("prefill-2", "decode-2")
+    tiny = await client.request(
+        client.subjects.router_generate, make_request("r-tiny"), RouteDecision
+    )
+    assert (tiny.prefill_worker_id, tiny.decode_worker_id) == ("prefill-1", "decode-1")
+    unknown = msgspec.structs.replace(make_request("r-x"), model="gpt-9")
+    with pytest.raises(NotFound) as caught:
+        await client.request(client.subjects.router_generate, unknown, RouteDecision)
+    assert caught.value.message == (
+        "model 'gpt-9' is not served here; served: SmolLM2-135M-Instruct, tiny-coder"
+    )
+    assert not [j for j in d1.jobs + d2.jobs if j.request.request_id == "r-x"]

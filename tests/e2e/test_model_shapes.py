@@ -1,0 +1,109 @@
+"""Models of other shapes through the whole pipeline, each served by its own prefill and
+decode processes in one cluster: a Llama-shaped model (every layer full attention: no
+window to restore, snapshot or hand off) and a Mistral-shaped one (every layer sliding: its
+KV blocks carry no bytes, the window is everything). Random weights, tiny-coder's tokenizer.
+
+Each serves a request, and an agent's next turn is served from the store with the very
+tokens a cold run of the same prompt gives (greedy).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from services.admin.launcher import Cluster
+from shared.client import build_request, generate
+from shared.discovery import discover
+from shared.engine.bundled import BUNDLED_MODEL_DIR
+from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
+from tests.e2e.cluster_helpers import connect, run_cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+BLOCK = 16
+SHAPE = {
+    "vocab_size": 8192,  # tiny-coder's tokenizer
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.1,
+    "eos_token_id": 1,
+    "tie_word_embeddings": True,
+}
+WORKER_ARGS = ["--kv-block-size-tokens", str(BLOCK), "--num-kv-blocks", "256"]
+
+
+def random_checkpoint(out: Path, family: str) -> Path:
+    torch.manual_seed(0)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE))
+    else:
+        config = transformers.MistralConfig(**SHAPE, sliding_window=32)
+        model = transformers.MistralForCausalLM(config)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED_MODEL_DIR / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("shapes")
+    return {f: random_checkpoint(root / f"random-{f}", f) for f in ("llama", "mistral")}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, shapes: dict[str, Path]) -> Iterator[Cluster]:
+    yield from run_cluster(
+        tmp_path_factory.mktemp("shapes-cluster"),
+        replicas={BILLING: 0, INGRESS: 0},
+        extra_args={
+            PREFILL: WORKER_ARGS,
+            DECODE: WORKER_ARGS,
+            ROUTER: ["--decode-page-size-tokens", str(BLOCK)],
+        },
+        models=tuple(str(path) for path in shapes.values()),
+        ready_timeout_s=120,
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+async def test_a_model_of_this_shape_serves_and_reuses_its_prefix(
+    cluster: Cluster, family: str
+) -> None:
+    model = f"random-{family}"
+    bus = await connect(cluster)
+    try:
+        workers = [i for i in await discover(bus) if i.metadata.get("model") == model]
+        assert sorted(w.service for w in workers) == [DECODE, PREFILL]
+        layers = {w.metadata["layer_types"] for w in workers}
+        assert layers == {"fff" if family == "llama" else "sss"}
+        prompt = [(7 * i) % 8000 + 3 for i in range(150)]
+
+        def request(tokens: list[int], salt: str = ""):  # noqa: ANN202
+            return build_request(tokens, model=model, block_size_tokens=BLOCK, max_tokens=12,
+                                 cache_salt=salt)  # fmt: skip
+
+        first = await generate(bus, request(prompt))
+        assert first.finish_reason in ("stop", "length") and first.token_ids
+        assert first.decision.prefill_worker_id in {w.instance_id for w in workers}
+        follow = prompt + first.token_ids + [5, 6, 7, 8] * 10
+        cold = await generate(bus, request(follow, salt="cold"))
+        for _ in range(50):  # kv-index learns the answer's blocks asynchronously
+            warm = await generate(bus, request(follow))
+            if warm.usage is not None and warm.usage.num_cached_tokens > len(prompt) // 2:
+                break
+        assert warm.usage is not None and warm.usage.num_cached_tokens >= 9 * BLOCK
+        assert cold.usage is not None and cold.usage.num_cached_tokens == 0
+        assert warm.token_ids == cold.token_ids
+    finally:
+        await bus.close()
