@@ -1,16 +1,20 @@
 """Engine benchmark: continuous batching against transformers `generate`, and prefill resumed
 after a cached prefix against a cold prefill, side by side in one run on the same weights.
 
-    python -m loadtest.bench_engine [--model DIR] [--batch-sizes 1,8,32] [--new-tokens 128]
+    python -m loadtest.bench_engine [--model NAME|PATH] [--batch-sizes 1,8,32] [--new-tokens 128]
 
 (a) Decode: the same prompts (128-256 tokens of stdlib Python source), greedy, eos ignored,
     `--new-tokens` each, through `Engine.generate` and through transformers `generate`
     (left padding, use_cache=True, float32 both). Tokens/s are end to end (prefill + decode)
     for both sides; ours is also given for the decode steps alone. The greedy outputs are
     compared sequence by sequence. Target (issue): ours >= 3x transformers at batch >= 8.
-(b) Prefill: an 8192-token prompt cold (chunked at the scheduler's budget) against the same
-    prompt resumed after 123 cached blocks of 64 (7872 tokens, 96%) + the sliding window at
-    7872, computing the last 320. Ideal speedup 1 / (1 - 0.96) = 25x.
+(b) Prefill: an 8192-token prompt cold (chunked at the scheduler's budget), against
+    transformers' forward over the whole prompt at once, and against the same prompt resumed
+    after 123 cached blocks of 64 (7872 tokens, 96%) + the sliding window at 7872, computing
+    the last 320. Ideal speedup 1 / (1 - 0.96) = 25x.
+
+`--model` is a name (`kvfabric models list`: tiny-coder, SmolLM2-135M-Instruct) or a path (an
+HF directory or a .gguf file; transformers loads the same file).
 
 This machine is shared and noisy: only ratios measured in the same run mean anything.
 """
@@ -27,6 +31,7 @@ from pathlib import Path
 import torch
 
 from shared.engine import (
+    Checkpoint,
     Engine,
     ModelRunner,
     SamplingParams,
@@ -34,6 +39,7 @@ from shared.engine import (
     Sequence,
     load_model,
 )
+from shared.models import model_path
 
 DEFAULT_MODEL = Path("models/tiny-coder")
 STDLIB_FILES = ("os.py", "argparse.py", "typing.py", "dataclasses.py", "inspect.py", "pathlib.py")
@@ -69,7 +75,7 @@ def build_stand_in(out_dir: Path, **overrides: object) -> Path:
 
 def resolve_model(arg: str | None, tmp: Path) -> tuple[Path, str]:
     if arg:
-        return Path(arg), f"{arg} (given)"
+        return model_path(arg), f"{arg} (given)"
     if (DEFAULT_MODEL / "config.json").exists():
         return DEFAULT_MODEL, f"{DEFAULT_MODEL} (trained)"
     return build_stand_in(tmp / "stand-in"), "random-initialised stand-in of tiny-coder's shape"
@@ -81,12 +87,10 @@ def source_text() -> str:
 
 
 def make_tokenize(model_dir: Path, vocab_size: int):
-    """The model's tokenizer if it has one, else UTF-8 bytes as ids (the stand-in)."""
-    if (model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        return lambda text: tokenizer(text)["input_ids"], "model tokenizer"
+    """The model's tokenizer if it has one (a GGUF always does), else UTF-8 bytes as ids."""
+    if model_dir.suffix == ".gguf" or (model_dir / "tokenizer.json").exists():
+        tokenizer = Checkpoint(model_dir).tokenizer()
+        return lambda text: tokenizer.encode(text, add_special_tokens=False).ids, "model tokenizer"
     return lambda text: [b % vocab_size for b in text.encode()], "utf-8 bytes (no tokenizer)"
 
 
@@ -145,13 +149,19 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int):
     return out[:, width:].tolist(), len(prompts) * new_tokens / elapsed
 
 
-def load_hf(model_dir: Path):
+def load_hf(model_dir: Path, impls: tuple[str, ...] = ("sdpa", "eager")):
+    """transformers' model from the same files (a GGUF: dequantized, as ours), float32."""
+    import os
+
     from transformers import AutoModelForCausalLM
 
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    where = {"gguf_file": model_dir.name} if model_dir.suffix == ".gguf" else {}
+    source = model_dir.parent if where else model_dir
     models = {}
-    for impl in ("sdpa", "eager"):
+    for impl in impls:
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, attn_implementation=impl
+            source, dtype=torch.float32, attn_implementation=impl, **where
         ).eval()
         model.generation_config.eos_token_id = None  # ignore eos, like our side
         models[impl] = model
@@ -194,7 +204,7 @@ def bench_decode(args, model_dir: Path, runner: ModelRunner, ids: list[int]) -> 
         )
 
 
-def bench_prefix(args, runner: ModelRunner, ids: list[int]) -> None:
+def bench_prefix(args, runner: ModelRunner, ids: list[int], hf=None) -> None:  # noqa: ANN001
     prompt = (ids * (args.prefill_tokens // len(ids) + 1))[: args.prefill_tokens]
     num_prefix_blocks = round(args.prefill_tokens * 0.96 / BLOCK_SIZE_TOKENS)  # 8192: 123
     num_prefix = num_prefix_blocks * BLOCK_SIZE_TOKENS
@@ -210,6 +220,16 @@ def bench_prefix(args, runner: ModelRunner, ids: list[int]) -> None:
         f"= {len(prompt) / cold_s:.0f} tok/s (chunks of {args.chunk_tokens})",
         flush=True,
     )
+    if hf is not None:  # transformers' forward over the whole prompt at once (its best case)
+        with torch.inference_mode():
+            start = time.perf_counter()
+            hf(torch.tensor([prompt]), use_cache=False, logits_to_keep=1)
+            hf_s = time.perf_counter() - start
+        print(
+            f"transformers forward: {len(prompt)} tokens in {hf_s:.2f} s = "
+            f"{len(prompt) / hf_s:.0f} tok/s; ours {hf_s / cold_s:.2f}x",
+            flush=True,
+        )
 
     # The cached prefix: blocks in the pool + the window at its end, made off the clock.
     holder = Sequence(10**9, prompt[:num_prefix])
@@ -258,6 +278,7 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--skip-hf-prefill", action="store_true", help="no transformers forward")
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     torch.set_num_threads(args.num_threads)
@@ -273,7 +294,8 @@ def main() -> None:
         if not args.skip_decode:
             bench_decode(args, model_dir, runner, ids)
         if not args.skip_prefill:
-            bench_prefix(args, runner, ids)
+            hf = None if args.skip_hf_prefill else load_hf(model_dir, ("sdpa",))["sdpa"]
+            bench_prefix(args, runner, ids, hf)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Prefix reuse through the whole cluster: the same 8K-token prompts cold and at a 96% hit.
 
-    python -m loadtest.bench_prefix_reuse [--context 8192] [--hit 0.96] [--prompts 3]
+    python -m loadtest.bench_prefix_reuse [--model tiny-coder] [--context 8192] [--hit 0.96]
+                                          [--prompts 3]
 
 Brings up kv-index, swa-memcache, router, one prefill and one decode worker (the bundled
 model, real store files, NIXL handoff) on free ports. For each prompt (tokenized source files
@@ -25,7 +26,8 @@ from tokenizers import Tokenizer
 from services.admin.launcher import Cluster, ClusterSpec
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
-from shared.engine.bundled import BUNDLED_MODEL_DIR
+from shared.engine.checkpoint import Checkpoint
+from shared.models import model_path, served_name
 from shared.subjects import DECODE, PREFILL
 from shared.testing import unique_root
 
@@ -53,14 +55,16 @@ def prefill_ms(result: GenerateResult) -> tuple[float, dict[str, float]]:
 
 
 async def run(args: argparse.Namespace) -> None:
-    tokenizer = Tokenizer.from_file(str(BUNDLED_MODEL_DIR / "tokenizer.json"))
-    model = BUNDLED_MODEL_DIR.name
+    tokenizer = Checkpoint(model_path(args.model)).tokenizer()
+    model = served_name(args.model)
+    # Room for the prompt and its one token: the handoff staging is sized for that length
+    # (2.8 MiB a block for SmolLM2).
     worker_args = ["--num-kv-blocks", str(2 * args.context // BLOCK + 64),
-                   "--max-model-len", str(2 * args.context)]  # fmt: skip
+                   "--max-model-len", str(args.context + 2 * BLOCK)]  # fmt: skip
     spec = ClusterSpec(
         state_dir=Path(tempfile.mkdtemp(prefix="kvf-bench-")), nats_port=0, http_port=0,
         root=unique_root(), extra_args={PREFILL: worker_args, DECODE: worker_args},
-        log_level="warning",
+        log_level="warning", models=(args.model,),
     )  # fmt: skip
     cluster = Cluster(spec)
     cluster.start()
@@ -101,7 +105,7 @@ async def run(args: argparse.Namespace) -> None:
             print("             warm " + "  ".join(f"{k} {v:.1f}" for k, v in warm_split.items()))
         median = statistics.median(ratios)
         print(f"median prefill speedup {median:.1f}x = {median / ideal:.2f} of the ideal "
-              f"{ideal:.1f}x (target >= 0.8); median TTFT ratio "
+              f"{ideal:.1f}x (target >= {args.target}); median TTFT ratio "
               f"{statistics.median(ttft_ratios):.1f}x")  # fmt: skip
     finally:
         if bus is not None:
@@ -114,6 +118,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--hit", type=float, default=0.96)
     parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--model", default="tiny-coder", help="a name (kvfabric models list)")
+    parser.add_argument(
+        "--target", type=float, default=0.8, help="the fraction of the ideal to report against"
+    )
     asyncio.run(run(parser.parse_args()))
 
 
