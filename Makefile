@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The models live outside the repository (shared/models.py); fetching is a no-op once cached.
+# The C kernels (kernels/cpu) are built for this machine beside them: a no-op once built; a
+# machine without a C compiler says so here and decodes from float32 weights.
 models: $(STAMP)
 	$(VENV)/bin/kvfabric models fetch
+	$(PY) -m kernels.cpu || true
 
 demo: models
 	$(VENV)/bin/kvfabric demo

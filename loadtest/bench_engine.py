@@ -39,6 +39,7 @@ from shared.engine import (
     Sequence,
     load_model,
 )
+from shared.engine.quant import block_formats
 from shared.models import model_path
 
 DEFAULT_MODEL = Path("models/tiny-coder")
@@ -279,13 +280,24 @@ def main() -> None:
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--skip-hf-prefill", action="store_true", help="no transformers forward")
+    parser.add_argument(
+        "--no-block-kernel",
+        action="store_true",
+        help="decode from the float32 weights too (a GGUF model's blocks unused)",
+    )
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     torch.set_num_threads(args.num_threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, description = resolve_model(args.model, Path(tmp))
         print(f"model: {description}; float32; torch threads: {torch.get_num_threads()}")
-        model = load_model(model_dir)
+        model = load_model(model_dir, block_kernel=not args.no_block_kernel)
+        formats = block_formats(model)
+        print(
+            "decode weights: "
+            + (f"{'/'.join(formats)} blocks (kernels/cpu)" if formats else "float32")
+            + f"; transformers: float32{' (dequantized from the same file)' if formats else ''}"
+        )
         tokenize, how = make_tokenize(model_dir, model.config.vocab_size)
         ids = tokenize(source_text())
         print(f"prompts: stdlib Python source, {how}, {len(ids)} tokens available", flush=True)

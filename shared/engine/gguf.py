@@ -318,6 +318,18 @@ def read_tensor(gguf: GGUFFile, tensor: GGUFTensor, config: ModelConfig) -> np.n
     return values.copy() if np.may_share_memory(values, raw) else values
 
 
+def read_blocks(gguf: GGUFFile, tensor: GGUFTensor, config: ModelConfig) -> np.ndarray:
+    """A 2-D block-quantized tensor's rows as stored (uint8 [rows, row bytes]), q/k rows
+    un-permuted like read_tensor's: what quant.QuantWeight keeps for the block kernel."""
+    block_size, block_bytes = GGML_QUANT_SIZES[tensor.ggml_type]
+    raw = np.memmap(gguf.path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=tensor.nbytes)
+    rows = raw.reshape(prod(tensor.shape[:-1]), tensor.shape[-1] // block_size * block_bytes)
+    if gguf.architecture == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+        heads = config.num_heads if ".attn_q." in tensor.name else config.num_kv_heads
+        rows = _unpermute(rows, heads)
+    return np.array(rows)  # a copy: the mapping is not kept
+
+
 def _unpermute(values: np.ndarray, num_heads: int) -> np.ndarray:
     # HF orders each head's rows [first half | second half] (rotate-half RoPE); llama.cpp
     # interleaved them (row i of the first half, row i of the second, ...) for its pairwise

@@ -1,4 +1,4 @@
-"""Building blocks without KV state: RMSNorm and the SwiGLU MLP.
+"""Building blocks without KV state: Linear, RMSNorm and the SwiGLU MLP.
 
 Parameter names match the HF checkpoints (`weight`, `gate_proj`, ...) so that weights.py can
 load a state dict by name with no renaming table.
@@ -9,6 +9,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from shared.engine import quant
+
+
+class Linear(nn.Linear):
+    """nn.Linear that may also hold its weight as GGUF blocks (`quant`, set by weights.py):
+    decode-sized inputs then go through the block kernel (quant.py), others through the
+    float32 weight, which stays the parameter."""
+
+    quant: quant.QuantWeight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if quant.use_kernel(self.quant, x):
+            out = self.quant.matmul(x)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -29,9 +45,9 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

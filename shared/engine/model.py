@@ -14,8 +14,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from shared.engine import quant
 from shared.engine.config import ModelConfig
-from shared.engine.layers import RMSNorm, SwiGLU
+from shared.engine.layers import Linear, RMSNorm, SwiGLU
 from shared.engine.rope import RotaryEmbedding, apply_rotary
 
 
@@ -33,10 +34,10 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.o_proj_bias)
+        self.q_proj = Linear(config.hidden_size, q_dim, bias=config.attention_bias)
+        self.k_proj = Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
+        self.v_proj = Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
+        self.o_proj = Linear(q_dim, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             # Qwen3: RMSNorm over each head's vector, before RoPE.
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -93,8 +94,10 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        # The output projection as GGUF blocks (the embedding's when tied), set by weights.py.
+        self.logits_quant: quant.QuantWeight | None = None
 
     @torch.no_grad()
     def forward(
@@ -109,5 +112,7 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if quant.use_kernel(self.logits_quant, hidden):
+            return self.logits_quant.matmul(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from shared.config import EngineWorkerConfig
+from shared.engine import quant
 from shared.engine.config import FULL
 from shared.engine.kv_cache import KVBlockLayout
 from shared.engine.runner import ModelRunner
@@ -58,5 +59,7 @@ def describe(runner: ModelRunner, config: EngineWorkerConfig) -> dict[str, str]:
         "kv_block_nbytes": str(runner.layout.block_nbytes),
         "num_kv_pages": str(runner.allocator.num_blocks),
         "layer_types": "".join("f" if t == FULL else "s" for t in model_config.layer_types),
+        # GGUF block formats decode multiplies by directly (quant.py); "-": float32 only.
+        "weight_blocks": ",".join(quant.block_formats(runner.model)) or "-",
         "sliding_window": str(model_config.sliding_window or 0),
     }

@@ -89,6 +89,8 @@ async def test_greedy_answer_is_transformers_answer_and_the_next_turn_hits_the_s
         workers = await discover(bus, service=PREFILL) + await discover(bus, service=DECODE)
         assert {w.metadata["model"] for w in workers} == {MODEL}
         assert {w.metadata["max_model_len"] for w in workers} == {"8192"}  # its own context
+        # Decode multiplies by the file's own Q4_1 blocks (and the Q8_0 embedding for logits).
+        assert {w.metadata["weight_blocks"] for w in workers} == {"Q4_1,Q8_0"}
         first = await generate(bus, request(prompt))
         assert first.token_ids == reference, (
             checkpoint.tokenizer().decode(first.token_ids),
