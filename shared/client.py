@@ -65,6 +65,7 @@ class GenerateResult:
     finish_reason: str | None = None
     usage: TokenUsage | None = None
     stats: DecodeStats | None = None
+    stop_sequence: str | None = None  # the stop string that ended the output
     ttft_s: float | None = None  # request sent -> first chunk with tokens (None: no tokens)
     total_s: float = 0.0
 
@@ -76,6 +77,8 @@ def build_request(
     block_size_tokens: int = 64,
     max_tokens: int = 64,
     temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
     cache_salt: str = "",
@@ -98,8 +101,13 @@ def build_request(
         block_hashes=blocks.packed(),
         block_size_tokens=block_size_tokens,
         sampling=SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, seed=seed, stop=tuple(stop)
-        ),
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=tuple(stop),
+        ),  # fmt: skip
         api_key_id=api_key_id,
         cache_salt=cache_salt,
         arrival_ms=arrival_ms,
@@ -112,6 +120,7 @@ async def generate(
     request: GenerateRequest,
     *,
     on_chunk: Callable[[TokenChunk], object] | None = None,
+    on_decision: Callable[[RouteDecision], object] | None = None,
     liveness_timeout_s: float = 3.0,
     first_chunk_timeout_s: float = 600.0,
     idle_timeout_s: float = 60.0,
@@ -119,7 +128,10 @@ async def generate(
     overload_wait_s: float = 30.0,
     outbox: UsageOutbox | None = None,
 ) -> GenerateResult:
-    """Run one request through the cluster; `on_chunk(chunk)` sees every chunk as it comes.
+    """Run one request through the cluster; `on_chunk(chunk)` sees every chunk as it comes,
+    `on_decision(decision)` the router's answer once it has come (a caller that must answer
+    its own client before the first token, as ingress does, waits for it: from then on a
+    failure is the stream's, not the router's refusal).
 
     `outbox` keeps the usage record of a stream whose decode worker died until JetStream has
     it (ingress and `kvfabric generate` pass theirs); without one it is published once.
@@ -150,6 +162,7 @@ async def generate(
             call = _Generation(
                 bus, attempt, reader, on_chunk, liveness_timeout_s, route_timeout_s, outbox
             )
+            call.on_decision = on_decision
             return await call.run()
         except Overloaded as exc:
             wait_s = _overload_wait_s(exc, request.deadline_ms, overload_wait_s - waited_s)
@@ -199,6 +212,7 @@ class _Generation:
         self.first_token_at: float | None = None
         self.last_beat_at = 0.0
         self.refused_by_router = False  # the router answered an error: nothing was started
+        self.on_decision: Callable[[RouteDecision], object] | None = None
 
     async def run(self) -> GenerateResult:
         bus, request = self.bus, self.request
@@ -220,6 +234,8 @@ class _Generation:
             if not route.done():  # the stream ended first: an error, or a very short answer
                 read.result()
             decision = await route
+            if self.on_decision is not None:
+                self.on_decision(decision)
             if not read.done():
                 self.last_beat_at = time.monotonic()
                 heartbeats = await bus.subscribe(
@@ -321,6 +337,7 @@ class _Generation:
             finish_reason=final.finish_reason if final else None,
             usage=final.usage if final else None,
             stats=final.stats if final else None,
+            stop_sequence=final.stop_sequence if final else None,
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.started_at,
             total_s=time.monotonic() - self.started_at,
         )

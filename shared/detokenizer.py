@@ -52,6 +52,7 @@ class IncrementalDetokenizer:
         self._prefix_text = ""
         self._held = ""  # decoded text withheld because it may start a stop string
         self.stopped = False
+        self.matched_stop: str | None = None  # the stop string that ended the text
         self.num_tokens = 0  # ids pushed (prompt context excluded)
 
     # -- the token -> text window --------------------------------------------------------
@@ -76,8 +77,9 @@ class IncrementalDetokenizer:
         if not self._stop:
             return text
         pending = self._held + text
-        cut = min((i for i in (pending.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, stop) for stop in self._stop if (i := pending.find(stop)) >= 0]
+        if found:
+            cut, self.matched_stop = min(found, key=lambda f: f[0])
             self.stopped = True
             self._held = ""
             return pending[:cut]

@@ -133,6 +133,16 @@ class Subjects:
         return f"KVF_KV_EVENTS_{self.root.replace('.', '_').replace('-', '_')}"
 
     @property
+    def responses_bucket(self) -> str:
+        """KV bucket: stored OpenAI Responses (`previous_response_id`), shared by ingresses."""
+        return f"KVF_RESPONSES_{self.root.replace('.', '_').replace('-', '_')}"
+
+    @property
+    def api_keys_bucket(self) -> str:
+        """KV bucket: API keys by hash -> account (`kvfabric keys`), read by every ingress."""
+        return f"KVF_API_KEYS_{self.root.replace('.', '_').replace('-', '_')}"
+
+    @property
     def swa_get(self) -> str:
         return self.endpoint(SWA_MEMCACHE, "get")
 

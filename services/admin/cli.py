@@ -8,23 +8,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import signal
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 import typer
 
-from services.admin import cache_cli, generate_cli, models_cli
+from services.admin import cache_cli, generate_cli, keys_cli, models_cli
+from services.admin.demo import demo_requests
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of, parse_replicas
 from services.admin.status import render
 from shared import models
 from shared.bus import Bus
-from shared.client import GenerateResult, build_request, generate
 from shared.config import ENGINES
 from shared.discovery import discover
-from shared.engine.checkpoint import Checkpoint
 from shared.models import DEFAULT_MODELS
 from shared.schema import ServiceError
 from shared.subjects import DECODE, DEFAULT_ROOT, PREFILL, SERVICES
@@ -39,6 +38,11 @@ app.add_typer(
     models_cli.app,
     name="models",
     short_help="The models a cluster can serve and their local cache: list, fetch, show.",
+)
+app.add_typer(
+    keys_cli.app,
+    name="keys",
+    short_help="API keys ingress accepts, each mapped to a billing account: create, list, revoke.",
 )
 app.command("generate")(generate_cli.generate_command)
 
@@ -67,6 +71,11 @@ def up(
     engine: str = typer.Option(
         "model", help="model: run it; mock: simulated timing, real KV events and usage"
     ),
+    dev_api_key: str | None = typer.Option(
+        None,
+        envvar="KVF_DEV_API_KEY",
+        help="an API key ingress accepts besides the keys of `kvfabric keys` (account 'dev')",
+    ),
 ) -> None:
     """Run the whole cluster on this machine until Ctrl-C or SIGTERM."""
     spec = _spec(
@@ -82,6 +91,7 @@ def up(
     )
     spec.models = _models(models_, engine)
     spec.extra_args = _engine_args(engine)
+    spec.dev_api_key = dev_api_key
     raise typer.Exit(asyncio.run(_up(spec, serve_forever=True)))
 
 
@@ -95,6 +105,7 @@ def demo(
     state_dir = state_dir or Path(tempfile.mkdtemp(prefix="kvfabric-"))
     spec = ClusterSpec(state_dir=state_dir, nats_port=0, http_port=0)
     spec.models = _models(",".join(DEFAULT_MODELS))
+    spec.dev_api_key = "kvf-demo-" + secrets.token_hex(16)  # this run's only key
     raise typer.Exit(asyncio.run(_up(spec, serve_forever=False)))
 
 
@@ -229,7 +240,13 @@ async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
             echo("interrupted during start-up")
             return 130
         instances = ready.result()
-        echo(f"HTTP API      {', '.join(cluster.http_urls)}  (GET /health)")
+        echo(f"HTTP API      {', '.join(cluster.http_urls)}  (/v1/chat/completions, "
+             "/v1/responses, /v1/messages; GET /health)")  # fmt: skip
+        if spec.dev_api_key:
+            echo("API key       the --dev-api-key given (account 'dev')")
+        else:
+            echo(f"API key       create one: kvfabric keys create --account NAME "
+                 f"--nats-url {cluster.nats_url} --root {spec.root}")  # fmt: skip
         echo(f"ready         {len(instances)} instances under root {spec.root}")
         if serve_forever:
             echo("Ctrl-C stops the cluster")
@@ -240,7 +257,7 @@ async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
             for child in cluster.exited():
                 echo(f"{child.instance_id} exited with code {child.process.returncode}; stopping")
             return 0 if stop.is_set() else 1
-        return await _demo_requests(cluster, bus, echo)
+        return await demo_requests(cluster, bus, echo, spec.dev_api_key)
     except (RuntimeError, TimeoutError, ServiceError) as exc:
         echo(f"error: {exc}")
         return 1
@@ -249,82 +266,6 @@ async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
             await bus.close()
         echo("stopping")
         await asyncio.to_thread(cluster.stop, echo)
-
-
-DEMO_MODEL = "SmolLM2-135M-Instruct"
-DEMO_QUESTION = (
-    "Write a Python function is_palindrome(s) that returns True when the string s reads "
-    "the same forwards and backwards."
-)
-DEMO_TOOL_RESULT = (
-    "$ python -c 'from pal import is_palindrome; print(is_palindrome(\"Racecar\"))'\nFalse"
-)
-DEMO_FOLLOW_UP = "The test says False for 'Racecar'. Make it ignore case and spaces."
-
-
-async def _demo_requests(cluster: Cluster, bus: Bus, echo) -> int:  # noqa: ANN001
-    """What a coding agent does: a question to SmolLM2, then a second turn that sends the
-    whole conversation again with a tool's output, most of it from the store."""
-    url = f"{cluster.http_urls[0]}/health"
-    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
-    echo(f"GET {url} -> {body}")
-    checkpoint = Checkpoint(models.model_path(DEMO_MODEL))
-    tokenizer, template = checkpoint.tokenizer(), checkpoint.chat_template()
-
-    def tokens(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False).ids
-
-    # Turn 1: the chat template rendered and tokenized as ingress will do it.
-    messages = [{"role": "user", "content": DEMO_QUESTION}]
-    prompt = tokens(template.render(messages, add_generation_prompt=True))
-    first = await _demo_turn(bus, prompt, echo, turn=1)
-    echo(first.text.strip())
-    # Turn 2: the same conversation, the answer as it was generated (its ids, not its text
-    # tokenized again, so the prefix is byte-for-byte what the store holds), a tool result
-    # and the next question.
-    answered = messages + [{"role": "assistant", "content": first.text}]
-    rest = template.render(
-        [*answered, {"role": "tool", "content": DEMO_TOOL_RESULT},
-         {"role": "user", "content": DEMO_FOLLOW_UP}],
-        add_generation_prompt=True,
-    )  # fmt: skip
-    turn_2_tail = rest[len(template.render(answered, add_generation_prompt=False)) :]
-    second_prompt = prompt + first.token_ids + tokens("\n" + turn_2_tail.lstrip("\n"))
-    second = await _demo_turn(bus, second_prompt, echo, turn=2)
-    echo(second.text.strip())
-    # The same second prompt once more in another cache namespace: nothing hits, all of it
-    # is computed -- what turn 2 would have cost without the store.
-    cold_request = build_request(
-        second_prompt, model=DEMO_MODEL, max_tokens=1, cache_salt="demo-cold"
-    )
-    cold = await generate(bus, cold_request)
-    echo(
-        f"time to first token: turn 1 {_ms(first.ttft_s)} ({len(prompt)} tokens, cold); "
-        f"turn 2 {_ms(second.ttft_s)} ({len(second_prompt)} tokens, "
-        f"{second.decision.num_cached_tokens} from the store); turn 2's prompt computed "
-        f"cold {_ms(cold.ttft_s)}"
-    )
-    echo(render(await discover(bus, timeout_s=0.5)))
-    return 0
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
-
-
-async def _demo_turn(bus: Bus, prompt: list[int], echo, *, turn: int) -> GenerateResult:  # noqa: ANN001
-    request = build_request(prompt, model=DEMO_MODEL, max_tokens=160)
-    result = await generate(bus, request)
-    usage = result.usage
-    assert usage is not None  # a completed stream always ends with usage
-    echo(
-        f"generate turn {turn}: {usage.num_prompt_tokens} prompt tokens, "
-        f"{usage.num_cached_tokens} from the store, {usage.num_output_tokens} generated "
-        f"({result.finish_reason}), TTFT {(result.ttft_s or 0) * 1000:.0f} ms, "
-        f"prefill {result.decision.prefill_worker_id}, decode {result.decision.decode_worker_id}"
-    )
-    await asyncio.sleep(0.3)  # kv-index applies the answer's BlocksStored asynchronously
-    return result
 
 
 if __name__ == "__main__":

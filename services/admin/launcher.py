@@ -83,6 +83,7 @@ class ClusterSpec:
     # What the prefill and decode workers serve: `replicas` of each service per model.
     # Names (shared.models) or paths; the workers' `--model`, unless extra_args give one.
     models: tuple[str, ...] = ("tiny-coder",)
+    dev_api_key: str | None = None  # ingress accepts it besides `kvfabric keys` (account dev)
 
     def num_replicas(self, service: str) -> int:
         return self.replicas.get(service, 1)
@@ -140,13 +141,15 @@ class Cluster:
         if service == INGRESS:
             port = self.spec.http_port + index if self.spec.http_port else 0
             args += ["--http-host", self.spec.http_host, "--http-port", str(port)]
+            if self.spec.dev_api_key:
+                args += ["--dev-api-key", self.spec.dev_api_key]
         extra = self.spec.extra_args.get(service, []) + self.spec.instance_args.get(instance_id, [])
         if model is not None and "--model" not in extra:
             args += ["--model", model]
         if service in (PREFILL, DECODE) and "--store-dir" not in extra:
             # One SSD tier for the whole one-machine cluster: every worker reads every slot.
             args += ["--store-dir", str(self.spec.state_dir / "kvstore")]
-        if service == DECODE and "--usage-outbox-dir" not in extra:
+        if service in (DECODE, INGRESS) and "--usage-outbox-dir" not in extra:
             # Under the state dir: a restarted cluster replays what its workers left pending.
             args += ["--usage-outbox-dir", str(self.spec.state_dir / "outbox")]
         args += extra

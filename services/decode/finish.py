@@ -110,6 +110,7 @@ class Finisher:
                     request_id=state.request_id, seq=state.stream.num_sent,
                     token_ids=pack_token_ids(token_ids), text=text + state.detokenizer.flush(),
                     final=True, finish_reason=reason, usage=state.usage(), stats=state.stats(),
+                    stop_sequence=state.detokenizer.matched_stop,
                 )  # fmt: skip
                 await state.stream.send(chunk, final=True)
         except Exception:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from shared.config import ConfigError, ServiceConfig
@@ -14,8 +15,27 @@ class IngressConfig(ServiceConfig):
 
     http_host: str = "127.0.0.1"
     http_port: int = 8000  # 0: any free port (the bound URL is published in discovery)
+    # Keys: every request presents one (`kvfabric keys create`), or this dev key (account
+    # "dev"); require_api_key=false serves anyone (account "anonymous").
+    require_api_key: bool = True
+    dev_api_key: str | None = None
+    max_body_bytes: int = 32 << 20  # 413 past this; a 200K-token context is ~1 MB of JSON
+    default_max_tokens: int = 1024  # when the request names none (capped by the context)
+    keepalive_s: float = 10.0  # an SSE comment (Anthropic: ping) after this much silence
+    responses_ttl_s: float = 7 * 86400.0  # stored Responses, for previous_response_id
+    segment_cache_tokens: int = 4_000_000  # tokenized segments kept, per model
+    # A stream whose decode worker dies is billed from here until JetStream has it.
+    usage_outbox_dir: Path = Path("/tmp/kvfabric/outbox")
 
     def validate(self) -> None:
         super().validate()
         if not 0 <= self.http_port <= 65535:
             raise ConfigError(f"http_port must be in [0, 65535], got {self.http_port}")
+        for name in ("max_body_bytes", "default_max_tokens", "segment_cache_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("keepalive_s", "responses_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dev_api_key is not None and len(self.dev_api_key) < 8:
+            raise ConfigError("dev_api_key must be at least 8 characters")

@@ -1,41 +1,77 @@
 """ingress: the HTTP front door (OpenAI Chat Completions, OpenAI Responses, Anthropic
-Messages). DESIGN.md sections 1 and 3.
+Messages). DESIGN.md sections 1 and 3; the routes are in app.py.
 
-Runs today: `GET /health` (200 while connected to NATS and SERVING; 503 while starting,
-draining or disconnected), and the bound HTTP URL published as `http_url` in its discovery
-metadata, which is how `kvfabric up` learns where the API is served. The protocol endpoints
-are wired here as they land.
+Wiring only: the served-model table (from discovery), the pipeline (tokenize, send to the
+router, read the stream), the stored-responses and API-key buckets in JetStream, a usage
+outbox for streams whose decode worker dies, and uvicorn serving the FastAPI app on this
+process's event loop. The bound URL is published as `http_url` in discovery metadata, which
+is how `kvfabric up` learns where the API is served. Stateless: run as many replicas as
+wanted behind any HTTP load balancer.
 """
 
 from __future__ import annotations
 
-from aiohttp import web
+import asyncio
+import socket
 
+import uvicorn
+
+from services.ingress.app import Services, build_app
 from services.ingress.config import IngressConfig
+from services.ingress.models import ModelTable
+from services.ingress.openai_responses import ResponseStore
+from services.ingress.pipeline import Pipeline
+from shared.api_keys import KeyStore
 from shared.runtime import ServiceRuntime, service_main
 from shared.subjects import INGRESS
-
-
-def build_app(runtime: ServiceRuntime) -> web.Application:
-    async def health(_: web.Request) -> web.Response:
-        status, body = runtime.health()
-        return web.json_response(body, status=status)
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    return app
+from shared.usage import open_usage_outbox
 
 
 async def setup(runtime: ServiceRuntime) -> None:
     config = runtime.config
     assert isinstance(config, IngressConfig)  # service_main built it from IngressConfig
-    runner = web.AppRunner(build_app(runtime), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.http_host, config.http_port)
-    await site.start()
-    host, port = runner.addresses[0][:2]
+    bus = runtime.bus
+    models = ModelTable(bus, cache_tokens=config.segment_cache_tokens)
+    config.usage_outbox_dir.mkdir(parents=True, exist_ok=True)
+    outbox = await open_usage_outbox(bus, INGRESS, config.usage_outbox_dir, runtime.instance_id)
+    runtime.on_stop(lambda: outbox.close(timeout_s=config.shutdown_grace_s))
+    pipeline = Pipeline(bus, models, outbox=outbox, default_max_tokens=config.default_max_tokens,
+                        keepalive_s=config.keepalive_s)  # fmt: skip
+    responses = ResponseStore(bus, config.responses_ttl_s)
+    await responses.start()
+    keys = KeyStore(bus) if config.require_api_key else None
+    if keys is not None:
+        await keys.start()
+    app = build_app(Services(pipeline, responses, keys, config.dev_api_key,
+                             config.max_body_bytes, runtime.health))  # fmt: skip
+
+    # Bind first (port 0 picks a free one), then hand uvicorn the socket. Its own serve()
+    # would install signal handlers over the runtime's; startup/main_loop/shutdown do not.
+    sock = socket.create_server((config.http_host, config.http_port), reuse_port=False)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=int(config.shutdown_grace_s),
+        )  # fmt: skip
+    )
+    server.config.load()
+    server.lifespan = server.config.lifespan_class(server.config)
+    await server.startup(sockets=[sock])
+    serving = asyncio.create_task(server.main_loop())
+    host, port = sock.getsockname()[:2]
     runtime.metadata["http_url"] = f"http://{host}:{port}"
-    runtime.on_stop(runner.cleanup)
+    await models.refresh()
+    runtime.every(5.0, models.refresh)
+
+    async def stop() -> None:
+        server.should_exit = True
+        await serving
+        await server.shutdown(sockets=[sock])
+
+    runtime.on_stop(stop)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
+from nats.js.api import ConsumerConfig, DeliverPolicy, KeyValueConfig, StreamConfig
 
 from shared.bus.wire import RawMessage, raw_message
 from shared.logging import get_logger
@@ -154,3 +154,46 @@ class JetStream:
             return None
         except nats.js.errors.NotFoundError:
             return None
+
+    # -- key-value buckets (stored responses, API keys): shared by every replica ----------
+    async def ensure_kv(self, bucket: str, *, ttl_s: float | None = None) -> None:
+        """Create the bucket if it is missing (idempotent); `ttl_s`: entries expire."""
+        js = self._nc.jetstream()
+        try:
+            await js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            await js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1))
+
+    async def kv_put(self, bucket: str, key: str, value: bytes) -> None:
+        kv = await self._nc.jetstream().key_value(bucket)
+        await kv.put(key, value)
+
+    async def kv_get(self, bucket: str, key: str) -> bytes | None:
+        """The value, or None when the key (or the bucket) is absent, deleted or expired."""
+        js = self._nc.jetstream()
+        try:
+            kv = await js.key_value(bucket)
+            entry = await kv.get(key)
+        except (
+            nats.js.errors.BucketNotFoundError,
+            nats.js.errors.KeyNotFoundError,
+            nats.js.errors.KeyDeletedError,
+        ):
+            return None
+        return entry.value
+
+    async def kv_delete(self, bucket: str, key: str) -> None:
+        js = self._nc.jetstream()
+        try:
+            kv = await js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            return
+        await kv.delete(key)
+
+    async def kv_keys(self, bucket: str) -> list[str]:
+        js = self._nc.jetstream()
+        try:
+            kv = await js.key_value(bucket)
+            return sorted(await kv.keys())
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
+            return []

@@ -46,6 +46,7 @@ class MockModel:
         """Discovery metadata, the keys of `shared.engine.worker.describe` that apply."""
         return {
             "model": self.name,
+            "model_path": str(config.model_path),  # ingress reads its tokenizer from it
             "engine": "mock",
             "mock_speedup": str(config.mock_speedup),
             "kv_block_size_tokens": str(config.kv_block_size_tokens),

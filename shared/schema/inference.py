@@ -232,3 +232,4 @@ class TokenChunk(Message, tag="token_chunk"):
     finish_reason: str | None = None  # stop | length | cancelled | error
     usage: TokenUsage | None = None
     stats: DecodeStats | None = None  # on the final chunk
+    stop_sequence: str | None = None  # final chunk: the stop string that ended the output

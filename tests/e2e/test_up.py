@@ -148,7 +148,8 @@ def test_demo_serves_requests_and_stops(tmp_path: Path) -> None:
     out = result.stdout
     assert '"status": "ok"' in out
     turns = re.findall(
-        r"generate turn (\d): (\d+) prompt tokens, (\d+) from the store, (\d+) generated", out
+        r"chat/completions turn (\d): (\d+) prompt tokens, (\d+) from the store, (\d+) generated",
+        out,
     )
     assert [t[0] for t in turns] == ["1", "2"], out[-3000:]
     (_, _, cold, made), (_, prompt, cached, _) = turns

@@ -1,0 +1,149 @@
+"""Ingress overhead: the same requests through HTTP ingress and straight to the router with
+`shared.client`, side by side in one run, against a mock-engine cluster.
+
+    python -m loadtest.bench_ingress [--requests 200] [--concurrency 8]
+
+The cluster (kv-index, swa-memcache, router, a mock prefill and decode worker of tiny-coder,
+one ingress) runs as separate processes; the mock engine simulates a GPU's timing, sped up
+(`--mock-speedup`) so the serving path, not the simulated model, dominates. Each request is a
+short chat (a system prompt and a question, ~100 tokens, 16 new tokens, non-streaming).
+
+The direct side sends the ids ingress would send (tokenized once, before timing) through
+`shared.client.generate`; the ingress side posts the chat to `/v1/chat/completions` with
+httpx (no SDK, so the client's own cost stays out). Printed: requests/s and p50/p99 latency
+of each, the ratio of requests/s and the latency ingress adds (targets: >= 0.7x, <= 3 ms at
+p50). Each side runs its rounds alternately, so machine noise lands on both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from services.admin.launcher import Cluster, ClusterSpec
+from shared.bus import Bus
+from shared.client import build_request, generate
+from shared.engine.checkpoint import Checkpoint
+from shared.models import model_path
+from shared.subjects import BILLING, DECODE, INGRESS, PREFILL
+from shared.testing import unique_root
+from shared.tokenizer import PromptTokenizer, format_for
+from shared.tokenizer.chat import Chat, Message
+
+MODEL = "tiny-coder"
+KEY = "kvf-bench-ingress-key"
+SYSTEM = "You are a careful coding assistant. Answer with short, tested Python code."
+
+
+def question(i: int) -> str:
+    return f"Request {i}: write a function that returns the {i}th Fibonacci number."
+
+
+async def timed(n: int, concurrency: int, one) -> tuple[float, list[float]]:  # noqa: ANN001
+    latencies: list[float] = []
+    queue = list(range(n))
+
+    async def worker() -> None:
+        while queue:
+            i = queue.pop()
+            start = time.perf_counter()
+            await one(i)
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return n / (time.perf_counter() - start), latencies
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def run(args: argparse.Namespace, cluster: Cluster) -> None:
+    bus = await Bus.connect(cluster.nats_url, service="bench", root=cluster.spec.root)
+    await cluster.wait_ready(bus, timeout_s=120)
+    url = cluster.http_urls[0]
+    checkpoint = Checkpoint(model_path(MODEL))
+    tokenizer = PromptTokenizer(checkpoint.tokenizer(), format_for(checkpoint))
+    prompts = {}
+    for i in range(args.requests):
+        chat = Chat((Message("system", SYSTEM), Message("user", question(i))))
+        prompts[i] = tokenizer.encode(chat)
+    print(f"prompt tokens: {statistics.mean(len(p) for p in prompts.values()):.0f} on average")
+
+    async def direct(i: int) -> None:
+        request = build_request(prompts[i], model=MODEL, max_tokens=args.max_tokens,
+                                block_size_tokens=64)  # fmt: skip
+        result = await generate(bus, request)
+        assert result.usage is not None
+
+    http = httpx.AsyncClient(base_url=url, timeout=60,
+                             limits=httpx.Limits(max_connections=args.concurrency))  # fmt: skip
+
+    async def via_ingress(i: int) -> None:
+        r = await http.post("/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+                            json={"model": MODEL, "max_tokens": args.max_tokens, "messages": [
+                                {"role": "system", "content": SYSTEM},
+                                {"role": "user", "content": question(i)}]})  # fmt: skip
+        assert r.status_code == 200, r.text
+
+    for warm in (direct, via_ingress):  # connections, caches, JIT-free but lazy imports
+        await timed(min(20, args.requests), args.concurrency, warm)
+    results: dict[str, list] = {"direct": [[], []], "ingress": [[], []]}
+    for _ in range(args.rounds):
+        for name, one in (("direct", direct), ("ingress", via_ingress)):
+            rps, lat = await timed(args.requests, args.concurrency, one)
+            results[name][0].append(rps)
+            results[name][1].extend(lat)
+    await http.aclose()
+    await bus.close()
+    print(
+        f"{args.rounds} rounds of {args.requests} requests at concurrency {args.concurrency}, "
+        f"{args.max_tokens} new tokens each (mock engine, speedup {args.mock_speedup:g})"
+    )
+    print(f"{'path':<8} {'req/s':>7} {'p50 ms':>8} {'p99 ms':>8}")
+    summary = {}
+    for name, (rps, lat) in results.items():
+        summary[name] = (statistics.median(rps), pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3)
+        print(
+            f"{name:<8} {summary[name][0]:>7.1f} {summary[name][1]:>8.2f} {summary[name][2]:>8.2f}"
+        )
+    d, g = summary["direct"], summary["ingress"]
+    print(
+        f"ingress/direct requests/s: {g[0] / d[0]:.2f}x (target >= 0.7x); added latency "
+        f"p50 {g[1] - d[1]:+.2f} ms (target <= 3 ms), p99 {g[2] - d[2]:+.2f} ms"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--mock-speedup", type=float, default=100.0)
+    args = parser.parse_args()
+    mock = ["--engine", "mock", "--mock-speedup", str(args.mock_speedup)]
+    with tempfile.TemporaryDirectory(prefix="kvf-bench-ingress-") as tmp:
+        spec = ClusterSpec(
+            state_dir=Path(tmp), nats_port=0, http_port=0, root=unique_root(),
+            replicas={BILLING: 0}, models=(MODEL,), log_level="warning",
+            extra_args={PREFILL: mock, DECODE: mock, INGRESS: ["--dev-api-key", KEY]},
+        )  # fmt: skip
+        cluster = Cluster(spec)
+        cluster.start()
+        try:
+            asyncio.run(run(args, cluster))
+        finally:
+            cluster.stop()
+
+
+if __name__ == "__main__":
+    main()

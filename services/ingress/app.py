@@ -1,0 +1,261 @@
+"""The HTTP surface: routes, authentication, limits and errors in each protocol's shape.
+
+Routes: POST /v1/chat/completions, POST /v1/responses, GET /v1/responses/{id},
+POST /v1/messages, POST /v1/messages/count_tokens, GET /v1/models, GET /health, and
+FastAPI's /openapi.json. Anthropic's routes (/v1/messages...) answer errors in Anthropic's
+shape, the others in OpenAI's; both auth headers work everywhere (C-05).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.ingress import anthropic_messages, openai_chat, openai_responses, sse
+from services.ingress.errors import ApiError
+from services.ingress.pipeline import Generation, Pipeline, Prepared
+from shared.api_keys import KeyStore
+from shared.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Caller:
+    key_id: str
+    account: str
+
+
+@dataclass
+class Services:
+    """What the routes need, built by main.py (tests build their own)."""
+
+    pipeline: Pipeline
+    responses: openai_responses.ResponseStore
+    keys: KeyStore | None  # None: no key needed (a dev cluster told so)
+    dev_api_key: str | None
+    max_body_bytes: int
+    health: Callable[[], tuple[int, dict[str, Any]]]
+
+
+def protocol_of(path: str) -> str:
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def error_response(exc: ApiError, path: str) -> JSONResponse:
+    protocol = protocol_of(path)
+    return JSONResponse(exc.body(protocol), status_code=exc.status(protocol), headers=exc.headers())
+
+
+def build_app(services: Services) -> FastAPI:
+    app = FastAPI(title="kvfabric ingress", version="1", docs_url=None, redoc_url=None)
+    pipeline = services.pipeline
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc, request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or "body"
+        message = f"{where}: {first.get('msg', 'invalid request')}"
+        return error_response(ApiError("invalid_request", message, param=where), request.url.path)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > services.max_body_bytes:
+            return error_response(ApiError("request_too_large",
+                f"request body of {length} bytes exceeds the limit of "
+                f"{services.max_body_bytes} bytes"), request.url.path)  # fmt: skip
+        return await call_next(request)
+
+    async def caller(request: Request) -> Caller:
+        header = request.headers.get("authorization", "")
+        key = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        key = key or request.headers.get("x-api-key", "").strip()
+        if services.keys is None:
+            return Caller("", "anonymous")
+        if services.dev_api_key and key == services.dev_api_key:
+            return Caller("key_dev", "dev")
+        if not key:
+            raise ApiError(
+                "authentication",
+                "no API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                "(create one with `kvfabric keys create`)",
+            )
+        record = await services.keys.lookup(key)
+        if record is None:
+            raise ApiError("authentication", "invalid or revoked API key", code="invalid_api_key")
+        return Caller(record.key_id, record.account)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status, body = services.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request, _: Caller = Depends(caller)) -> dict[str, Any]:
+        await pipeline.models.refresh()
+        served = pipeline.models.served()
+        if "anthropic-version" in request.headers:
+            data = [{"type": "model", "id": m.name, "display_name": m.name,
+                     "created_at": _rfc3339(m.created)} for m in served]  # fmt: skip
+            return {"data": data, "has_more": False,
+                    "first_id": data[0]["id"] if data else None,
+                    "last_id": data[-1]["id"] if data else None}  # fmt: skip
+        return {"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": m.created, "owned_by": "kvfabric",
+             "context_length": m.max_model_len} for m in served]}  # fmt: skip
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: openai_chat.ChatCompletionRequest,
+                               who: Caller = Depends(caller)) -> Response:  # fmt: skip
+        prepared = await pipeline.prepare(openai_chat.to_completion(body, who.key_id))
+        generations = await _start([pipeline.fork(prepared, i) for i in range(body.n)], pipeline)
+        rid = prepared.request.request_id
+        if body.stream:
+            return _streaming(openai_chat.stream(body, generations, rid), generations)
+        try:
+            results = await asyncio.gather(*(g.run_to_end() for g in generations))
+        finally:
+            await _close(generations)
+        return _json(openai_chat.response(body, list(results), rid))
+
+    @app.post("/v1/messages")
+    async def messages(body: anthropic_messages.MessagesRequest,
+                       who: Caller = Depends(caller)) -> Response:  # fmt: skip
+        prepared = await pipeline.prepare(anthropic_messages.to_completion(body, who.key_id))
+        (generation,) = await _start([prepared], pipeline)
+        rid = prepared.request.request_id
+        if body.stream:
+            return _streaming(anthropic_messages.stream(body, generation, rid), [generation])
+        try:
+            events, finished = await generation.run_to_end()
+        finally:
+            await generation.close()
+        return _json(anthropic_messages.response(body, events, finished, rid))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: anthropic_messages.CountTokensRequest,
+                           _: Caller = Depends(caller)) -> dict[str, int]:  # fmt: skip
+        chat = anthropic_messages.to_chat(body)
+        return {"input_tokens": await pipeline.count_tokens(body.model, chat)}
+
+    @app.post("/v1/responses")
+    async def responses(body: openai_responses.ResponsesRequest,
+                        who: Caller = Depends(caller)) -> Response:  # fmt: skip
+        context = []
+        if body.previous_response_id:
+            stored = await services.responses.get(body.previous_response_id)
+            if stored is None:
+                raise ApiError("not_found", f"response {body.previous_response_id!r} not found "
+                               "(never stored, stored with store=false, or expired)",
+                               param="previous_response_id")  # fmt: skip
+            context = stored[1]
+        prompt = [*context, *openai_responses.input_messages(body.input)]
+        completion = openai_responses.to_completion(body, prompt, who.key_id)
+        prepared = await pipeline.prepare(completion)
+        (generation,) = await _start([prepared], pipeline)
+        output = openai_responses.Output(body, prepared.request.request_id, prompt)
+
+        async def store() -> None:
+            if body.store and output.status in ("completed", "incomplete"):
+                try:
+                    await services.responses.put(output.response(), output.context(prompt))
+                except Exception:  # the answer is out; only a later chaining suffers
+                    log.exception("storing a response failed", response_id=output.id)
+
+        if body.stream:
+            return _streaming(openai_responses.stream(output, generation), [generation], store)
+        try:
+            for event in (await generation.run_to_end())[0]:
+                for _ in output.take(event):
+                    pass
+        finally:
+            await generation.close()
+        await store()
+        return _json(output.response())
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, _: Caller = Depends(caller)) -> Response:
+        stored = await services.responses.get(response_id)
+        if stored is None:
+            raise ApiError("not_found", f"response {response_id!r} not found", param="response_id")
+        return _json(stored[0])
+
+    return app
+
+
+async def _start(prepared: list[Prepared], pipeline: Pipeline) -> list[Generation]:
+    generations = [pipeline.generation(p) for p in prepared]
+    try:
+        await asyncio.gather(*(g.start() for g in generations))
+    except BaseException:
+        await _close(generations)
+        raise
+    return generations
+
+
+async def _close(generations: list[Generation]) -> None:
+    await asyncio.gather(*(g.close() for g in generations), return_exceptions=True)
+
+
+def _streaming(
+    frames: AsyncIterator[bytes],
+    generations: list[Generation],
+    after: Callable[[], Awaitable[None]] | None = None,
+) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for frame in frames:
+                yield frame
+            if after is not None:
+                await after()
+        finally:  # also when the client went away: the request is cancelled downstream
+            await _close(generations)
+
+    return _StreamingResponse(body(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+
+
+class _StreamingResponse(StreamingResponse):
+    """Stops streaming as soon as the client disconnects. (Starlette's own relies on a write
+    failing, and uvicorn drops writes to a closed connection silently, so a generation would
+    run on to its end for nobody.) Cancelling the stream runs its `finally`, which cancels
+    the request downstream."""
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        async def disconnected() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        stream = asyncio.ensure_future(self.stream_response(send))
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, watch):
+                task.cancel()
+            await asyncio.gather(stream, watch, return_exceptions=True)
+        if stream.done() and not stream.cancelled() and stream.exception() is not None:
+            raise stream.exception()
+        if self.background is not None:
+            await self.background()
+
+
+def _json(payload: dict[str, Any]) -> Response:
+    return Response(msgspec.json.encode(payload), media_type="application/json")
+
+
+def _rfc3339(epoch_s: int) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(epoch_s, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,100 @@
+"""The models the cluster serves, as ingress needs them: from discovery, each with its
+tokenizer and chat format loaded once.
+
+Decode workers name their model, its checkpoint path, context length and KV block size in
+discovery metadata. Ingress reads the same checkpoint (a shared filesystem in a cluster; the
+model cache on one machine) for its tokenizer and chat template, never the weights. The table
+refreshes every few seconds and at once when a request names a model it does not know yet,
+so a model whose workers just came up is served without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.bus import Bus
+from shared.discovery import discover
+from shared.engine.checkpoint import Checkpoint
+from shared.logging import get_logger
+from shared.subjects import DECODE
+from shared.tokenizer import ChatFormat, PromptTokenizer, format_for
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    checkpoint: Path
+    max_model_len: int
+    block_size_tokens: int
+    tokenizer: PromptTokenizer
+    chat_format: ChatFormat
+    created: int  # epoch seconds ingress first saw it (OpenAI's `created`)
+
+
+class ModelTable:
+    def __init__(self, bus: Bus, *, refresh_s: float = 5.0, cache_tokens: int = 4_000_000):
+        self.bus = bus
+        self.refresh_s = refresh_s
+        self.cache_tokens = cache_tokens
+        self._models: dict[str, ServedModel] = {}
+        self._served: set[str] = set()  # names with a live decode worker now
+        self._refreshed_at = 0.0
+        self._lock = asyncio.Lock()
+
+    def served(self) -> list[ServedModel]:
+        return sorted((self._models[n] for n in self._served if n in self._models),
+                      key=lambda m: m.name)  # fmt: skip
+
+    async def get(self, name: str) -> ServedModel | None:
+        """The model, refreshing discovery once if it is not (or no longer) known."""
+        age_s = time.monotonic() - self._refreshed_at
+        # An unknown name refreshes at most 4 times a second: a client asking for a model
+        # nobody serves must not turn every request into a discovery round.
+        if age_s > self.refresh_s or (name not in self._served and age_s > 0.25):
+            await self.refresh()
+        return self._models.get(name) if name in self._served else None
+
+    async def refresh(self) -> None:
+        async with self._lock:
+            instances = await discover(self.bus, service=DECODE, timeout_s=0.3)
+            served = set()
+            for instance in instances:
+                meta = instance.metadata
+                name = meta.get("model")
+                if not name:
+                    continue
+                served.add(name)
+                if name not in self._models and meta.get("model_path"):
+                    try:
+                        self._models[name] = await asyncio.to_thread(self._load, meta)
+                    except Exception:  # one unreadable checkpoint must not hide the others
+                        log.exception("cannot load a served model's tokenizer", model=name,
+                                      path=meta.get("model_path"))  # fmt: skip
+                        served.discard(name)
+            self._served = served
+            self._refreshed_at = time.monotonic()
+
+    def _load(self, meta: dict[str, str]) -> ServedModel:
+        checkpoint = Checkpoint(Path(meta["model_path"]))
+        chat_format = format_for(checkpoint)
+        tokenizer = PromptTokenizer(
+            checkpoint.tokenizer(), chat_format, cache_tokens=self.cache_tokens
+        )
+        model = ServedModel(
+            name=meta["model"],
+            checkpoint=checkpoint.path,
+            max_model_len=int(meta.get("max_model_len") or 0)
+            or checkpoint.config().max_position_embeddings,
+            block_size_tokens=int(meta.get("kv_block_size_tokens") or 64),
+            tokenizer=tokenizer,
+            chat_format=chat_format,
+            created=int(time.time()),
+        )
+        log.info("serving model", model=model.name, format=chat_format.name,
+                 max_model_len=model.max_model_len)  # fmt: skip
+        return model

@@ -1,0 +1,405 @@
+"""One generation, protocol-neutral: a `Completion` (what any of the three protocols asked
+for) in, a stream of events out.
+
+    prepare(): the model, the prompt ids (segmented, cached tokenization), the limits
+               (context length and max tokens: 400 with the numbers), the GenerateRequest;
+    Generation.start(): send it and wait for the router's decision, so every refusal (unknown
+               model, overloaded, bad request) is still an HTTP error in the caller's shape;
+    Generation.next(): the next event (text, tool-call begin / delta / end, finished), or
+               KEEPALIVE when nothing came for `keepalive_s`;
+    Generation.close(): stop; if the stream has not ended (the client went away) the request
+               is cancelled downstream and decode bills what it produced.
+
+Usage comes from the final chunk: decode's own account of the store hits it used, not the
+router's estimate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import msgspec
+
+from services.ingress.errors import ApiError, from_service_error, invalid
+from services.ingress.models import ModelTable, ServedModel
+from shared.bus import Bus
+from shared.client import GenerateResult, build_request, generate
+from shared.logging import get_logger
+from shared.schema import GenerateRequest, RouteDecision, ServiceError, TokenChunk
+from shared.tokenizer import PromptError
+from shared.tokenizer.chat import Chat, Message, ToolCall
+from shared.tokenizer.tool_parsers import (
+    ParseEvent,
+    TextDelta,
+    ToolCallBegin,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallParser,
+    parser_for,
+)
+from shared.usage_outbox import UsageOutbox
+
+log = get_logger(__name__)
+
+__all__ = [
+    "KEEPALIVE",
+    "Completion",
+    "Finished",
+    "Generation",
+    "Pipeline",
+    "Prepared",
+    "TextDelta",
+    "ToolCallBegin",
+    "ToolCallDelta",
+    "ToolCallEnd",
+    "Usage",
+]
+
+KEEPALIVE = object()  # Generation.next(): nothing new for keepalive_s
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What a protocol request asks for, once parsed."""
+
+    model: str
+    chat: Chat
+    max_tokens: int | None = None  # None: what the context leaves, up to the default
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    api_key_id: str = ""
+    tool_id_prefix: str = "call_"  # Anthropic's tool_use ids are toolu_...
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int  # of prompt_tokens: read from the KV store, not computed
+    output_tokens: int
+
+    @property
+    def miss_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True)
+class Finished:
+    # stop: the model ended its turn; stop_sequence: a stop string matched (`stop_sequence`);
+    # length: max tokens or the context; tool_calls: it called tools; cancelled; error.
+    reason: str
+    usage: Usage
+    stop_sequence: str | None = None
+
+
+Event = ParseEvent | Finished
+
+
+@dataclass
+class Prepared:
+    completion: Completion
+    model: ServedModel
+    request: GenerateRequest
+    forced_prefix: str
+    parse_tools: bool
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) // 4
+
+
+class Pipeline:
+    def __init__(
+        self,
+        bus: Bus,
+        models: ModelTable,
+        *,
+        outbox: UsageOutbox | None = None,
+        default_max_tokens: int = 1024,
+        keepalive_s: float = 10.0,
+    ) -> None:
+        self.bus = bus
+        self.models = models
+        self.outbox = outbox
+        self.default_max_tokens = default_max_tokens
+        self.keepalive_s = keepalive_s
+
+    async def model(self, name: str) -> ServedModel:
+        model = await self.models.get(name)
+        if model is None:
+            served = ", ".join(m.name for m in self.models.served()) or "none"
+            raise ApiError("not_found", f"model {name!r} is not served here (served: {served})",
+                           param="model", code="model_not_found")  # fmt: skip
+        return model
+
+    async def count_tokens(self, model_name: str, chat: Chat) -> int:
+        model = await self.model(model_name)
+        try:
+            return await asyncio.to_thread(model.tokenizer.count, chat)
+        except PromptError as exc:
+            raise invalid(str(exc)) from exc
+
+    async def prepare(self, completion: Completion) -> Prepared:
+        model = await self.model(completion.model)
+        chat = completion.chat
+        try:
+            ids = await asyncio.to_thread(model.tokenizer.encode, chat)
+        except PromptError as exc:
+            raise invalid(str(exc)) from exc
+        num_prompt = len(ids)
+        room = model.max_model_len - num_prompt
+        if completion.max_tokens is not None and completion.max_tokens < 1:
+            raise invalid(f"max tokens must be at least 1, got {completion.max_tokens}",
+                          param="max_tokens")  # fmt: skip
+        if room < 1 or (completion.max_tokens is not None and completion.max_tokens > room):
+            asked = completion.max_tokens or 1
+            raise ApiError(
+                "invalid_request",
+                f"{model.name}'s maximum context length is {model.max_model_len} tokens; "
+                f"this request has {num_prompt} tokens of prompt and asks for {asked} "
+                f"tokens of output ({num_prompt + asked} in all)",
+                param="messages" if room < 1 else "max_tokens",
+                code="context_length_exceeded",
+            )
+        max_tokens = completion.max_tokens or min(self.default_max_tokens, room)
+        request = build_request(
+            ids,
+            model=model.name,
+            block_size_tokens=model.block_size_tokens,
+            max_tokens=max_tokens,
+            temperature=completion.temperature,
+            top_p=completion.top_p,
+            top_k=completion.top_k,
+            seed=completion.seed,
+            stop=completion.stop,
+            request_id=uuid.uuid4().hex,
+            api_key_id=completion.api_key_id,
+        )
+        forced = model.chat_format.forced_prefix(chat)
+        parse_tools = bool(chat.tools) and chat.tool_choice.mode != "none"
+        return Prepared(completion, model, request, forced, parse_tools)
+
+    def fork(self, prepared: Prepared, index: int) -> Prepared:
+        """Choice `index` of an n-choice request: its own request id (and seed, if one was
+        given); choice 0 is the request itself."""
+        if index == 0:
+            return prepared
+        request = prepared.request
+        sampling = request.sampling
+        if sampling.seed is not None:
+            sampling = msgspec.structs.replace(sampling, seed=sampling.seed + index)
+        forked = msgspec.structs.replace(
+            request, request_id=f"{request.request_id}-{index}", sampling=sampling
+        )
+        return dataclasses.replace(prepared, request=forked)
+
+    def generation(self, prepared: Prepared) -> Generation:
+        return Generation(self, prepared)
+
+
+@dataclass
+class _Output:
+    """What the generation produced, for the non-streaming answer and the next turn."""
+
+    text: list[str] = field(default_factory=list)
+    calls: dict[int, ToolCall] = field(default_factory=dict)
+    names: dict[int, tuple[str, str]] = field(default_factory=dict)  # index -> (id, name)
+
+
+class Generation:
+    def __init__(self, pipeline: Pipeline, prepared: Prepared) -> None:
+        self.pipeline = pipeline
+        self.prepared = prepared
+        self.request_id = prepared.request.request_id
+        self.output = _Output()
+        self._chunks: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
+        self._decided = asyncio.Event()
+        self._events: deque[Event] = deque()
+        self._task: asyncio.Task[GenerateResult] | None = None
+        self._ended = False
+        self._parser: ToolCallParser | None = None
+        self._arguments: dict[int, str] = {}  # call index -> the JSON prefix streamed
+        self._result: GenerateResult | None = None
+        self.num_cached_estimate = 0  # the router's, until decode's count comes at the end
+        if prepared.parse_tools:
+            names = [t.name for t in prepared.completion.chat.tools]
+            self._parser = parser_for(
+                prepared.model.chat_format.name, names,
+                id_prefix=prepared.completion.tool_id_prefix,
+            )  # fmt: skip
+            if prepared.forced_prefix:
+                self._parsed(self._parser.feed(prepared.forced_prefix))
+
+    async def start(self) -> None:
+        """Send the request; return once the router took it. Raises ApiError otherwise."""
+        p = self.pipeline
+        self._task = asyncio.create_task(
+            generate(
+                p.bus,
+                self.prepared.request,
+                on_chunk=self._chunks.put_nowait,
+                on_decision=self._on_decision,
+                outbox=p.outbox,
+            )  # fmt: skip
+        )
+        self._task.add_done_callback(lambda _: self._chunks.put_nowait(None))
+        decided = asyncio.create_task(self._decided.wait())
+        try:
+            await asyncio.wait({self._task, decided}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            decided.cancel()
+        if self._task.done() and not self._decided.is_set():
+            self._raise_from_task()  # refused (or failed) before any worker took it
+
+    def _on_decision(self, decision: RouteDecision) -> None:
+        self.num_cached_estimate = decision.num_cached_tokens
+        self._decided.set()
+
+    async def next(self) -> Event | object | None:
+        """The next event; KEEPALIVE after keepalive_s of silence; None after Finished.
+        Raises ApiError when the generation failed mid-stream."""
+        while not self._events:
+            if self._ended:
+                return None
+            try:
+                chunk = await asyncio.wait_for(self._chunks.get(), self.pipeline.keepalive_s)
+            except TimeoutError:
+                return KEEPALIVE
+            if chunk is None:
+                self._finish()
+            else:
+                self._take(chunk)
+        event = self._events.popleft()
+        self._record(event)
+        return event
+
+    async def run_to_end(self) -> tuple[list[Event], Finished]:
+        """Every event (the non-streaming answer)."""
+        events: list[Event] = []
+        while (event := await self.next()) is not None:
+            if event is not KEEPALIVE:
+                events.append(event)  # type: ignore[arg-type]
+        return events, events[-1]  # type: ignore[return-value]
+
+    async def close(self) -> None:
+        """Stop; a request still running is cancelled downstream (client.generate sends the
+        CancelRequest when its task is cancelled)."""
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    # -- internals -----------------------------------------------------------------------
+    def _take(self, chunk: TokenChunk) -> None:
+        if chunk.text:
+            if self._parser is not None:
+                self._parsed(self._parser.feed(chunk.text))
+            else:
+                self._events.append(TextDelta(chunk.text))
+
+    def _parsed(self, events: list[ParseEvent]) -> None:
+        """The parser's events, with one rule for every protocol: a call's arguments are
+        what its deltas carried, always a valid JSON prefix (Anthropic's SDK parses every
+        fragment). Where the model's text stopped being JSON, the call ends there and the
+        rest of what it wrote follows as text, so nothing it wrote is lost."""
+        for event in events:
+            if isinstance(event, ToolCallDelta):
+                self._arguments[event.index] = (
+                    self._arguments.get(event.index, "") + event.arguments
+                )
+            elif isinstance(event, ToolCallEnd) and event.arguments != (
+                sent := self._arguments.get(event.index, "")
+            ):
+                if sent or not _is_json(event.arguments):
+                    rest = event.arguments.removeprefix(sent)
+                    self._events.append(ToolCallEnd(event.index, sent))
+                    self._events.append(TextDelta(rest))
+                    continue
+                self._arguments[event.index] = event.arguments  # whole, with no delta before
+            self._events.append(event)
+
+    def _finish(self) -> None:
+        assert self._task is not None and self._task.done()
+        result = self._raise_from_task()
+        if self._parser is not None:
+            self._parsed(self._parser.finish())
+        usage = result.usage
+        if usage is None:  # a stream always ends with a final chunk carrying usage
+            raise ApiError("api_error", "the stream ended without its usage")
+        reason = result.finish_reason or "stop"
+        stop_sequence = result.stop_sequence
+        if reason == "stop" and stop_sequence:
+            reason = "stop_sequence"
+        has_calls = self._parser is not None and self._parser.num_calls > 0
+        if has_calls and reason in ("stop", "stop_sequence"):
+            reason = "tool_calls"
+        self._events.append(
+            Finished(
+                reason,
+                Usage(usage.num_prompt_tokens, usage.num_cached_tokens, usage.num_output_tokens),
+                stop_sequence if reason == "stop_sequence" else None,
+            )
+        )
+        self._ended = True
+        self._result = result
+
+    def _raise_from_task(self) -> GenerateResult:
+        assert self._task is not None
+        if self._task.cancelled():
+            raise ApiError("api_error", "the request was cancelled")
+        exc = self._task.exception()
+        if isinstance(exc, ServiceError):
+            raise from_service_error(exc) from exc
+        if exc is not None:
+            log.error("generation failed", request_id=self.request_id, error=str(exc))
+            raise ApiError("api_error", "the generation failed inside the cluster") from exc
+        return self._task.result()
+
+    def _record(self, event: Event) -> None:
+        out = self.output
+        if isinstance(event, TextDelta):
+            out.text.append(event.text)
+        elif isinstance(event, ToolCallBegin):
+            out.names[event.index] = (event.id, event.name)
+        elif isinstance(event, ToolCallEnd):
+            call_id, name = out.names[event.index]
+            out.calls[event.index] = ToolCall(call_id, name, event.arguments)
+        elif isinstance(event, Finished) and self._result is not None:
+            self._remember(self._result)
+
+    def _remember(self, result: GenerateResult) -> None:
+        """The next turn renders this answer from its exact generated ids (cache hits through
+        the model's own output); only where what we return is what the model wrote."""
+        if result.finish_reason not in ("stop", "length"):
+            return
+        tokenizer = self.prepared.model.tokenizer
+        ids = [int(i) for i in result.token_ids]
+        if self.prepared.forced_prefix:  # the body starts with what the server wrote
+            ids = list(tokenizer.forced_prefix_ids(self.prepared.completion.chat)) + ids
+        stop_ids = set(self.prepared.model.chat_format.stop_token_ids)
+        while ids and ids[-1] in stop_ids:
+            ids.pop()
+        message = Message(
+            "assistant",
+            "".join(self.output.text),
+            tuple(self.output.calls[i] for i in sorted(self.output.calls)),
+        )
+        try:
+            tokenizer.remember_output(message, ids)
+        except Exception:  # a lost shortcut costs a cache miss, never the answer
+            log.exception("remembering the output failed", request_id=self.request_id)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
