@@ -192,6 +192,12 @@ def build_app(services: Services) -> FastAPI:
             raise ApiError("not_found", f"response {response_id!r} not found", param="response_id")
         return _json(stored[0])
 
+    # C-05: an OpenAI client whose base_url lacks /v1 reaches the same routes.
+    for route in list(app.routes):
+        path = getattr(route, "path", "")
+        if path.startswith("/v1/") and not path.startswith("/v1/messages"):
+            app.add_api_route(path[3:], route.endpoint, methods=list(route.methods),
+                              include_in_schema=False)  # fmt: skip
     return app
 
 

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -37,6 +41,7 @@ MODELS = (SMOLLM2, TINY)
 KEY = "kvf-test-dev-key-0123"
 BLOCK = 16
 MAX_BODY = 400_000
+KVFABRIC = str(Path(sys.executable).parent / "kvfabric")
 WORKER_ARGS = ["--kv-block-size-tokens", str(BLOCK)]
 QUESTION = "Write a Python function add(a, b) that returns the sum of a and b."
 WEATHER = {
@@ -60,7 +65,7 @@ SYSTEM = " ".join(
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     yield from run_cluster(
         tmp_path_factory.mktemp("ingress"),
-        replicas={BILLING: 0},
+        replicas={BILLING: 0, INGRESS: 2},  # stateless replicas share keys and responses
         extra_args={
             PREFILL: WORKER_ARGS,
             DECODE: WORKER_ARGS,
@@ -517,3 +522,89 @@ def test_a_client_that_goes_away_cancels_downstream(cluster: Cluster, url: str) 
     usage = asyncio.run(record())
     assert usage.status == UsageStatus.CANCELLED
     assert 0 < usage.num_output_tokens < 400
+
+
+# -- replicas, keys, the OpenAPI document --------------------------------------------------
+def test_a_conversation_continues_on_another_replica(cluster: Cluster) -> None:
+    first_url, second_url = cluster.http_urls
+    one = openai.OpenAI(base_url=f"{first_url}/v1", api_key=KEY, max_retries=0)
+    other = openai.OpenAI(base_url=second_url, api_key=KEY, max_retries=0)  # no /v1 (C-05)
+    first = one.responses.create(model=TINY, input=QUESTION, max_output_tokens=4)
+    second = other.responses.create(
+        model=TINY, previous_response_id=first.id, input="And tests?", max_output_tokens=4
+    )
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert other.responses.retrieve(first.id).id == first.id
+
+
+def test_keys_created_listed_and_revoked_through_the_cli(cluster: Cluster) -> None:
+    where = ["--nats-url", cluster.nats_url, "--root", cluster.spec.root]
+    created = subprocess.run(
+        [KVFABRIC, "keys", "create", "--account", "acme", "--name", "ci", *where],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    key_id, key = created.split()[0], created.split()[-1]
+    assert key.startswith("kvf-") and key_id.startswith("key_")
+    listed = subprocess.run(
+        [KVFABRIC, "keys", "list", *where], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    assert key_id in listed and "acme" in listed and key not in listed  # stored hashed
+    for url in cluster.http_urls:  # every replica knows it
+        client = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
+        reply = client.messages.create(
+            model=TINY, max_tokens=2, messages=[{"role": "user", "content": "def f"}]
+        )
+        assert reply.usage.output_tokens > 0
+    subprocess.run(
+        [KVFABRIC, "keys", "revoke", key_id, *where], timeout=60, check=True, capture_output=True
+    )
+    client = openai.OpenAI(base_url=f"{cluster.http_urls[0]}/v1", api_key=key, max_retries=0)
+    deadline = time.monotonic() + 10  # lookups are cached for 5 s
+    while True:
+        try:
+            client.chat.completions.create(
+                model=TINY, max_tokens=1, messages=[{"role": "user", "content": "x"}]
+            )
+        except openai.AuthenticationError:
+            break
+        assert time.monotonic() < deadline, "a revoked key still works"
+        time.sleep(0.5)
+
+
+def test_the_openapi_document_lists_every_route(url: str) -> None:
+    document = httpx.get(f"{url}/openapi.json").json()
+    assert {
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/models",
+        "/health",
+    } <= set(document["paths"])
+    schema = document["paths"]["/v1/messages"]["post"]["requestBody"]["content"]
+    assert "application/json" in schema
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_tool_round_trip_continues_from_the_store(oai: openai.OpenAI, model: str) -> None:
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = oai.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER], tool_choice=named, max_tokens=24
+    )
+    call = first.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18}'},
+    ]
+    second = oai.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER], max_tokens=8
+    )
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 0.8 * first.usage.prompt_tokens, (cached, first.usage.prompt_tokens)

@@ -323,3 +323,38 @@ def test_chat_stream_sends_id_and_name_once() -> None:
         "logprobs": None,
         "finish_reason": "tool_calls",
     }
+
+
+class _FailingGeneration(_FixedGeneration):
+    """Some text, then the cluster fails mid-stream."""
+
+    async def next(self):  # noqa: ANN201
+        if self._events:
+            return self._events.pop(0)
+        raise ApiError("unavailable", "decode worker decode-0 stopped responding")
+
+
+def test_mid_stream_failures_are_each_protocols_error_event() -> None:
+    events = [TextDelta("partial")]
+    chat_body = oc.ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "q"}], "stream": True}
+    )
+    chat = collect(oc.stream(chat_body, [_FailingGeneration(events)], "abc"))
+    assert b"[DONE]" not in chat[-1]  # the OpenAI SDK raises APIError on a truthy "error"
+    error = json.loads(chat[-1].decode()[6:])["error"]
+    assert error["type"] == "server_error" and "decode-0" in error["message"]
+
+    ant_body = am.MessagesRequest.model_validate(
+        {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "q"}]}
+    )
+    ant = collect(am.stream(ant_body, _FailingGeneration(events), "abc"))
+    name, data = ant[-1].decode().removesuffix("\n\n").split("\n")
+    assert name == "event: error"  # the Anthropic SDK raises APIStatusError on it
+    assert json.loads(data[6:])["error"]["type"] == "api_error"
+
+    rs_body = rs.ResponsesRequest.model_validate({"model": "m", "input": "q"})
+    output = rs.Output(rs_body, "abc", [])
+    frames = collect(rs.stream(output, _FailingGeneration(events)))
+    last = TypeAdapter(ResponseStreamEvent).validate_json(frames[-1].decode().split("data: ")[1])
+    assert last.type == "error" and last.sequence_number == len(frames) - 1
+    assert output.status == "failed"
