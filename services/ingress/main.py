@@ -18,6 +18,7 @@ import uvicorn
 
 from services.ingress.app import Services, build_app
 from services.ingress.config import IngressConfig
+from services.ingress.http import NoDelayH11Protocol
 from services.ingress.models import ModelTable
 from services.ingress.openai_responses import ResponseStore
 from services.ingress.pipeline import Pipeline
@@ -54,6 +55,7 @@ async def setup(runtime: ServiceRuntime) -> None:
             log_level="warning",
             access_log=False,
             lifespan="off",
+            http=NoDelayH11Protocol,
             timeout_graceful_shutdown=int(config.shutdown_grace_s),
         )  # fmt: skip
     )

@@ -4,8 +4,8 @@ tokenizer and chat format loaded once.
 Decode workers name their model, its checkpoint path, context length and KV block size in
 discovery metadata. Ingress reads the same checkpoint (a shared filesystem in a cluster; the
 model cache on one machine) for its tokenizer and chat template, never the weights. The table
-refreshes every few seconds and at once when a request names a model it does not know yet,
-so a model whose workers just came up is served without waiting.
+refreshes every few seconds in the background, and at once when a request names a model it
+does not know yet, so a model whose workers just came up is served without waiting.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ class ServedModel:
 
 
 class ModelTable:
-    def __init__(self, bus: Bus, *, refresh_s: float = 5.0, cache_tokens: int = 4_000_000):
+    def __init__(self, bus: Bus, *, cache_tokens: int = 4_000_000):
         self.bus = bus
-        self.refresh_s = refresh_s
         self.cache_tokens = cache_tokens
         self._models: dict[str, ServedModel] = {}
         self._served: set[str] = set()  # names with a live decode worker now
@@ -52,10 +51,10 @@ class ModelTable:
 
     async def get(self, name: str) -> ServedModel | None:
         """The model, refreshing discovery once if it is not (or no longer) known."""
-        age_s = time.monotonic() - self._refreshed_at
-        # An unknown name refreshes at most 4 times a second: a client asking for a model
-        # nobody serves must not turn every request into a discovery round.
-        if age_s > self.refresh_s or (name not in self._served and age_s > 0.25):
+        # Known models never wait for discovery (main.py refreshes the table every few
+        # seconds in the background). An unknown name refreshes at most 4 times a second: a
+        # client asking for a model nobody serves must not make every request a discovery.
+        if name not in self._served and time.monotonic() - self._refreshed_at > 0.25:
             await self.refresh()
         return self._models.get(name) if name in self._served else None
 

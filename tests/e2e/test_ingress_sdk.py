@@ -463,6 +463,14 @@ def test_errors_in_each_protocol_shape(url: str, oai: openai.OpenAI, ant: anthro
         ant.messages.create(model=TINY, max_tokens=4, messages=[{"role": "user", "content": huge}])
     assert large_ant.value.status_code == 413
 
+    def chunked():  # no Content-Length: counted as it arrives
+        yield b'{"model": "tiny-coder", "max_tokens": 4, "messages": [{"role": "user", '
+        yield b'"content": "' + b"x" * (MAX_BODY + 1) + b'"}]}'
+
+    r = httpx.post(f"{url}/v1/messages", content=chunked(),
+                   headers={"x-api-key": KEY, "content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
     # Validation: the protocol's shape, not FastAPI's.
     r = httpx.post(
         f"{url}/v1/messages", json={"model": TINY, "messages": []}, headers={"x-api-key": KEY}
