@@ -85,6 +85,7 @@ def build_request(
     request_id: str | None = None,
     deadline_s: float | None = None,
     api_key_id: str = "",
+    account: str = "",
 ) -> GenerateRequest:
     """A `GenerateRequest` for a tokenized prompt: packed ids, the chained block hashes the
     router matches against the KV cache (the one place on the request path that hashes the
@@ -109,6 +110,7 @@ def build_request(
             stop=tuple(stop),
         ),  # fmt: skip
         api_key_id=api_key_id,
+        account=account,
         cache_salt=cache_salt,
         arrival_ms=arrival_ms,
         deadline_ms=None if deadline_s is None else arrival_ms + round(deadline_s * 1000),
@@ -302,6 +304,7 @@ class _Generation:
         record = UsageRecord(
             request_id=self.request.request_id,
             api_key_id=self.request.api_key_id,
+            account=self.request.account,
             model=self.request.model,
             num_cache_hit_tokens=decision.num_cached_tokens,
             num_cache_miss_tokens=decision.num_prompt_tokens - decision.num_cached_tokens,

@@ -206,6 +206,17 @@ class Subjects:
         return f"{self.root}.usage.>"
 
     @property
+    def usage_dead(self) -> str:
+        """billing -> `DeadLetter`s: usage messages it could not ledger, with the reason
+        (kept by the stream `usage_dead_stream`; outside `usage.>` so billing never reads
+        its own dead letters)."""
+        return f"{self.root}.billing.dead"
+
+    @property
+    def usage_dead_stream(self) -> str:
+        return f"KVF_USAGE_DEAD_{self.root.replace('.', '_').replace('-', '_')}"
+
+    @property
     def usage_stream(self) -> str:
         # Stream names may not contain dots; one stream per root keeps tests isolated.
         return f"{USAGE_STREAM}_{self.root.replace('.', '_').replace('-', '_')}"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import typer
 
-from services.admin import cache_cli, generate_cli, keys_cli, models_cli
+from services.admin import billing_cli, cache_cli, generate_cli, keys_cli, models_cli, plan_cli
 from services.admin.demo import demo_requests
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of, parse_replicas
 from services.admin.status import render
@@ -40,11 +40,17 @@ app.add_typer(
     short_help="The models a cluster can serve and their local cache: list, fetch, show.",
 )
 app.add_typer(
+    billing_cli.app,
+    name="billing",
+    short_help="The ledger: revenue and tokens by account, model, hour or day; one account.",
+)
+app.add_typer(
     keys_cli.app,
     name="keys",
     short_help="API keys ingress accepts, each mapped to a billing account: create, list, revoke.",
 )
 app.command("generate")(generate_cli.generate_command)
+app.command("plan", short_help="GPUs, servers, money, SSD of a deployment.")(plan_cli.plan_command)
 
 NATS_URL_HELP = "URL of a running NATS server (default: start an embedded one)"
 

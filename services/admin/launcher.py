@@ -149,6 +149,11 @@ class Cluster:
         if service in (PREFILL, DECODE) and "--store-dir" not in extra:
             # One SSD tier for the whole one-machine cluster: every worker reads every slot.
             args += ["--store-dir", str(self.spec.state_dir / "kvstore")]
+        if service == BILLING and "--ledger-url" not in extra:
+            # The embedded ledger, under the state dir: a restarted cluster keeps its books.
+            ledger = (self.spec.state_dir / "billing" / "ledger.db").resolve()
+            ledger.parent.mkdir(parents=True, exist_ok=True)
+            args += ["--ledger-url", f"sqlite:///{ledger}"]
         if service in (DECODE, INGRESS) and "--usage-outbox-dir" not in extra:
             # Under the state dir: a restarted cluster replays what its workers left pending.
             args += ["--usage-outbox-dir", str(self.spec.state_dir / "outbox")]

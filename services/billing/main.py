@@ -1,20 +1,48 @@
-"""billing: consumes usage records, prices them and keeps the ledger. DESIGN.md
-sections 1 and 6.
+"""billing: consumes usage records, prices them and keeps the ledger. DESIGN.md sections 1
+and 6.
 
-Runs today: registration, `$SRV` discovery, `LoadReport` heartbeats on
-`<root>.load.<service>.<instance_id>`, drain on SIGTERM. Its request endpoints are wired here
-as they land.
+Wiring only: the ledger (SQLite embedded, PostgreSQL in production: `--ledger-url`), the
+price book (`--pricing-file`, else the reference deployment's off-peak prices), and the
+usage consumer (consumer.py: a durable JetStream pull consumer every billing replica shares,
+batches priced and committed before they are acknowledged, malformed records dead-lettered).
+Its counters (records ledgered, duplicates, dead letters) are in discovery's STATS.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 from services.billing.config import BillingConfig
+from services.billing.consumer import UsageConsumer
+from services.billing.ledger import open_ledger
+from services.billing.pricing import PriceBook
 from shared.runtime import ServiceRuntime, service_main
 from shared.subjects import BILLING
+from shared.usage import ensure_usage_stream
 
 
 async def setup(runtime: ServiceRuntime) -> None:
-    """No request endpoints yet: the shared runtime registers, heartbeats and drains."""
+    config = runtime.config
+    assert isinstance(config, BillingConfig)  # service_main built it from BillingConfig
+    ledger = await asyncio.to_thread(open_ledger, config.ledger_url)  # migrates
+    prices = (
+        PriceBook.from_file(config.pricing_file) if config.pricing_file else PriceBook.default()
+    )
+    await ensure_usage_stream(runtime.bus)
+    consumer = UsageConsumer(runtime.bus, ledger, prices, batch_size=config.batch_size,
+                             fetch_timeout_s=config.fetch_timeout_s)  # fmt: skip
+    await consumer.start()
+    task = asyncio.create_task(consumer.run())
+    runtime.counters = lambda: dataclasses.asdict(consumer.counts)
+    runtime.metadata["ledger"] = config.ledger_url.split("://", 1)[0]
+
+    async def stop() -> None:  # the batch in hand is committed and acked first
+        await consumer.stop()
+        await task
+        await asyncio.to_thread(ledger.close)
+
+    runtime.on_stop(stop)
 
 
 def main(argv: list[str] | None = None) -> int:

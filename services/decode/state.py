@@ -115,6 +115,7 @@ class DecodeRequest:
         return UsageRecord(
             request_id=request.request_id,
             api_key_id=request.api_key_id,
+            account=request.account,
             model=request.model,
             num_cache_hit_tokens=self.num_cached_tokens,
             num_cache_miss_tokens=self.num_prompt_tokens - self.num_cached_tokens,

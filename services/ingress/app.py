@@ -9,6 +9,7 @@ shape, the others in OpenAI's; both auth headers work everywhere (C-05).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.ingress import anthropic_messages, openai_chat, openai_responses, sse
 from services.ingress.errors import ApiError
-from services.ingress.pipeline import Generation, Pipeline, Prepared
+from services.ingress.pipeline import Completion, Generation, Pipeline, Prepared
 from shared.api_keys import KeyStore
 from shared.logging import get_logger
 
@@ -32,6 +33,10 @@ log = get_logger(__name__)
 class Caller:
     key_id: str
     account: str
+
+    def bill(self, completion: Completion) -> Completion:
+        """The completion charged to this caller's account."""
+        return dataclasses.replace(completion, api_key_id=self.key_id, account=self.account)
 
 
 @dataclass
@@ -129,7 +134,7 @@ def build_app(services: Services) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: openai_chat.ChatCompletionRequest,
                                who: Caller = Depends(caller)) -> Response:  # fmt: skip
-        prepared = await pipeline.prepare(openai_chat.to_completion(body, who.key_id))
+        prepared = await pipeline.prepare(who.bill(openai_chat.to_completion(body, who.key_id)))
         generations = await _start([pipeline.fork(prepared, i) for i in range(body.n)], pipeline)
         rid = prepared.request.request_id
         if body.stream:
@@ -143,7 +148,9 @@ def build_app(services: Services) -> FastAPI:
     @app.post("/v1/messages")
     async def messages(body: anthropic_messages.MessagesRequest,
                        who: Caller = Depends(caller)) -> Response:  # fmt: skip
-        prepared = await pipeline.prepare(anthropic_messages.to_completion(body, who.key_id))
+        prepared = await pipeline.prepare(
+            who.bill(anthropic_messages.to_completion(body, who.key_id))
+        )
         (generation,) = await _start([prepared], pipeline)
         rid = prepared.request.request_id
         if body.stream:
@@ -172,7 +179,7 @@ def build_app(services: Services) -> FastAPI:
                                param="previous_response_id")  # fmt: skip
             context = stored[1]
         prompt = [*context, *openai_responses.input_messages(body.input)]
-        completion = openai_responses.to_completion(body, prompt, who.key_id)
+        completion = who.bill(openai_responses.to_completion(body, prompt, who.key_id))
         prepared = await pipeline.prepare(completion)
         (generation,) = await _start([prepared], pipeline)
         output = openai_responses.Output(body, prepared.request.request_id, prompt)

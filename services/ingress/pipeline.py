@@ -76,6 +76,7 @@ class Completion:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     api_key_id: str = ""
+    account: str = ""
     tool_id_prefix: str = "call_"  # Anthropic's tool_use ids are toolu_...
 
 
@@ -181,6 +182,7 @@ class Pipeline:
             stop=completion.stop,
             request_id=uuid.uuid4().hex,
             api_key_id=completion.api_key_id,
+            account=completion.account,
         )
         forced = model.chat_format.forced_prefix(chat)
         parse_tools = bool(chat.tools) and chat.tool_choice.mode != "none"

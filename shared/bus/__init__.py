@@ -4,7 +4,7 @@
 
 from shared.bus.core import Bus, Inbox
 from shared.bus.endpoints import Context, Endpoint, EndpointStats, Handler
-from shared.bus.jetstream import JetStream, NoStream
+from shared.bus.jetstream import JetStream, NoStream, PullConsumer, PulledMessage
 from shared.bus.wire import (
     ERROR_CODE_HEADER,
     ERROR_HEADER,
@@ -40,6 +40,8 @@ __all__ = [
     "Inbox",
     "JetStream",
     "NoStream",
+    "PullConsumer",
+    "PulledMessage",
     "RawMessage",
     "effective_timeout_s",
     "error_headers",

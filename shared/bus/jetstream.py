@@ -7,6 +7,7 @@ index's event log and its snapshots (an object store bucket).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import nats.errors
@@ -14,7 +15,8 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import ConsumerConfig, DeliverPolicy, KeyValueConfig, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StreamConfig
+from nats.js.client import JetStreamContext
 
 from shared.bus.wire import RawMessage, raw_message
 from shared.logging import get_logger
@@ -137,6 +139,30 @@ class JetStream:
         self._subscriptions.append(subscription)
         return subscription
 
+    async def pull(
+        self,
+        stream: str,
+        subject: str,
+        durable: str,
+        *,
+        ack_wait_s: float = 30.0,
+        max_ack_pending: int = 50_000,
+    ) -> PullConsumer:
+        """A durable pull consumer (created if missing): every process pulling under the same
+        `durable` name shares its messages, each delivered to one of them until acknowledged;
+        one not acknowledged within `ack_wait_s` is delivered again."""
+        config = ConsumerConfig(
+            durable_name=durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_ack_pending=max_ack_pending,
+            deliver_policy=DeliverPolicy.ALL,
+        )
+        subscription = await self._nc.jetstream().pull_subscribe(
+            subject, durable=durable, stream=stream, config=config
+        )
+        return PullConsumer(subscription)
+
     async def put_object(self, bucket: str, name: str, data: bytes) -> None:
         js = self._nc.jetstream()
         try:
@@ -197,3 +223,47 @@ class JetStream:
             return sorted(await kv.keys())
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
             return []
+
+
+@dataclass
+class PulledMessage:
+    """One message of a pull consumer; acknowledge it once its effect is durable."""
+
+    subject: str
+    data: bytes
+    stream_seq: int
+    num_delivered: int  # 1 on first delivery
+    _msg: Msg
+
+    async def ack(self) -> None:
+        await self._msg.ack()
+
+    async def nak(self, delay_s: float | None = None) -> None:
+        """Deliver again (after `delay_s`): the effect could not be made durable now."""
+        await self._msg.nak(delay=delay_s)
+
+    async def term(self) -> None:
+        """Never deliver again (it was dead-lettered)."""
+        await self._msg.term()
+
+
+class PullConsumer:
+    def __init__(self, subscription: JetStreamContext.PullSubscription) -> None:
+        self._subscription = subscription
+
+    async def fetch(self, batch: int, timeout_s: float) -> list[PulledMessage]:
+        """Up to `batch` messages, waiting at most `timeout_s` for the first; [] if none."""
+        try:
+            msgs = await self._subscription.fetch(batch, timeout=timeout_s)
+        except (TimeoutError, nats.errors.TimeoutError):
+            return []
+        return [
+            PulledMessage(
+                m.subject, m.data, m.metadata.sequence.stream, m.metadata.num_delivered, m
+            )  # fmt: skip
+            for m in msgs
+        ]
+
+    async def close(self) -> None:
+        """Stop pulling; the durable consumer (and what it has not acked) stays."""
+        await self._subscription.unsubscribe()

@@ -26,3 +26,14 @@ class UsageRecord(Message, tag="usage_record"):
     finished_ms: int = 0
     prefill_worker_id: str = ""
     decode_worker_id: str = ""
+    account: str = ""  # from the request: who is billed
+
+
+class DeadLetter(Message, tag="dead_letter"):
+    """A usage message billing could not ledger, kept with why (never dropped silently)."""
+
+    subject: str  # where it was published (usage.<service>)
+    stream_seq: int
+    reason: str
+    data: bytes  # the message as it came
+    dead_ms: int = 0

@@ -32,6 +32,7 @@ class GenerateRequest(Message, tag="generate_request"):
     sampling: SamplingParams = SamplingParams()
     stream_inbox: str = ""
     api_key_id: str = ""
+    account: str = ""  # who is billed (ingress maps the API key to it)
     cache_salt: str = ""  # tenant namespace of the block hashes
     arrival_ms: int = 0
     deadline_ms: int | None = None  # absolute epoch ms

@@ -1,0 +1,104 @@
+"""`kvfabric billing report|usage`: where the money comes from, read from the ledger.
+
+Both read the ledger directly (`--ledger-url`; by default the one `kvfabric up` keeps under
+its state dir), so they work while the cluster runs and after it stopped. Money is exact in
+the ledger (integer pico-CNY) and rounded once here, half-even.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+import typer
+
+from services.billing.ledger import LedgerError, open_ledger
+from services.billing.report import (
+    format_share,
+    render_csv,
+    render_json,
+    render_table,
+    revenue_mix,
+    total,
+)
+
+app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
+DEFAULT_LEDGER = f"sqlite:///{(Path('.kvfabric') / 'billing' / 'ledger.db').resolve()}"
+LEDGER = typer.Option(DEFAULT_LEDGER, help="sqlite:///PATH or postgresql://...",
+                      envvar="KVF_BILLING_LEDGER_URL")  # fmt: skip
+FORMAT = typer.Option("table", "--format", help="table | csv | json")
+USD_RATE = typer.Option(None, help="USD per CNY (e.g. 0.145): adds a USD column")
+
+
+def _ms(text: str | None, name: str) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(datetime.fromisoformat(text).timestamp() * 1000)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{text!r} is not an ISO date/time", param_hint=name) from exc
+
+
+def _emit(rows, fmt: str, usd_rate: str | None) -> None:  # noqa: ANN001
+    if fmt == "json":
+        typer.echo(render_json(rows))
+    elif fmt == "csv":
+        typer.echo(render_csv(rows), nl=False)
+    elif fmt == "table":
+        if not rows:
+            typer.echo("no usage in the ledger for that selection")
+            return
+        typer.echo(render_table(rows, usd_rate=usd_rate))
+        mix = revenue_mix(total(rows))
+        if mix is not None:
+            typer.echo(f"revenue mix (hit / miss / output): {format_share(mix.hit)} / "
+                       f"{format_share(mix.miss)} / {format_share(mix.output)}")  # fmt: skip
+    else:
+        raise typer.BadParameter("one of table, csv, json", param_hint="--format")
+
+
+@app.command()
+def report(
+    by: str = typer.Option("account", help="account | model | hour | day"),
+    since: str | None = typer.Option(None, help="from this ISO date/time (local if no zone)"),
+    until: str | None = typer.Option(None, help="before this ISO date/time"),
+    time_zone: str = typer.Option("UTC", help="hours and days in this zone"),
+    ledger_url: str = LEDGER,
+    fmt: str = FORMAT,
+    usd_rate: str | None = USD_RATE,
+) -> None:
+    """Tokens by kind, revenue by kind, cache-hit share and effective price per million
+    tokens, grouped by account, model, hour or day, with the revenue mix of the whole."""
+    if by not in ("account", "model", "hour", "day"):
+        raise typer.BadParameter("one of account, model, hour, day", param_hint="--by")
+    try:
+        ledger = open_ledger(ledger_url)
+    except LedgerError as exc:
+        typer.echo(f"billing: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    try:
+        rows = ledger.report(by, _ms(since, "--since"), _ms(until, "--until"),  # type: ignore[arg-type]
+                             time_zone=time_zone)  # fmt: skip
+    finally:
+        ledger.close()
+    _emit(rows, fmt, usd_rate)
+
+
+@app.command()
+def usage(
+    account: str = typer.Option(..., help="the account (as `kvfabric keys list` shows it)"),
+    ledger_url: str = LEDGER,
+    fmt: str = FORMAT,
+    usd_rate: str | None = USD_RATE,
+) -> None:
+    """One account's usage and charges, by model."""
+    try:
+        ledger = open_ledger(ledger_url)
+    except LedgerError as exc:
+        typer.echo(f"billing: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    try:
+        rows = ledger.usage(account)
+    finally:
+        ledger.close()
+    _emit(rows, fmt, usd_rate)

@@ -1,0 +1,158 @@
+"""The usage log into the ledger, exactly once in effect.
+
+A durable pull consumer (`billing`, shared by every billing replica: each message goes to one
+of them) fetches `UsageRecord`s in batches. Each batch is priced and written to the ledger in
+one transaction, and only then acknowledged: a process killed before the commit leaves its
+messages unacknowledged and JetStream delivers them again; one killed after the commit but
+before the acks delivers rows the ledger already has, which the database's one-row-per-request
+key turns into no-ops. A record the caller published for a stream whose decode worker died
+loses to decode's own, whenever both arrive.
+
+A message that is not a usage record (or names a negative count) is dead-lettered: published
+with its reason to `usage_dead` (a JetStream stream of its own) and then terminated, so it
+is neither lost nor retried forever. A ledger that fails (a database down) naks the batch
+with a delay and the loop tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from services.billing.ledger import Ledger, LedgerRow
+from services.billing.pricing import PriceBook, price
+from shared.bus import Bus, PulledMessage
+from shared.logging import get_logger
+from shared.schema import DeadLetter, UsageRecord, decode
+
+log = get_logger(__name__)
+
+DURABLE = "billing"
+DEAD_LETTER_MAX_AGE_S = 30 * 86400.0
+
+
+@dataclass
+class Counts:
+    num_batches: int = 0
+    num_ledgered: int = 0  # rows the ledger took (new, or decode replacing the caller's)
+    num_duplicates: int = 0  # redeliveries and repeats, already there
+    num_dead_letters: int = 0
+    num_ledger_failures: int = 0
+    last_batch_ms: float = 0.0
+    by_source: dict[str, int] = field(default_factory=dict)
+
+
+class UsageConsumer:
+    def __init__(
+        self,
+        bus: Bus,
+        ledger: Ledger,
+        prices: PriceBook,
+        *,
+        batch_size: int = 500,
+        fetch_timeout_s: float = 1.0,
+        retry_delay_s: float = 2.0,
+    ) -> None:
+        self.bus = bus
+        self.ledger = ledger
+        self.prices = prices
+        self.batch_size = batch_size
+        self.fetch_timeout_s = fetch_timeout_s
+        self.retry_delay_s = retry_delay_s
+        self.counts = Counts()
+        self._stopping = asyncio.Event()
+
+    async def start(self) -> None:
+        s = self.bus.subjects
+        await self.bus.js.ensure_stream(s.usage_dead_stream, [s.usage_dead],
+                                        max_age_s=DEAD_LETTER_MAX_AGE_S)  # fmt: skip
+        self._consumer = await self.bus.js.pull(s.usage_stream, s.usage_all, DURABLE)
+
+    async def run(self) -> None:
+        """Until stop(): fetch, ledger, acknowledge."""
+        while not self._stopping.is_set():
+            try:
+                batch = await self._consumer.fetch(self.batch_size, self.fetch_timeout_s)
+            except Exception as exc:  # a NATS outage: the client reconnects; try again
+                log.warning("fetching usage failed", error=str(exc))
+                await asyncio.sleep(self.retry_delay_s)
+                continue
+            if batch:
+                await self.take(batch)
+        await self._consumer.close()  # the durable consumer stays for the next process
+
+    async def stop(self) -> None:
+        self._stopping.set()
+
+    async def take(self, batch: list[PulledMessage]) -> None:
+        started = time.perf_counter()
+        rows, taken = [], []
+        for msg in batch:
+            row = await self._row(msg)
+            if row is not None:
+                rows.append(row)
+                taken.append(msg)
+        if rows:
+            try:
+                result = await asyncio.to_thread(self.ledger.record, rows)
+            except Exception as exc:
+                self.counts.num_ledger_failures += 1
+                log.error("ledger write failed: the batch is delivered again", error=str(exc),
+                          num_records=len(rows))  # fmt: skip
+                for msg in taken:
+                    await msg.nak(self.retry_delay_s)
+                return
+            self.counts.num_ledgered += result.num_inserted + result.num_replaced
+            self.counts.num_duplicates += result.num_duplicates
+            for row in rows:
+                self.counts.by_source[row.source] = self.counts.by_source.get(row.source, 0) + 1
+        for msg in taken:  # only now: the rows are committed
+            await msg.ack()
+        self.counts.num_batches += 1
+        self.counts.last_batch_ms = (time.perf_counter() - started) * 1000
+
+    async def _row(self, msg: PulledMessage) -> LedgerRow | None:
+        source = msg.subject.rsplit(".", 1)[-1]  # usage.<service>: decode, or the caller's
+        try:
+            record = decode(msg.data, UsageRecord)
+            problem = _problem(record)
+        except Exception as exc:  # not a UsageRecord at all
+            problem = f"not a UsageRecord: {exc}"
+            record = None
+        if problem is not None or record is None:
+            await self._dead_letter(msg, problem or "unreadable")
+            return None
+        at_ms = record.finished_ms or int(time.time() * 1000)
+        try:
+            charge = price(self.prices, record.model, at_ms, record.num_cache_hit_tokens,
+                           record.num_cache_miss_tokens, record.num_output_tokens)  # fmt: skip
+            return LedgerRow.of(record, source=source, charge=charge)
+        except ValueError as exc:  # a source no producer should use, a price that cannot be
+            await self._dead_letter(msg, str(exc))
+            return None
+
+    async def _dead_letter(self, msg: PulledMessage, reason: str) -> None:
+        letter = DeadLetter(subject=msg.subject, stream_seq=msg.stream_seq, reason=reason,
+                            data=msg.data, dead_ms=int(time.time() * 1000))  # fmt: skip
+        try:
+            await self.bus.js.publish(self.bus.subjects.usage_dead, letter,
+                                      msg_id=f"dead-{msg.stream_seq}")  # fmt: skip
+        except Exception as exc:  # kept in the usage log: delivered again later
+            log.error("dead letter not stored", stream_seq=msg.stream_seq, error=str(exc))
+            await msg.nak(self.retry_delay_s)
+            return
+        log.warning("usage record dead-lettered", stream_seq=msg.stream_seq, reason=reason)
+        self.counts.num_dead_letters += 1
+        await msg.term()
+
+
+def _problem(record: UsageRecord) -> str | None:
+    if not record.request_id:
+        return "no request_id"
+    if not record.model:
+        return "no model"
+    for name in ("num_cache_hit_tokens", "num_cache_miss_tokens", "num_output_tokens"):
+        if getattr(record, name) < 0:
+            return f"{name} is negative ({getattr(record, name)})"
+    return None
