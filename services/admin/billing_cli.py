@@ -71,16 +71,9 @@ def report(
     tokens, grouped by account, model, hour or day, with the revenue mix of the whole."""
     if by not in ("account", "model", "hour", "day"):
         raise typer.BadParameter("one of account, model, hour, day", param_hint="--by")
-    try:
-        ledger = open_ledger(ledger_url)
-    except LedgerError as exc:
-        typer.echo(f"billing: {exc}", err=True)
-        raise typer.Exit(1) from exc
-    try:
-        rows = ledger.report(by, _ms(since, "--since"), _ms(until, "--until"),  # type: ignore[arg-type]
-                             time_zone=time_zone)  # fmt: skip
-    finally:
-        ledger.close()
+    since_ms, until_ms = _ms(since, "--since"), _ms(until, "--until")
+    rows = _read(ledger_url, lambda ledger: ledger.report(by, since_ms, until_ms,
+                                                          time_zone=time_zone))  # fmt: skip
     _emit(rows, fmt, usd_rate)
 
 
@@ -92,13 +85,17 @@ def usage(
     usd_rate: str | None = USD_RATE,
 ) -> None:
     """One account's usage and charges, by model."""
+    _emit(_read(ledger_url, lambda ledger: ledger.usage(account)), fmt, usd_rate)
+
+
+def _read(ledger_url: str, query):  # noqa: ANN001, ANN202
+    """`query(ledger)` on the ledger at `ledger_url`; a ledger that cannot open exits 1."""
     try:
         ledger = open_ledger(ledger_url)
     except LedgerError as exc:
         typer.echo(f"billing: {exc}", err=True)
         raise typer.Exit(1) from exc
     try:
-        rows = ledger.usage(account)
+        return query(ledger)
     finally:
         ledger.close()
-    _emit(rows, fmt, usd_rate)
