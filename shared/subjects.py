@@ -33,6 +33,12 @@ DISCOVERY_VERBS: tuple[str, ...] = ("PING", "INFO", "STATS")
 # JetStream: usage records must not be lost (billing consumes them at least once).
 USAGE_STREAM = "KVF_USAGE"
 
+
+def js_pull_next(stream: str, durable: str) -> str:
+    """JetStream's API subject for the next batch of a pull consumer."""
+    return f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+
+
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 _ROOT = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 

@@ -7,12 +7,14 @@ the ledger (integer pico-CNY) and rounded once here, half-even.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from pathlib import Path
 
 import typer
 
 from services.billing.ledger import LedgerError, open_ledger
+from services.billing.pricing import cny
 from services.billing.report import (
     format_share,
     render_csv,
@@ -39,9 +41,22 @@ def _ms(text: str | None, name: str) -> int | None:
         raise typer.BadParameter(f"{text!r} is not an ISO date/time", param_hint=name) from exc
 
 
-def _emit(rows, fmt: str, usd_rate: str | None) -> None:  # noqa: ANN001
+def _emit(rows, fmt: str, usd_rate: str | None, device_ms: int | None = None) -> None:  # noqa: ANN001
+    """The rows as a table (with the revenue mix, and revenue per device-hour where the
+    workers' uptime is known), CSV (the rows alone) or JSON (an object: rows, total,
+    device-hours, revenue per device-hour)."""
+    whole = total(rows)
+    per_hour = None
+    if device_ms:  # pico-CNY per device-hour, exact: total x 3.6e6 / device_ms
+        per_hour = whole.total_pico_cny * 3_600_000 // device_ms
     if fmt == "json":
-        typer.echo(render_json(rows))
+        body = {
+            "rows": json.loads(render_json(rows)),
+            "total": json.loads(render_json([whole]))[0],
+            "device_hours": None if device_ms is None else str(round(device_ms / 3.6e6, 3)),
+            "revenue_per_device_hour_cny": None if per_hour is None else str(cny(per_hour, 2)),
+        }
+        typer.echo(json.dumps(body, indent=2))
     elif fmt == "csv":
         typer.echo(render_csv(rows), nl=False)
     elif fmt == "table":
@@ -49,10 +64,13 @@ def _emit(rows, fmt: str, usd_rate: str | None) -> None:  # noqa: ANN001
             typer.echo("no usage in the ledger for that selection")
             return
         typer.echo(render_table(rows, usd_rate=usd_rate))
-        mix = revenue_mix(total(rows))
+        mix = revenue_mix(whole)
         if mix is not None:
             typer.echo(f"revenue mix (hit / miss / output): {format_share(mix.hit)} / "
                        f"{format_share(mix.miss)} / {format_share(mix.output)}")  # fmt: skip
+        if per_hour is not None:
+            typer.echo(f"revenue per GPU-hour: CNY {cny(per_hour, 2)} over "
+                       f"{device_ms / 3.6e6:,.3f} device-hours the workers reported")  # fmt: skip
     else:
         raise typer.BadParameter("one of table, csv, json", param_hint="--format")
 
@@ -68,13 +86,15 @@ def report(
     usd_rate: str | None = USD_RATE,
 ) -> None:
     """Tokens by kind, revenue by kind, cache-hit share and effective price per million
-    tokens, grouped by account, model, hour or day, with the revenue mix of the whole."""
+    tokens, grouped by account, model, hour or day, with the revenue mix of the whole and
+    revenue per GPU-hour (the device-hours the workers' heartbeats cover)."""
     if by not in ("account", "model", "hour", "day"):
         raise typer.BadParameter("one of account, model, hour, day", param_hint="--by")
     since_ms, until_ms = _ms(since, "--since"), _ms(until, "--until")
-    rows = _read(ledger_url, lambda ledger: ledger.report(by, since_ms, until_ms,
-                                                          time_zone=time_zone))  # fmt: skip
-    _emit(rows, fmt, usd_rate)
+    rows, device_ms = _read(ledger_url, lambda ledger: (
+        ledger.report(by, since_ms, until_ms, time_zone=time_zone),  # type: ignore[arg-type]
+        ledger.device_ms(since_ms, until_ms)))  # fmt: skip
+    _emit(rows, fmt, usd_rate, device_ms)
 
 
 @app.command()

@@ -5,7 +5,9 @@ Wiring only: the ledger (SQLite embedded, PostgreSQL in production: `--ledger-ur
 price book (`--pricing-file`, else the reference deployment's off-peak prices), and the
 usage consumer (consumer.py: a durable JetStream pull consumer every billing replica shares,
 batches priced and committed before they are acknowledged, malformed records dead-lettered).
-Its counters (records ledgered, duplicates, dead letters) are in discovery's STATS.
+It also turns the workers' heartbeats into device-hours (uptime.py), the denominator of
+revenue per GPU-hour. Its counters (records ledgered, duplicates, dead letters) are in
+discovery's STATS.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ from services.billing.config import BillingConfig
 from services.billing.consumer import UsageConsumer
 from services.billing.ledger import open_ledger
 from services.billing.pricing import PriceBook
+from services.billing.uptime import DeviceSpans
 from shared.runtime import ServiceRuntime, service_main
-from shared.subjects import BILLING
+from shared.schema import LoadReport
+from shared.subjects import BILLING, queue_group
 from shared.usage import ensure_usage_stream
+
+DEVICE_FLUSH_S = 5.0
 
 
 async def setup(runtime: ServiceRuntime) -> None:
@@ -34,12 +40,32 @@ async def setup(runtime: ServiceRuntime) -> None:
                              fetch_timeout_s=config.fetch_timeout_s)  # fmt: skip
     await consumer.start()
     task = asyncio.create_task(consumer.run())
+
+    # Device time for revenue per GPU-hour: the workers' heartbeats, shared among replicas.
+    spans = DeviceSpans()
+
+    async def on_heartbeat(report: LoadReport) -> None:
+        spans.observe(report)
+
+    await runtime.bus.subscribe(runtime.bus.subjects.load_all, LoadReport, on_heartbeat,
+                                queue=queue_group(BILLING))  # fmt: skip
+
+    async def flush_spans() -> None:
+        drained = spans.drain()
+        try:
+            await asyncio.to_thread(ledger.record_device_spans, drained)
+        except Exception:  # kept for the next flush
+            spans.put_back(drained)
+            raise
+
+    runtime.every(DEVICE_FLUSH_S, flush_spans)
     runtime.counters = lambda: dataclasses.asdict(consumer.counts)
     runtime.metadata["ledger"] = config.ledger_url.split("://", 1)[0]
 
     async def stop() -> None:  # the batch in hand is committed and acked first
         await consumer.stop()
         await task
+        await flush_spans()
         await asyncio.to_thread(ledger.close)
 
     runtime.on_stop(stop)

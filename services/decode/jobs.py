@@ -129,6 +129,7 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
             "num_kv_pages_total": num_pages_total,
             "num_kv_pages_free": num_pages_free,
             "model": self.model_name,
+            "num_devices": 1,
         }
 
     # -- DecodeJob -----------------------------------------------------------------------

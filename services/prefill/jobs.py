@@ -138,6 +138,7 @@ class PrefillJobsBase(ABC, Generic[JobT]):
             "num_kv_pages_total": num_pages_total,
             "num_kv_pages_free": num_pages_free,
             "model": self.model_name,
+            "num_devices": 1,
         }
 
     def counters(self) -> dict[str, int | str]:

@@ -23,13 +23,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig
 from shared.bus.wire import RawMessage, raw_message
 from shared.logging import get_logger
 from shared.schema import Unavailable, decode, encode
+from shared.subjects import js_pull_next
 
 log = get_logger(__name__)
 
 T = TypeVar("T")
 
 
-JS_API_PREFIX = "$JS.API"
 STATUS_HEADER = "Status"  # nats-py puts a status line's code under this header
 HEARTBEAT_STATUS = "100"
 
@@ -170,7 +170,7 @@ class JetStream:
             subject, durable=durable, stream=stream, config=config
         )  # creates (or checks) the durable consumer; batches come through PullConsumer
         await subscription.unsubscribe()
-        return await PullConsumer.open(self._nc, stream, durable, JS_API_PREFIX)
+        return await PullConsumer.open(self._nc, js_pull_next(stream, durable))
 
     async def put_object(self, bucket: str, name: str, data: bytes) -> None:
         js = self._nc.jetstream()
@@ -273,7 +273,7 @@ class PullConsumer:
         self._done = asyncio.Event()
 
     @classmethod
-    async def open(cls, nc: Client, stream: str, durable: str, api_prefix: str) -> PullConsumer:
+    async def open(cls, nc: Client, api_subject: str) -> PullConsumer:
         inbox = nc.new_inbox()
         consumer: PullConsumer
 
@@ -282,7 +282,6 @@ class PullConsumer:
 
         subscription = await nc.subscribe(inbox, cb=on_message, pending_msgs_limit=-1,
                                           pending_bytes_limit=-1)  # fmt: skip
-        api_subject = f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{durable}"
         consumer = cls(nc, subscription, api_subject, inbox)
         return consumer
 

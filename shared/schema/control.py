@@ -27,6 +27,10 @@ class LoadReport(Message, tag="load_report"):
     num_kv_pages_total: int = 0
     num_kv_pages_free: int = 0
     model: str = ""  # the model a prefill or decode worker serves ("" for other services)
+    # Accelerators the instance holds: a model worker has one (a GPU in a cluster; on this
+    # machine one CPU process stands for it), other services none. Billing counts the
+    # device-hours these reports cover, for revenue per GPU-hour.
+    num_devices: int = 0
 
 
 class InflightNotice(Message, tag="inflight_notice"):

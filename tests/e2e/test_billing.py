@@ -5,6 +5,7 @@ dead-lettered with its reason; and through `kvfabric up`'s processes, the ledger
 / output tokens are what the HTTP clients were told.
 
 The mock engine serves (real router, store, KV events and usage records; simulated timing).
+Every test runs twice: over the embedded SQLite ledger and over a real PostgreSQL server.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -23,6 +25,7 @@ from shared.bus import Bus
 from shared.natsd import die_with_parent
 from shared.schema import DeadLetter, UsageRecord, decode
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL
+from shared.testing.postgres import postgres_url, schema_url  # noqa: F401 (a fixture)
 from tests.e2e.cluster_helpers import connect, run_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -31,23 +34,40 @@ KEY = "kvf-billing-test-key"
 MOCK = ["--engine", "mock", "--mock-speedup", "50"]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    yield from run_cluster(
-        tmp_path_factory.mktemp("billing"),
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """The same cluster over either ledger: the embedded SQLite file `kvfabric up` keeps, or
+    a real PostgreSQL server started from the machine's binaries (a schema of its own)."""
+    state_dir = tmp_path_factory.mktemp(f"billing-{request.param}")
+    if request.param == "sqlite":
+        url = f"sqlite:///{(state_dir / 'billing' / 'ledger.db').resolve()}"
+    else:
+        import psycopg
+
+        server_url = request.getfixturevalue("postgres_url")
+        schema = f"billing_{uuid.uuid4().hex[:10]}"
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(f"CREATE SCHEMA {schema}")
+        url = schema_url(server_url, schema)
+    for cluster in run_cluster(
+        state_dir,
         replicas={BILLING: 1},
         extra_args={
             PREFILL: MOCK,
             DECODE: MOCK,
             INGRESS: ["--dev-api-key", KEY],
-            BILLING: ["--batch-size", "200"],
+            BILLING: ["--batch-size", "200", "--ledger-url", url],
         },  # fmt: skip
         ready_timeout_s=120,
-    )
+    ):
+        cluster.ledger_url = url  # type: ignore[attr-defined]
+        yield cluster
 
 
 def ledger_url(cluster: Cluster) -> str:
-    return f"sqlite:///{(cluster.spec.state_dir / 'billing' / 'ledger.db').resolve()}"
+    return cluster.ledger_url  # type: ignore[attr-defined]
 
 
 def billing_child(cluster: Cluster):  # noqa: ANN201
@@ -233,7 +253,10 @@ def test_reports_from_the_cli(cluster: Cluster) -> None:
     out = subprocess.run([kvfabric, "billing", "report", "--by", "account", "--ledger-url", url,
                           "--format", "json"], capture_output=True, text=True, timeout=60,
                          check=True).stdout  # fmt: skip
-    by_account = {r["key"]: r for r in json.loads(out)}
+    report = json.loads(out)
+    by_account = {r["key"]: r for r in report["rows"]}
+    # the workers' heartbeats gave device-hours, so revenue per GPU-hour is known
+    assert float(report["device_hours"]) > 0 and report["revenue_per_device_hour_cny"]
     ledger = open_ledger(url)
     try:
         (dev,) = ledger.usage("dev")
@@ -246,3 +269,11 @@ def test_reports_from_the_cli(cluster: Cluster) -> None:
                            check=True).stdout  # fmt: skip
     assert "tiny-coder" in table and "revenue mix (hit / miss / output)" in table
     assert "USD total" in table
+    text = subprocess.run(
+        [kvfabric, "billing", "report", "--ledger-url", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "revenue per GPU-hour: CNY" in text

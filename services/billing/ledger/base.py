@@ -50,6 +50,7 @@ from services.billing.ledger.schema import (
     apply_migrations,
     load_migrations,
 )
+from services.billing.uptime import DeviceSpan
 
 ReportBy = Literal["account", "model", "hour", "day"]
 BUCKET_MS = 15 * 60 * 1000  # every zone in use today is offset from UTC by whole quarter hours
@@ -66,6 +67,8 @@ _GROUP = {"account": "account", "model": "model", "hour": f"finished_ms / {BUCKE
 
 class Ledger(ABC):
     param: ClassVar[str]  # the driver's placeholder
+    least: ClassVar[str] = "LEAST"  # the two-argument min / max (SQLite: min, max)
+    greatest: ClassVar[str] = "GREATEST"
     driver_errors: ClassVar[tuple[type[BaseException], ...]]  # what becomes a LedgerError
 
     def __init__(self, migrations_dir: Path = MIGRATIONS_DIR) -> None:
@@ -110,6 +113,39 @@ class Ledger(ABC):
         with self._lock, guard, self._transaction() as cursor:
             outcomes = self._upsert(cursor, pending)
         return tally(pending, outcomes)
+
+    def record_device_spans(self, spans: Sequence[DeviceSpan]) -> None:
+        """Merge heartbeat spans (uptime.py) into `device_usage`, in one transaction."""
+        if not spans:
+            return
+        p, lo, hi = self.param, self.least, self.greatest
+        sql = (
+            "INSERT INTO device_usage (hour_ms, instance_id, service, model, num_devices, "
+            f"first_ms, last_ms) VALUES ({', '.join([p] * 7)}) "
+            "ON CONFLICT (hour_ms, instance_id) DO UPDATE SET "
+            f"first_ms = {lo}(device_usage.first_ms, excluded.first_ms), "
+            f"last_ms = {hi}(device_usage.last_ms, excluded.last_ms), "
+            "num_devices = excluded.num_devices"
+        )
+        values = [(s.hour_ms, s.instance_id, s.service, s.model, s.num_devices, s.first_ms,
+                   s.last_ms) for s in spans]  # fmt: skip
+        guard = self._guarded(f"recording {len(spans)} device spans")
+        with self._lock, guard, self._transaction() as cursor:
+            cursor.executemany(sql, values)
+
+    def device_ms(self, since_ms: int | None = None, until_ms: int | None = None) -> int:
+        """Device time in the hours starting in [since_ms, until_ms), in milliseconds."""
+        clauses, params = [], []
+        if since_ms is not None:
+            clauses.append(f"hour_ms >= {self.param}")
+            params.append(since_ms)
+        if until_ms is not None:
+            clauses.append(f"hour_ms < {self.param}")
+            params.append(until_ms)
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        total = "COALESCE(SUM((last_ms - first_ms) * num_devices), 0)"
+        sql = f"SELECT {total} FROM device_usage {where}"
+        return int(self._query(sql, params)[0][0])
 
     # -- reading ------------------------------------------------------------------------------
 

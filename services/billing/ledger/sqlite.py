@@ -45,6 +45,8 @@ UPSERT_SQL = (
 
 class SqliteLedger(Ledger):
     param: ClassVar[str] = "?"
+    least: ClassVar[str] = "min"
+    greatest: ClassVar[str] = "max"
     driver_errors: ClassVar[tuple[type[BaseException], ...]] = (sqlite3.Error,)
 
     def __init__(

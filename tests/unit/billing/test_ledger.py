@@ -69,12 +69,12 @@ def ledger(ledger_url: str) -> Iterator[Ledger]:
 
 def test_migrations_are_applied_once(ledger_url: str) -> None:
     first = open_ledger(ledger_url)
-    assert first.migrations_applied == [1]
+    assert first.migrations_applied == [1, 2]
     first.record([row("r1")])
     first.close()
     again = open_ledger(ledger_url)
     assert again.migrations_applied == []
-    assert again.schema_versions() == [1]
+    assert again.schema_versions() == [1, 2]
     assert again.count() == 1
     again.close()
     again.close()  # safe twice
@@ -86,17 +86,16 @@ def test_a_new_migration_is_applied_and_a_newer_database_refused(
     open_ledger(ledger_url).close()
     newer = tmp_path / "migrations"
     newer.mkdir()
-    (newer / "0001_usage_ledger.sql").write_text(
-        (MIGRATIONS_DIR / "0001_usage_ledger.sql").read_text()
-    )
-    (newer / "0002_note.sql").write_text(
+    for migration in MIGRATIONS_DIR.glob("*.sql"):
+        (newer / migration.name).write_text(migration.read_text())
+    (newer / "0003_note.sql").write_text(
         "-- a test column\nALTER TABLE usage_ledger ADD COLUMN note TEXT;"
     )
     upgraded = open_ledger(ledger_url, migrations_dir=newer)
-    assert upgraded.migrations_applied == [2]
-    assert upgraded.schema_versions() == [1, 2]
+    assert upgraded.migrations_applied == [3]
+    assert upgraded.schema_versions() == [1, 2, 3]
     upgraded.close()
-    with pytest.raises(LedgerError, match="schema version 2, newer than this code knows"):
+    with pytest.raises(LedgerError, match="schema version 3, newer than this code knows"):
         open_ledger(ledger_url)
 
 
@@ -303,3 +302,18 @@ def test_postgres_reconnects_after_the_connection_drops(postgres_schema_url: str
     assert ledger.record([row("lost"), row("after")]) == RecordResult(2, 0, 0)
     assert ledger.count() == 3
     ledger.close()
+
+
+def test_device_spans_merge_and_sum(ledger: Ledger) -> None:
+    from services.billing.uptime import DeviceSpan
+
+    hour = 1_790_000_000_000 - 1_790_000_000_000 % 3_600_000
+    a = DeviceSpan(hour, "decode-0", "decode", "m", 8, hour + 1_000, hour + 60_000)
+    b = DeviceSpan(hour, "decode-0", "decode", "m", 8, hour + 30_000, hour + 90_000)
+    c = DeviceSpan(hour + 3_600_000, "prefill-0", "prefill", "m", 1, hour + 3_600_500,
+                   hour + 3_601_500)  # fmt: skip
+    ledger.record_device_spans([b, c])
+    ledger.record_device_spans([a, b])  # another replica's span and a repeat: min / max
+    assert ledger.device_ms() == 89_000 * 8 + 1_000
+    assert ledger.device_ms(since_ms=hour + 3_600_000) == 1_000
+    assert ledger.device_ms(until_ms=hour + 3_600_000) == 89_000 * 8
