@@ -135,14 +135,8 @@ class Ledger(ABC):
 
     def device_ms(self, since_ms: int | None = None, until_ms: int | None = None) -> int:
         """Device time in the hours starting in [since_ms, until_ms), in milliseconds."""
-        clauses, params = [], []
-        if since_ms is not None:
-            clauses.append(f"hour_ms >= {self.param}")
-            params.append(since_ms)
-        if until_ms is not None:
-            clauses.append(f"hour_ms < {self.param}")
-            params.append(until_ms)
-        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        clauses, params = self._between(since_ms, until_ms, column="hour_ms")
+        where = f"WHERE {clauses}" if clauses else ""
         total = "COALESCE(SUM((last_ms - first_ms) * num_devices), 0)"
         sql = f"SELECT {total} FROM device_usage {where}"
         return int(self._query(sql, params)[0][0])
@@ -209,13 +203,15 @@ class Ledger(ABC):
     def _guarded(self, doing: str) -> AbstractContextManager[None]:
         return _Guard(doing, self.driver_errors)
 
-    def _between(self, since_ms: int | None, until_ms: int | None) -> tuple[str, list[Any]]:
+    def _between(
+        self, since_ms: int | None, until_ms: int | None, *, column: str = "finished_ms"
+    ) -> tuple[str, list[Any]]:
         clauses, params = [], []
         if since_ms is not None:
-            clauses.append(f"finished_ms >= {self.param}")
+            clauses.append(f"{column} >= {self.param}")
             params.append(since_ms)
         if until_ms is not None:
-            clauses.append(f"finished_ms < {self.param}")
+            clauses.append(f"{column} < {self.param}")
             params.append(until_ms)
         return " AND ".join(clauses), params
 
