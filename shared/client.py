@@ -162,9 +162,9 @@ async def generate(
                 deadline_ms=request.deadline_ms,
             )
             call = _Generation(
-                bus, attempt, reader, on_chunk, liveness_timeout_s, route_timeout_s, outbox
-            )
-            call.on_decision = on_decision
+                bus, attempt, reader, on_chunk, on_decision, liveness_timeout_s,
+                route_timeout_s, outbox,
+            )  # fmt: skip
             return await call.run()
         except Overloaded as exc:
             wait_s = _overload_wait_s(exc, request.deadline_ms, overload_wait_s - waited_s)
@@ -195,6 +195,7 @@ class _Generation:
         request: GenerateRequest,
         reader: ChunkReader[TokenChunk],
         on_chunk: Callable[[TokenChunk], object] | None,
+        on_decision: Callable[[RouteDecision], object] | None,
         liveness_timeout_s: float,
         route_timeout_s: float,
         outbox: UsageOutbox | None,
@@ -214,7 +215,7 @@ class _Generation:
         self.first_token_at: float | None = None
         self.last_beat_at = 0.0
         self.refused_by_router = False  # the router answered an error: nothing was started
-        self.on_decision: Callable[[RouteDecision], object] | None = None
+        self.on_decision = on_decision
 
     async def run(self) -> GenerateResult:
         bus, request = self.bus, self.request

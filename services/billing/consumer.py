@@ -96,10 +96,6 @@ class UsageConsumer:
     async def stop(self) -> None:
         self._stopping.set()
 
-    async def take(self, batch: list[PulledMessage]) -> None:
-        """One batch, start to end (what `run` does, without the overlap)."""
-        await self._commit(*await self._rows(batch))
-
     async def _rows(
         self, batch: list[PulledMessage]
     ) -> tuple[list[LedgerRow], list[PulledMessage]]:

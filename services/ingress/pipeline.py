@@ -30,7 +30,13 @@ from services.ingress.models import ModelTable, ServedModel
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
 from shared.logging import get_logger
-from shared.schema import GenerateRequest, RouteDecision, ServiceError, TokenChunk
+from shared.schema import (
+    GenerateRequest,
+    RouteDecision,
+    ServiceError,
+    TokenChunk,
+    num_packed_tokens,
+)
 from shared.tokenizer import PromptError
 from shared.tokenizer.chat import Chat, Message, ToolCall
 from shared.tokenizer.tool_parsers import (
@@ -113,7 +119,7 @@ class Prepared:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids) // 4
+        return num_packed_tokens(self.request.prompt_token_ids)
 
 
 class Pipeline:
