@@ -37,45 +37,51 @@ class ServedModel:
 
 
 class ModelTable:
-    def __init__(self, bus: Bus, *, cache_tokens: int = 4_000_000):
+    def __init__(self, bus: Bus, *, cache_tokens: int = 4_000_000, forget_after_s: float = 15.0):
         self.bus = bus
         self.cache_tokens = cache_tokens
+        # A model stays served until no worker of it has answered discovery for this long:
+        # one busy worker missing one discovery round must not turn requests into 404s.
+        self.forget_after_s = forget_after_s
         self._models: dict[str, ServedModel] = {}
-        self._served: set[str] = set()  # names with a live decode worker now
+        self._seen_at: dict[str, float] = {}  # name -> when a decode worker last answered
         self._refreshed_at = 0.0
         self._lock = asyncio.Lock()
 
+    def _served(self) -> set[str]:
+        now = time.monotonic()
+        return {n for n, at in self._seen_at.items() if now - at < self.forget_after_s}
+
     def served(self) -> list[ServedModel]:
-        return sorted((self._models[n] for n in self._served if n in self._models),
+        return sorted((self._models[n] for n in self._served() if n in self._models),
                       key=lambda m: m.name)  # fmt: skip
 
     async def get(self, name: str) -> ServedModel | None:
-        """The model, refreshing discovery once if it is not (or no longer) known."""
+        """The model, asking discovery again if it is not (or no longer) known."""
         # Known models never wait for discovery (main.py refreshes the table every few
-        # seconds in the background). An unknown name refreshes at most 4 times a second: a
-        # client asking for a model nobody serves must not make every request a discovery.
-        if name not in self._served and time.monotonic() - self._refreshed_at > 0.25:
-            await self.refresh()
-        return self._models.get(name) if name in self._served else None
+        # seconds in the background). An unknown name refreshes at most 4 times a second,
+        # waiting longer for replies than the background round: a worker that is busy (a
+        # model loading, a long prefill) answers late.
+        if name not in self._served() and time.monotonic() - self._refreshed_at > 0.25:
+            await self.refresh(timeout_s=1.0)
+        return self._models.get(name) if name in self._served() else None
 
-    async def refresh(self) -> None:
+    async def refresh(self, timeout_s: float = 0.5) -> None:
         async with self._lock:
-            instances = await discover(self.bus, service=DECODE, timeout_s=0.3)
-            served = set()
+            instances = await discover(self.bus, service=DECODE, timeout_s=timeout_s)
             for instance in instances:
                 meta = instance.metadata
                 name = meta.get("model")
                 if not name:
                     continue
-                served.add(name)
                 if name not in self._models and meta.get("model_path"):
                     try:
                         self._models[name] = await asyncio.to_thread(self._load, meta)
                     except Exception:  # one unreadable checkpoint must not hide the others
                         log.exception("cannot load a served model's tokenizer", model=name,
                                       path=meta.get("model_path"))  # fmt: skip
-                        served.discard(name)
-            self._served = served
+                        continue
+                self._seen_at[name] = time.monotonic()
             self._refreshed_at = time.monotonic()
 
     def _load(self, meta: dict[str, str]) -> ServedModel:
