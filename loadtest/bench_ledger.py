@@ -1,14 +1,17 @@
 """Ledger write throughput: `Ledger.record`, and the billing service's whole path (usage
 records pulled from JetStream by `UsageConsumer`, priced, committed, acknowledged), against a
-bare executemany INSERT of the same rows into the same database, SQLite and PostgreSQL,
-printed (not asserted).
+bare batched INSERT of the same rows into the same database, SQLite and PostgreSQL, side by
+side in one run; the ratios are printed (not asserted).
 
-    python -m loadtest.bench_ledger [--num-rows 20000] [--batch-size 500]
+    python -m loadtest.bench_ledger [--num-rows 20000] [--batch-size 500] [--repeat 3]
         [--backends sqlite postgres] [--postgres-url postgresql://...]
 
 Each measurement writes the rows in batches, one transaction (and commit) per batch, into a
-fresh database (a new SQLite file; a new PostgreSQL schema). Without --postgres-url a
-throwaway server is started from the machine's binaries, with fsync on, as production runs.
+fresh database (a new SQLite file; a new PostgreSQL schema). The bare INSERT into SQLite is
+the faster of executemany and one multi-row INSERT per batch (what the ledger uses), so the
+ratio is against the best a bare writer does. Each figure is the median of --repeat runs
+(the machine is noisy). Without --postgres-url a throwaway server is started from the
+machine's binaries, with fsync on, as production runs.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import sqlite3
+import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -27,7 +32,7 @@ from services.billing.ledger.sqlite import SqliteLedger
 from services.billing.pricing import PriceBook, price
 from shared.schema import UsageRecord
 
-INSERT = f"INSERT INTO usage_ledger ({', '.join(COLUMNS)}) VALUES ({{}})"
+INSERT = f"INSERT INTO usage_ledger ({', '.join(COLUMNS)}) VALUES {{}}"
 
 
 def make_rows(num_rows: int) -> list[LedgerRow]:
@@ -56,32 +61,85 @@ def timed(
     return len(rows) / (time.perf_counter() - started)
 
 
-def bench_sqlite(rows: list[LedgerRow], size: int, directory: Path) -> None:
-    for synchronous in ("FULL", "NORMAL"):
-        ledger = SqliteLedger(str(directory / f"ledger-{synchronous}.db"), synchronous=synchronous)
-        rate = timed(ledger.record, rows, size)
-        again = timed(ledger.record, rows, size)  # every row a duplicate: redelivery
-        ledger.close()
-        print(f"sqlite   Ledger.record (synchronous={synchronous:<6})  {rate:>9,.0f} rows/s   "
-              f"(redelivered: {again:,.0f} rows/s)")  # fmt: skip
-    path = directory / "bare.db"
-    open_ledger(f"sqlite:///{path}").close()  # the same table, indexes and checks
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=FULL")
-    sql = INSERT.format(", ".join("?" * len(COLUMNS)))
-
-    def bare(batch: Sequence[LedgerRow]) -> None:
-        conn.execute("BEGIN IMMEDIATE")
-        conn.executemany(sql, [r.values() for r in batch])
-        conn.execute("COMMIT")
-
-    rate = timed(bare, rows, size)
-    conn.close()
-    print(f"sqlite   bare INSERT   (synchronous=FULL  )  {rate:>9,.0f} rows/s")
+def medians(repeat: int, measures: dict[str, Callable[[], float]]) -> dict[str, float]:
+    """Each figure's median over `repeat` rounds; a round runs every measure once, so the
+    figures compared are taken side by side, not minutes apart."""
+    runs: dict[str, list[float]] = {name: [] for name in measures}
+    for _ in range(repeat):
+        for name, measure in measures.items():
+            runs[name].append(measure())
+    return {name: statistics.median(values) for name, values in runs.items()}
 
 
-def bench_postgres(rows: list[LedgerRow], size: int, url: str) -> None:  # noqa: PLR0915
+def bench_sqlite(rows: list[LedgerRow], size: int, repeat: int) -> dict[str, float]:
+    def in_fresh_file(measure: Callable[[Path], float]) -> Callable[[], float]:
+        def run() -> float:
+            with tempfile.TemporaryDirectory(prefix="bench-ledger-") as directory:
+                return measure(Path(directory))
+
+        return run
+
+    def ledger(directory: Path) -> float:
+        ledger = SqliteLedger(str(directory / "ledger.db"))
+        try:
+            return timed(ledger.record, rows, size)
+        finally:
+            ledger.close()
+
+    def bare(multi_row: bool) -> Callable[[Path], float]:
+        def run(directory: Path) -> float:
+            path = directory / "bare.db"
+            open_ledger(f"sqlite:///{path}").close()  # the same table, indexes and checks
+            conn = sqlite3.connect(path, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            one_row = f"({', '.join('?' * len(COLUMNS))})"
+
+            def write(batch: Sequence[LedgerRow]) -> None:
+                conn.execute("BEGIN IMMEDIATE")
+                if multi_row:
+                    sql = INSERT.format(", ".join([one_row] * len(batch)))
+                    conn.execute(sql, [value for row in batch for value in row])
+                else:
+                    conn.executemany(INSERT.format(one_row), batch)
+                conn.execute("COMMIT")
+
+            try:
+                return timed(write, rows, size)
+            finally:
+                conn.close()
+
+        return run
+
+    def service(directory: Path) -> float:
+        return through_jetstream(records_of(rows), f"sqlite:///{directory}/service.db", size)
+
+    results = medians(repeat, {
+        "bare_executemany": in_fresh_file(bare(multi_row=False)),
+        "bare_multi_row": in_fresh_file(bare(multi_row=True)),
+        "ledger_record": in_fresh_file(ledger),
+        "service": in_fresh_file(service),
+    })  # fmt: skip
+    results["bare"] = max(results["bare_executemany"], results["bare_multi_row"])
+    line("sqlite", "bare INSERT, executemany", results["bare_executemany"], "rows/s")
+    line("sqlite", "bare INSERT, one multi-row per batch", results["bare_multi_row"], "rows/s")
+    report("sqlite", results)
+    return results
+
+
+def line(backend: str, what: str, value: float, unit: str, note: str = "") -> None:
+    print(f"{backend:<8} {what:<40} {value:>9,.0f} {unit:<10} {note}".rstrip())
+
+
+def report(backend: str, results: dict[str, float]) -> None:
+    bare = results["bare"]
+    line(backend, "Ledger.record", results["ledger_record"], "rows/s",
+         f"{results['ledger_record'] / bare:.2f}x bare")  # fmt: skip
+    line(backend, "JetStream -> UsageConsumer -> ledger", results["service"], "records/s",
+         f"{results['service'] / bare:.2f}x bare (target >= 0.5x and >= 5,000/s)")  # fmt: skip
+
+
+def bench_postgres(rows: list[LedgerRow], size: int, repeat: int, url: str) -> dict[str, float]:
     import psycopg
 
     from shared.testing.postgres import schema_url
@@ -92,33 +150,42 @@ def bench_postgres(rows: list[LedgerRow], size: int, url: str) -> None:  # noqa:
             conn.execute(f"CREATE SCHEMA {schema}")
         return schema_url(url, schema)
 
-    ledger = open_ledger(fresh())
-    rate = timed(ledger.record, rows, size)
-    again = timed(ledger.record, rows, size)
-    ledger.close()
-    print(f"postgres Ledger.record                       {rate:>9,.0f} rows/s   "
-          f"(redelivered: {again:,.0f} rows/s)")  # fmt: skip
-    target = fresh()
-    open_ledger(target).close()
-    sql = INSERT.format(", ".join(["%s"] * len(COLUMNS)))
-    with psycopg.connect(target, autocommit=True) as conn:
+    def ledger() -> float:
+        ledger = open_ledger(fresh())
+        try:
+            return timed(ledger.record, rows, size)
+        finally:
+            ledger.close()
 
-        def bare(batch: Sequence[LedgerRow]) -> None:
-            with conn.transaction(), conn.cursor() as cursor:
-                cursor.executemany(sql, [r.values() for r in batch])
+    def bare() -> float:
+        target = fresh()
+        open_ledger(target).close()
+        sql = INSERT.format(f"({', '.join(['%s'] * len(COLUMNS))})")
+        with psycopg.connect(target, autocommit=True) as conn:
 
-        rate = timed(bare, rows, size)
-    print(f"postgres bare INSERT                         {rate:>9,.0f} rows/s")
-    rate = through_jetstream(records_of(rows), fresh(), size)
-    print(f"postgres JetStream -> UsageConsumer -> ledger  {rate:>9,.0f} records/s")
+            def write(batch: Sequence[LedgerRow]) -> None:
+                with conn.transaction(), conn.cursor() as cursor:
+                    cursor.executemany(sql, batch)
+
+            return timed(write, rows, size)
+
+    results = medians(repeat, {
+        "bare": bare,
+        "ledger_record": ledger,
+        "service": lambda: through_jetstream(records_of(rows), fresh(), size),
+    })  # fmt: skip
+    line("postgres", "bare INSERT, executemany", results["bare"], "rows/s")
+    report("postgres", results)
+    return results
 
 
 def through_jetstream(records: list[UsageRecord], ledger_url: str, size: int) -> float:
-    """Records/s from a JetStream usage log into the ledger through the service's consumer
-    (the records are published before timing starts; the time is until the last is in)."""
+    """Records/s from a JetStream usage log into the ledger through the service's consumer,
+    with the billing process's GIL switch interval (the records are published before timing
+    starts; the time is until the last is in)."""
     import asyncio
 
-    from services.billing.consumer import UsageConsumer
+    from services.billing.consumer import GIL_SWITCH_INTERVAL_S, UsageConsumer
     from shared.bus import Bus
     from shared.natsd import NatsServer
     from shared.usage import ensure_usage_stream
@@ -127,7 +194,9 @@ def through_jetstream(records: list[UsageRecord], ledger_url: str, size: int) ->
         bus = await Bus.connect(url, service="bench", root="bench.v1")
         await ensure_usage_stream(bus)
         subject = bus.subjects.usage("decode")
-        await asyncio.gather(*(bus.js.publish(subject, r, msg_id=r.request_id) for r in records))
+        for start in range(0, len(records), 1000):
+            await asyncio.gather(*(bus.js.publish(subject, r, msg_id=r.request_id)
+                                   for r in records[start : start + 1000]))  # fmt: skip
         ledger = open_ledger(ledger_url)
         consumer = UsageConsumer(bus, ledger, PriceBook.default(), batch_size=size,
                                  fetch_timeout_s=0.2)  # fmt: skip
@@ -143,11 +212,16 @@ def through_jetstream(records: list[UsageRecord], ledger_url: str, size: int) ->
         await bus.close()
         return rate
 
-    with (
-        tempfile.TemporaryDirectory(prefix="bench-ledger-nats-") as directory,
-        NatsServer(Path(directory)) as server,
-    ):
-        return asyncio.run(run(server.url))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="bench-ledger-nats-") as directory,
+            NatsServer(Path(directory)) as server,
+        ):
+            return asyncio.run(run(server.url))
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def records_of(rows: list[LedgerRow]) -> list[UsageRecord]:
@@ -163,27 +237,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--num-rows", type=int, default=20_000)
     parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--repeat", type=int, default=3, help="runs per figure (the median)")
     parser.add_argument("--backends", nargs="+", choices=["sqlite", "postgres"],
                         default=["sqlite", "postgres"])  # fmt: skip
     parser.add_argument("--postgres-url", help="an existing server; else a throwaway one")
     args = parser.parse_args()
     rows = make_rows(args.num_rows)
-    print(f"{args.num_rows:,} rows in batches of {args.batch_size}, one commit per batch")
+    print(f"{args.num_rows:,} rows in batches of {args.batch_size}, one commit per batch, "
+          f"median of {args.repeat}")  # fmt: skip
     if "sqlite" in args.backends:
-        with tempfile.TemporaryDirectory(prefix="bench-ledger-") as directory:
-            bench_sqlite(rows, args.batch_size, Path(directory))
-            rate = through_jetstream(records_of(rows), f"sqlite:///{directory}/service.db",
-                                     args.batch_size)  # fmt: skip
-            print(f"sqlite   JetStream -> UsageConsumer -> ledger  {rate:>9,.0f} records/s")
+        bench_sqlite(rows, args.batch_size, args.repeat)
     if "postgres" in args.backends:
         if args.postgres_url:
-            bench_postgres(rows, args.batch_size, args.postgres_url)
+            bench_postgres(rows, args.batch_size, args.repeat, args.postgres_url)
         else:
             from shared.testing.postgres import PostgresServer
 
             server = PostgresServer(fsync=True).start()
             try:
-                bench_postgres(rows, args.batch_size, server.url)
+                bench_postgres(rows, args.batch_size, args.repeat, server.url)
             finally:
                 server.stop()
     print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

@@ -3,10 +3,11 @@ local outbox every producer keeps them in until that log has them (DESIGN.md sec
 "nothing lost, no dropped usage record").
 
 Producers: each decode worker (one record per request it accepted), and the caller of a
-generation (`shared.client`) for a stream whose decode worker died. Both publish with the
-request id as message id, so whichever record JetStream stores first is the one kept, and a
-replayed one is dropped (within the stream's duplicate window; billing dedupes by request id
-past it).
+generation (`shared.client`) for a stream whose decode worker died. Each publishes with
+"<service>:<request id>" as message id, so a producer's replay is dropped (within the
+stream's duplicate window; billing dedupes by request id past it), while both producers'
+records of one request are kept: the caller's estimate may be stored first, and billing
+must still see decode's own count to prefer it.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def usage_publisher(bus: Bus, service: str) -> Callable[[UsageRecord], Awaitable
     subject = bus.subjects.usage(service)
 
     async def publish(record: UsageRecord) -> None:
+        msg_id = f"{service}:{record.request_id}"
         try:
-            await bus.js.publish(subject, record, msg_id=record.request_id)
+            await bus.js.publish(subject, record, msg_id=msg_id)
         except NoStream:
             await ensure_usage_stream(bus)
-            await bus.js.publish(subject, record, msg_id=record.request_id)
+            await bus.js.publish(subject, record, msg_id=msg_id)
 
     return publish
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 
 from services.billing.config import BillingConfig
-from services.billing.consumer import UsageConsumer
+from services.billing.consumer import GIL_SWITCH_INTERVAL_S, UsageConsumer
 from services.billing.ledger import open_ledger
 from services.billing.pricing import PriceBook
 from services.billing.uptime import DeviceSpans
@@ -31,6 +32,7 @@ DEVICE_FLUSH_S = 5.0
 async def setup(runtime: ServiceRuntime) -> None:
     config = runtime.config
     assert isinstance(config, BillingConfig)  # service_main built it from BillingConfig
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     ledger = await asyncio.to_thread(open_ledger, config.ledger_url)  # migrates
     prices = (
         PriceBook.from_file(config.pricing_file) if config.pricing_file else PriceBook.default()

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import nats.errors
@@ -234,15 +233,26 @@ class JetStream:
             return []
 
 
-@dataclass
 class PulledMessage:
-    """One message of a pull consumer; acknowledge it once its effect is durable."""
+    """One message of a pull consumer; acknowledge it once its effect is durable. Its stream
+    sequence and delivery count are read from the reply subject only when asked (~10 us a
+    message in nats-py, for what only a dead letter needs)."""
 
-    subject: str
-    data: bytes
-    stream_seq: int
-    num_delivered: int  # 1 on first delivery
-    _msg: Msg
+    __slots__ = ("_msg", "data", "subject")
+
+    def __init__(self, msg: Msg) -> None:
+        self._msg = msg
+        self.subject: str = msg.subject
+        self.data: bytes = msg.data
+
+    @property
+    def stream_seq(self) -> int:
+        return self._msg.metadata.sequence.stream
+
+    @property
+    def num_delivered(self) -> int:
+        """1 on first delivery."""
+        return self._msg.metadata.num_delivered
 
     async def ack(self) -> None:
         await self._msg.ack()
@@ -295,7 +305,9 @@ class PullConsumer:
             self._done.set()
 
     async def fetch(self, batch: int, timeout_s: float) -> list[PulledMessage]:
-        """Up to `batch` messages, waiting at most `timeout_s` for them; [] if none."""
+        """Up to `batch` messages, waiting at most `timeout_s` for them; [] if none. (Asking
+        for the next batch before returning this one, to overlap the round trip, was
+        measured and gained nothing here: the ledger's commit is the longer wait.)"""
         if not self._batch:
             self._done.clear()
             self._wanted = batch
@@ -304,12 +316,7 @@ class PullConsumer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._done.wait(), timeout_s + 1.0)
         msgs, self._batch = self._batch, []
-        return [
-            PulledMessage(
-                m.subject, m.data, m.metadata.sequence.stream, m.metadata.num_delivered, m
-            )  # fmt: skip
-            for m in msgs
-        ]
+        return [PulledMessage(m) for m in msgs]
 
     async def close(self) -> None:
         """Stop pulling; the durable consumer (and what it has not acked) stays."""

@@ -26,6 +26,7 @@ from shared.natsd import die_with_parent
 from shared.schema import DeadLetter, UsageRecord, decode
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL
 from shared.testing.postgres import postgres_url, schema_url  # noqa: F401 (a fixture)
+from shared.usage import usage_publisher
 from tests.e2e.cluster_helpers import connect, run_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -117,11 +118,13 @@ def test_decode_account_wins_over_the_callers_estimate(cluster: Cluster) -> None
     async def run() -> None:
         bus = await connect(cluster)
         try:
-            await publish(bus, [estimate], service=INGRESS)  # the caller lost the stream
-            await publish(bus, [real], msg_prefix="decode-")
-            await publish(bus, [first], msg_prefix="decode-")
+            # As the producers publish: JetStream keeps both records of a request
+            caller, decode = usage_publisher(bus, INGRESS), usage_publisher(bus, DECODE)
+            await caller(estimate)  # the caller lost the stream, and is stored first
+            await decode(real)
+            await decode(first)
             await asyncio.sleep(1.0)
-            await publish(bus, [late], service=INGRESS)  # a late estimate loses too
+            await caller(late)  # a late estimate loses too
         finally:
             await bus.close()
 

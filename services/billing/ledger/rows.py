@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, fields
-from operator import attrgetter
-from typing import Literal
+from dataclasses import astuple, dataclass
+from typing import Literal, NamedTuple, get_args, get_type_hints
 
 from services.billing.pricing import Charge
 from shared.schema import UsageRecord
@@ -34,9 +33,10 @@ class LedgerConfigError(LedgerError, ValueError):
     """A ledger URL, report key or row that cannot work, whatever the database does."""
 
 
-@dataclass(frozen=True, slots=True)
-class LedgerRow:
-    """One request, priced: the columns of `usage_ledger`, in order."""
+class LedgerRow(NamedTuple):
+    """One request, priced: the columns of `usage_ledger`, in order. A tuple, so it binds to
+    an INSERT as it is (a frozen dataclass of 24 fields took 8 us to build here, a third of
+    the billing service's whole budget per record)."""
 
     request_id: str
     account: str
@@ -76,39 +76,40 @@ class LedgerRow:
             raise LedgerConfigError(f"usage source must be one of {SOURCES}, got {source!r}")
         prices = charge.prices
         return cls(
-            request_id=record.request_id,
-            account=record.account or record.api_key_id or ANONYMOUS,
-            api_key_id=record.api_key_id,
-            model=record.model,
-            status=str(record.status),
-            finish_reason=record.finish_reason,
-            source=source,
-            num_cache_hit_tokens=record.num_cache_hit_tokens,
-            num_cache_miss_tokens=record.num_cache_miss_tokens,
-            num_output_tokens=record.num_output_tokens,
-            price_window=charge.window,
-            hit_price_micro_cny_per_m=prices.hit,
-            miss_price_micro_cny_per_m=prices.miss,
-            output_price_micro_cny_per_m=prices.output,
-            hit_pico_cny=charge.hit_pico_cny,
-            miss_pico_cny=charge.miss_pico_cny,
-            output_pico_cny=charge.output_pico_cny,
-            total_pico_cny=charge.total_pico_cny,
-            started_ms=record.started_ms,
-            finished_ms=record.finished_ms or charge.at_ms,
-            recorded_ms=int(time.time() * 1000) if recorded_ms is None else recorded_ms,
-            prefill_worker_id=record.prefill_worker_id,
-            decode_worker_id=record.decode_worker_id,
-        )
+            record.request_id,
+            record.account or record.api_key_id or ANONYMOUS,
+            record.api_key_id,
+            record.model,
+            str(record.status),
+            record.finish_reason,
+            source,
+            record.num_cache_hit_tokens,
+            record.num_cache_miss_tokens,
+            record.num_output_tokens,
+            charge.window,
+            prices.hit,
+            prices.miss,
+            prices.output,
+            charge.hit_pico_cny,
+            charge.miss_pico_cny,
+            charge.output_pico_cny,
+            charge.total_pico_cny,
+            record.started_ms,
+            record.finished_ms or charge.at_ms,
+            int(time.time() * 1000) if recorded_ms is None else recorded_ms,
+            record.prefill_worker_id,
+            record.decode_worker_id,
+        )  # positional, in field order: what NamedTuple builds fastest
 
     def values(self) -> tuple[object, ...]:
         """The column values, in `COLUMNS` order (what an INSERT binds)."""
-        return _values(self)
+        return tuple(self)
 
 
-COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(LedgerRow))
-TEXT_COLUMNS = frozenset(f.name for f in fields(LedgerRow) if str(f.type).startswith("str"))
-_values = attrgetter(*COLUMNS)  # ~10x faster than dataclasses.astuple, which deep-copies
+COLUMNS: tuple[str, ...] = LedgerRow._fields
+TEXT_COLUMNS = frozenset(
+    name for name, kind in get_type_hints(LedgerRow).items() if str in (kind, *get_args(kind))
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +126,7 @@ class RecordResult:
                             self.num_duplicates + other.num_duplicates)  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class Pending:
+class Pending(NamedTuple):
     """The row of a batch that goes to the database for one request id."""
 
     row: LedgerRow

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Iterator
 from datetime import datetime
@@ -130,7 +129,7 @@ def test_both_sources_in_one_batch_count_as_if_recorded_in_order(ledger: Ledger)
 
 
 def test_the_row_comes_back_column_for_column(ledger: Ledger) -> None:
-    original = dataclasses.replace(row("r1", "ingress"), finish_reason=None, status="cancelled")
+    original = row("r1", "ingress")._replace(finish_reason=None, status="cancelled")
     ledger.record([original])
     assert ledger.get("r1") == original
     assert ledger.get("absent") is None
@@ -192,11 +191,11 @@ def test_racing_replicas_end_with_decode_rows(ledger_url: str) -> None:
 
 def test_a_failed_batch_leaves_nothing(ledger: Ledger) -> None:
     good = [row(f"r{i}") for i in range(100)]
-    negative = dataclasses.replace(row("bad"), num_output_tokens=-1)  # the CHECK refuses it
+    negative = row("bad")._replace(num_output_tokens=-1)  # the CHECK refuses it
     with pytest.raises(LedgerError, match="none written"):
         ledger.record(good[:50] + [negative] + good[50:])
     assert ledger.count() == 0
-    too_big = dataclasses.replace(row("big"), output_pico_cny=2**63, total_pico_cny=2**63)
+    too_big = row("big")._replace(output_pico_cny=2**63, total_pico_cny=2**63)
     with pytest.raises(LedgerError, match="none written"):
         ledger.record(good + [too_big])
     assert ledger.count() == 0
@@ -236,7 +235,7 @@ def test_reports_by_account_and_model_are_exact_sums(ledger: Ledger) -> None:
 
 def test_sums_past_bigint_stay_exact(ledger: Ledger) -> None:
     """Each row fits BIGINT; their sum (1.4e19 pico-CNY) does not."""
-    huge = [dataclasses.replace(row(f"h{i}"), hit_pico_cny=2**62, miss_pico_cny=0,
+    huge = [row(f"h{i}")._replace(hit_pico_cny=2**62, miss_pico_cny=0,
                                 output_pico_cny=7, total_pico_cny=2**62 + 7)
             for i in range(3)]  # fmt: skip
     ledger.record(huge)
