@@ -121,6 +121,41 @@ def test_dst_moves_the_window_against_utc() -> None:
     assert price(fall, "m", at("UTC", 2025, 11, 2, 7, 0), 0, 0, 1).window == OFF_PEAK
 
 
+@pytest.mark.parametrize(
+    ("zone", "day"),
+    [
+        ("America/New_York", (2025, 3, 9)),  # spring forward
+        ("America/New_York", (2025, 11, 2)),  # fall back
+        ("Asia/Kolkata", (2025, 3, 9)),  # a half-hour offset
+        ("Africa/Monrovia", (1972, 1, 6)),  # -00:44:30 until the next day: not whole minutes
+    ],
+)
+def test_the_minute_cache_prices_every_second_as_the_zone_does(
+    zone: str, day: tuple[int, int, int]
+) -> None:
+    """window_at caches a window per UTC minute: swept second by second over a day with a
+    transition (every minute's first lookup fills the cache, the rest read it), each
+    second's window is the one its local wall-clock time falls in."""
+    windows = (Window("a", "01:00", "02:00", PEAK), Window("b", "02:30", "03:01", PEAK))
+    pricing = ModelPricing("", zone, Prices(1, 1, 1), windows)
+    start = at("UTC", *day) - 12 * 3600 * 1000
+    for second in range(0, 48 * 3600, 7):  # every 7 s over two days: each second of a minute
+        at_ms = start + second * 1000
+        local = datetime.fromtimestamp(at_ms // 1000, ZoneInfo(zone))
+        minute_of_day = local.hour * 60 + local.minute
+        expected = (
+            "a" if 60 <= minute_of_day < 120 else "b" if 150 <= minute_of_day < 181 else OFF_PEAK
+        )
+        assert pricing.window_at(at_ms)[0] == expected, local
+    # a minute is cached only where it is one whole local minute (not Monrovia's -00:44:30)
+    cached = [datetime.fromtimestamp(m * 60, ZoneInfo(zone)).second for m in pricing._by_minute]
+    assert cached and set(cached) == {0}
+    if zone == "Africa/Monrovia":  # the hours before its switch to UTC are never cached
+        assert 0 < len(pricing._by_minute) < 48 * 60 - 600
+    else:
+        assert len(pricing._by_minute) == 48 * 60
+
+
 def test_big_token_counts_are_exact() -> None:
     book = PriceBook.default()
     tokens = 155 * 10**12  # the reference deployment's tokens per day, in one charge
