@@ -24,6 +24,7 @@ import nats
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from loadtest.results import BenchResult
 from shared import telemetry
 from shared.bus import Bus, Context, Endpoint
 from shared.natsd import NatsServer
@@ -127,7 +128,7 @@ async def events_per_s_bus(url: str, subject: str, num_events: int) -> float:
     return num_events / elapsed
 
 
-async def main(num_requests: int, num_events: int, trace: bool) -> None:
+async def measure(num_requests: int, num_events: int, trace: bool, result: BenchResult) -> None:
     # As in a service: tracing off unless exporting. --trace records every span (in memory)
     # to show what tracing costs.
     processor = SimpleSpanProcessor(InMemorySpanExporter()) if trace else None
@@ -136,8 +137,8 @@ async def main(num_requests: int, num_events: int, trace: bool) -> None:
         tempfile.TemporaryDirectory(prefix="kvf-bench-") as state_dir,
         NatsServer(Path(state_dir)) as server,
     ):
-        print(
-            f"nats-server {server.url}; {num_requests} requests, {num_events} events per side; "
+        result.note(
+            f"{num_requests} requests, {num_events} events per side on one nats-server; "
             f"tracing {'on (every span recorded)' if trace else 'off (the default)'}"
         )
         raw_s, bus_s = await bench_requests(server.url, num_requests)
@@ -147,30 +148,40 @@ async def main(num_requests: int, num_events: int, trace: bool) -> None:
             subject = subjects.endpoint("events", f"r{round_id}")
             raw_rates.append(await events_per_s_raw(server.url, subject + "raw", num_events))
             bus_rates.append(await events_per_s_bus(server.url, subject + "bus", num_events))
-    raw_p50, bus_p50 = statistics.median(raw_s), statistics.median(bus_s)
-    raw_p99, bus_p99 = percentile(raw_s, 0.99), percentile(bus_s, 0.99)
-    raw_rate, bus_rate = statistics.median(raw_rates), statistics.median(bus_rates)
-    row = "{:24}{:>14}{:>14}{:>10}"
-    print(row.format("", "raw nats-py", "shared.bus", "ratio"))
-    for name, raw, bus, scale, fmt in (
-        ("request/reply p50 (us)", raw_p50, bus_p50, 1e6, "{:.1f}"),
-        ("request/reply p99 (us)", raw_p99, bus_p99, 1e6, "{:.1f}"),
-        ("events/s", raw_rate, bus_rate, 1, "{:.0f}"),
-    ):
-        print(
-            row.format(name, fmt.format(raw * scale), fmt.format(bus * scale), f"{bus / raw:.2f}x")
-        )
-    p50_ok, events_ok = bus_p50 / raw_p50 <= 1.3, bus_rate / raw_rate >= 0.8
-    print(
-        f"targets: p50 ratio <= 1.30 ({'met' if p50_ok else 'NOT met'}), "
-        f"events ratio >= 0.80 ({'met' if events_ok else 'NOT met'})"
-    )
+    result.ratio("request/reply p50", statistics.median(bus_s) * 1e6,
+                 statistics.median(raw_s) * 1e6, "raw nats-py", "us", 1.3,
+                 lower_is_better=True)  # fmt: skip
+    result.ratio("request/reply p99", percentile(bus_s, 0.99) * 1e6,
+                 percentile(raw_s, 0.99) * 1e6, "raw nats-py", "us",
+                 lower_is_better=True)  # fmt: skip
+    result.ratio("events/s, one publisher and one subscriber", statistics.median(bus_rates),
+                 statistics.median(raw_rates), "raw nats-py", "events/s", 0.8)  # fmt: skip
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run(
+    quick: bool = False,
+    *,
+    num_requests: int | None = None,
+    num_events: int | None = None,
+    trace: bool = False,
+) -> BenchResult:
+    result = BenchResult("bus", quick)
+    num_requests = num_requests or (400 if quick else 3000)
+    num_events = num_events or (5000 if quick else 50_000)
+    asyncio.run(measure(num_requests, num_events, trace, result))
+    return result.finish()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--events", type=int, default=50_000)
     parser.add_argument("--trace", action="store_true", help="record a span per request")
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
     args = parser.parse_args()
-    asyncio.run(main(args.requests, args.events, args.trace))
+    sizes = {} if args.quick else {"num_requests": args.requests, "num_events": args.events}
+    run(args.quick, trace=args.trace, **sizes).print()
+
+
+if __name__ == "__main__":
+    main()

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from loadtest.results import BenchResult
 from shared.engine import (
     Checkpoint,
     Engine,
@@ -181,7 +182,9 @@ def load_hf(model_dir: Path, impls: tuple[str, ...] = ("sdpa", "eager")):
     return models
 
 
-def bench_decode(args, model_dir: Path, runner: ModelRunner, ids: list[int]) -> None:
+def bench_decode(  # noqa: ANN001
+    args, model_dir: Path, runner: ModelRunner, ids: list[int], result: BenchResult
+) -> None:
     hf_models = load_hf(model_dir)
     warm = make_prompts(ids, 2, seed=99)
     run_ours(runner, warm, 8)
@@ -190,19 +193,14 @@ def bench_decode(args, model_dir: Path, runner: ModelRunner, ids: list[int]) -> 
     probe = make_prompts(ids, 8, seed=98)
     timings = {impl: run_hf(m, probe, 16)[1] for impl, m in hf_models.items()}
     impl = max(timings, key=timings.get)
-    print(
+    result.note(
         f"transformers attn_implementation: {impl} "
         f"(probe at batch 8: {', '.join(f'{k} {v:.0f} tok/s' for k, v in timings.items())})"
     )
     hf = hf_models[impl]
-    print(
-        "tok/s: new tokens over the whole run (prefill of the 128-256-token prompts included), "
-        "and over the decode phase alone (transformers': generate(n) - generate(1))"
-    )
-    print(
-        f"{'batch':>5} {'ours':>6} {'hf':>6} {'ratio':>6} {'decode: ours':>13} {'hf':>6} "
-        f"{'ratio':>6} {'identical seqs':>15} {'same tokens':>12}",
-        flush=True,
+    result.note(
+        "decode tok/s: new tokens over the whole run (prefill of the 128-256-token prompts "
+        "included), and over the decode phase alone (transformers': generate(n) - generate(1))"
     )
     for batch_size in args.batch_sizes:
         prompts = make_prompts(ids, batch_size, seed=batch_size)
@@ -216,16 +214,22 @@ def bench_decode(args, model_dir: Path, runner: ModelRunner, ids: list[int]) -> 
             x == y for a, b in zip(ours, theirs, strict=True) for x, y in zip(a, b, strict=False)
         )
         total = sum(len(a) for a in ours)
-        print(
-            f"{batch_size:>5} {ours_tps:>6.0f} {hf_tps:>6.0f} {ours_tps / hf_tps:>5.2f}x "
-            f"{decode_tps:>13.0f} {hf_decode:>6.0f} {decode_tps / hf_decode:>5.2f}x "
-            f"{identical:>9}/{batch_size:<5} "
-            f"{same / total:>11.1%}",
-            flush=True,
-        )
+        target = 1.5 if batch_size == 8 else None
+        result.ratio(f"decode tok/s, batch {batch_size}, whole run", ours_tps, hf_tps,
+                     "transformers generate", "tokens/s", target)  # fmt: skip
+        result.ratio(f"decode tok/s, batch {batch_size}, decode phase", decode_tps, hf_decode,
+                     "transformers generate", "tokens/s")  # fmt: skip
+        result.figure(f"greedy sequences identical to transformers', batch {batch_size}",
+                      identical / batch_size, "share", 1.0)  # fmt: skip
+        result.figure(f"tokens equal to transformers', batch {batch_size}", same / total,
+                      "share")  # fmt: skip
+        print(f"batch {batch_size}: ours {ours_tps:.0f} tok/s, transformers {hf_tps:.0f}",
+              flush=True)  # fmt: skip
 
 
-def bench_prefix(args, runner: ModelRunner, ids: list[int], hf=None) -> None:  # noqa: ANN001
+def bench_prefix(  # noqa: ANN001
+    args, runner: ModelRunner, ids: list[int], result: BenchResult, hf=None
+) -> None:
     prompt = (ids * (args.prefill_tokens // len(ids) + 1))[: args.prefill_tokens]
     num_prefix_blocks = round(args.prefill_tokens * 0.96 / BLOCK_SIZE_TOKENS)  # 8192: 123
     num_prefix = num_prefix_blocks * BLOCK_SIZE_TOKENS
@@ -236,21 +240,15 @@ def bench_prefix(args, runner: ModelRunner, ids: list[int], hf=None) -> None:  #
     start = time.perf_counter()
     cold = engine.generate([prompt], params)[0]
     cold_s = time.perf_counter() - start
-    print(
-        f"cold prefill: {len(prompt)} tokens in {cold_s:.2f} s "
-        f"= {len(prompt) / cold_s:.0f} tok/s (chunks of {args.chunk_tokens})",
-        flush=True,
-    )
+    result.figure(f"cold prefill of {len(prompt)} tokens (chunks of {args.chunk_tokens})",
+                  len(prompt) / cold_s, "tokens/s")  # fmt: skip
     if hf is not None:  # transformers' forward over the whole prompt at once (its best case)
         with torch.inference_mode():
             start = time.perf_counter()
             hf(torch.tensor([prompt]), use_cache=False, logits_to_keep=1)
             hf_s = time.perf_counter() - start
-        print(
-            f"transformers forward: {len(prompt)} tokens in {hf_s:.2f} s = "
-            f"{len(prompt) / hf_s:.0f} tok/s; ours {hf_s / cold_s:.2f}x",
-            flush=True,
-        )
+        result.ratio(f"prefill tok/s, {len(prompt)} tokens", len(prompt) / cold_s,
+                     len(prompt) / hf_s, "transformers forward", "tokens/s")  # fmt: skip
 
     # The cached prefix: blocks in the pool + the window at its end, made off the clock.
     holder = Sequence(10**9, prompt[:num_prefix])
@@ -271,19 +269,59 @@ def bench_prefix(args, runner: ModelRunner, ids: list[int], hf=None) -> None:  #
     warm_s = time.perf_counter() - start
     runner.release(holder)
     num_suffix = len(prompt) - num_prefix
-    print(
-        f"warm prefill: {num_prefix_blocks} cached blocks ({num_prefix} tokens, "
-        f"{num_prefix / len(prompt):.0%}), {num_suffix} computed in {warm_s:.3f} s "
-        f"= {num_suffix / warm_s:.0f} tok/s",
-        flush=True,
-    )
+    result.figure(f"warm prefill: {num_suffix} tokens computed after {num_prefix} cached "
+                  f"({num_prefix / len(prompt):.0%})", num_suffix / warm_s, "tokens/s")  # fmt: skip
     ideal = len(prompt) / num_suffix
-    print(
-        f"time to first token: {cold_s / warm_s:.1f}x faster warm than cold "
-        f"(ideal {ideal:.1f}x, {cold_s / warm_s / ideal:.0%} of ideal); "
-        f"same first token: {warm_tokens == cold.completion_token_ids}",
-        flush=True,
+    result.ratio("prefill speedup after a cached prefix, cold / warm", cold_s / warm_s, ideal,
+                 "the ideal 1 / (1 - hit share)", "x", 0.85)  # fmt: skip
+    result.figure("warm first token equals cold", float(warm_tokens == cold.completion_token_ids),
+                  "bool", 1.0)  # fmt: skip
+
+
+def run(  # noqa: PLR0913
+    quick: bool = False,
+    *,
+    model: str | None = None,
+    batch_sizes: tuple[int, ...] | None = None,
+    new_tokens: int | None = None,
+    prefill_tokens: int | None = None,
+    chunk_tokens: int = 512,
+    num_threads: int = 1,
+    skip_decode: bool = False,
+    skip_prefill: bool = False,
+    skip_hf_prefill: bool = False,
+    block_kernel: bool = True,
+) -> BenchResult:
+    """Quick: batches 1 and 4 of 16 new tokens, a 1,024-token prefill."""
+    args = argparse.Namespace(
+        batch_sizes=batch_sizes or ((1, 4) if quick else (1, 8, 32)),
+        new_tokens=new_tokens or (16 if quick else 128),
+        prefill_tokens=prefill_tokens or (1024 if quick else 8192),
+        chunk_tokens=chunk_tokens,
     )
+    result = BenchResult("engine", quick)
+    torch.set_num_threads(num_threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, description = resolve_model(model, Path(tmp))
+        loaded = load_model(model_dir, block_kernel=block_kernel)
+        formats = block_formats(loaded)
+        result.note(
+            f"model: {description}; float32; torch threads: {torch.get_num_threads()}; decode "
+            "weights: "
+            + (f"{'/'.join(formats)} blocks (kernels/cpu)" if formats else "float32")
+            + f"; transformers: float32{' (dequantized from the same file)' if formats else ''}"
+        )
+        tokenize, how = make_tokenize(model_dir, loaded.config.vocab_size)
+        ids = tokenize(source_text())
+        result.note(f"prompts: stdlib Python source, {how}, {len(ids)} tokens available")
+        # 512 blocks of 64: batch 32 x 384 tokens needs 192; the 8K prefill test needs 258.
+        runner = ModelRunner(loaded, num_blocks=512, block_size_tokens=BLOCK_SIZE_TOKENS)
+        if not skip_decode:
+            bench_decode(args, model_dir, runner, ids, result)
+        if not skip_prefill:
+            hf = None if skip_hf_prefill else load_hf(model_dir, ("sdpa",))["sdpa"]
+            bench_prefix(args, runner, ids, result, hf)
+    return result.finish()
 
 
 def main() -> None:
@@ -305,29 +343,16 @@ def main() -> None:
         action="store_true",
         help="decode from the float32 weights too (a GGUF model's blocks unused)",
     )
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
     args = parser.parse_args()
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    torch.set_num_threads(args.num_threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir, description = resolve_model(args.model, Path(tmp))
-        print(f"model: {description}; float32; torch threads: {torch.get_num_threads()}")
-        model = load_model(model_dir, block_kernel=not args.no_block_kernel)
-        formats = block_formats(model)
-        print(
-            "decode weights: "
-            + (f"{'/'.join(formats)} blocks (kernels/cpu)" if formats else "float32")
-            + f"; transformers: float32{' (dequantized from the same file)' if formats else ''}"
-        )
-        tokenize, how = make_tokenize(model_dir, model.config.vocab_size)
-        ids = tokenize(source_text())
-        print(f"prompts: stdlib Python source, {how}, {len(ids)} tokens available", flush=True)
-        # 512 blocks of 64: batch 32 x 384 tokens needs 192; the 8K prefill test needs 258.
-        runner = ModelRunner(model, num_blocks=512, block_size_tokens=BLOCK_SIZE_TOKENS)
-        if not args.skip_decode:
-            bench_decode(args, model_dir, runner, ids)
-        if not args.skip_prefill:
-            hf = None if args.skip_hf_prefill else load_hf(model_dir, ("sdpa",))["sdpa"]
-            bench_prefix(args, runner, ids, hf)
+    sizes = {} if args.quick else {
+        "batch_sizes": tuple(int(b) for b in args.batch_sizes.split(",")),
+        "new_tokens": args.new_tokens, "prefill_tokens": args.prefill_tokens,
+    }  # fmt: skip
+    run(args.quick, model=args.model, chunk_tokens=args.chunk_tokens,
+        num_threads=args.num_threads, skip_decode=args.skip_decode,
+        skip_prefill=args.skip_prefill, skip_hf_prefill=args.skip_hf_prefill,
+        block_kernel=not args.no_block_kernel, **sizes).print()  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import aiohttp
 
+from loadtest.results import BenchResult
 from services.admin.launcher import Cluster, ClusterSpec
 from shared.bus import Bus
 from shared.client import build_request, generate
@@ -67,7 +68,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run(args: argparse.Namespace, cluster: Cluster) -> None:
+async def measure(args: argparse.Namespace, cluster: Cluster, result: BenchResult) -> None:
     bus = await Bus.connect(cluster.nats_url, service="bench", root=cluster.spec.root)
     await cluster.wait_ready(bus, timeout_s=120)
     url = cluster.http_urls[0]
@@ -77,7 +78,8 @@ async def run(args: argparse.Namespace, cluster: Cluster) -> None:
     for i in range(args.requests):
         chat = Chat((Message("system", SYSTEM), Message("user", question(i))))
         prompts[i] = tokenizer.encode(chat)
-    print(f"prompt tokens: {statistics.mean(len(p) for p in prompts.values()):.0f} on average")
+    result.note(f"prompt tokens: {statistics.mean(len(p) for p in prompts.values()):.0f} on "
+                "average")  # fmt: skip
 
     async def direct(i: int) -> None:
         request = build_request(prompts[i], model=MODEL, max_tokens=args.max_tokens,
@@ -110,32 +112,33 @@ async def run(args: argparse.Namespace, cluster: Cluster) -> None:
             results[name][1].extend(lat)
     await http.close()
     await bus.close()
-    print(
+    result.note(
         f"{args.rounds} rounds of {args.requests} requests at concurrency {args.concurrency}, "
         f"{args.max_tokens} new tokens each (mock engine, speedup {args.mock_speedup:g})"
     )
-    print(f"{'path':<8} {'req/s':>7} {'p50 ms':>8} {'p99 ms':>8}")
     summary = {}
     for name, (rps, lat) in results.items():
         summary[name] = (statistics.median(rps), pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3)
-        print(
-            f"{name:<8} {summary[name][0]:>7.1f} {summary[name][1]:>8.2f} {summary[name][2]:>8.2f}"
-        )
     d, g = summary["direct"], summary["ingress"]
-    print(
-        f"ingress/direct requests/s: {g[0] / d[0]:.2f}x (target >= 0.7x); added latency "
-        f"p50 {g[1] - d[1]:+.2f} ms (target <= 3 ms), p99 {g[2] - d[2]:+.2f} ms"
-    )
+    peer = "shared.client straight to the router"
+    result.ratio("requests/s through HTTP ingress", g[0], d[0], peer, "requests/s", 0.7)
+    result.ratio("latency p50 through HTTP ingress", g[1], d[1], peer, "ms",
+                 lower_is_better=True)  # fmt: skip
+    result.ratio("latency p99 through HTTP ingress", g[2], d[2], peer, "ms",
+                 lower_is_better=True)  # fmt: skip
+    result.figure("latency ingress adds at p50", g[1] - d[1], "ms", 3.0, lower_is_better=True)
+    result.figure("latency ingress adds at p99", g[2] - d[2], "ms")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--mock-speedup", type=float, default=100.0)
-    args = parser.parse_args()
+def run(quick: bool = False, **options: object) -> BenchResult:
+    """Options: the CLI's (requests, concurrency, rounds, max_tokens, mock_speedup). Quick: 40
+    requests, one round."""
+    defaults = {"requests": 200, "concurrency": 8, "rounds": 3, "max_tokens": 16,
+                "mock_speedup": 100.0}  # fmt: skip
+    if quick:
+        defaults |= {"requests": 40, "rounds": 1}
+    args = argparse.Namespace(**(defaults | options))
+    result = BenchResult("ingress", quick)
     mock = ["--engine", "mock", "--mock-speedup", str(args.mock_speedup)]
     with tempfile.TemporaryDirectory(prefix="kvf-bench-ingress-") as tmp:
         spec = ClusterSpec(
@@ -146,9 +149,23 @@ def main() -> None:
         cluster = Cluster(spec)
         cluster.start()
         try:
-            asyncio.run(run(args, cluster))
+            asyncio.run(measure(args, cluster, result))
         finally:
             cluster.stop()
+    return result.finish()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--mock-speedup", type=float, default=100.0)
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
+    args = vars(parser.parse_args())
+    quick = args.pop("quick")
+    run(quick, **({} if quick else args)).print()
 
 
 if __name__ == "__main__":

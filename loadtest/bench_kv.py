@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from loadtest.results import BenchResult
 from shared.bus import Bus
 from shared.kvstore import KvStore, KvStoreConfig, SlotRef
 from shared.natsd import NatsServer
@@ -158,8 +159,8 @@ class StoreRun:
         return elapsed_s
 
 
-async def run_store(workdir: Path, block_nbytes: int, num_blocks: int, batch: int,
-                    backends: list[str], rounds: int) -> None:  # fmt: skip
+async def run_store(workdir: Path, block_nbytes: int, num_blocks: int, batch: int,  # noqa: PLR0913
+                    backends: list[str], rounds: int, result: BenchResult) -> None:  # fmt: skip
     nbytes = block_nbytes * num_blocks
     say(f"\n== store: {num_blocks} blocks x {block_nbytes} B = {nbytes / 1e6:.0f} MB, "
         f"batches of {batch}, median of {rounds} interleaved rounds ==")  # fmt: skip
@@ -185,17 +186,14 @@ async def run_store(workdir: Path, block_nbytes: int, num_blocks: int, batch: in
             run.store.close()
         raw_path.unlink(missing_ok=True)
     median = {name: statistics.median(values) for name, values in times.items()}
-    say(f"  {'raw':<12} write {gbps(nbytes, median['raw write']):6.2f} GB/s")
+    size = f"{block_nbytes // 1024} KiB blocks"
     for backend in backends:
         write_s, read_s = median[f"{backend} write"], median[f"{backend} read"]
-        raw_gbps, store_gbps = (
-            gbps(file_nbytes, median[f"{backend} raw read"]),
-            gbps(nbytes, read_s),
-        )
-        say(f"  {backend:<12} write {gbps(nbytes, write_s):6.2f} GB/s "
-            f"({median['raw write'] / write_s:.2f}x raw)   read {store_gbps:6.2f} GB/s of "
-            f"payload vs raw {raw_gbps:5.2f} GB/s of its file "
-            f"({store_gbps / raw_gbps:.2f}x raw)")  # fmt: skip
+        result.ratio(f"store write + fsync, {backend}, {size}", gbps(nbytes, write_s),
+                     gbps(nbytes, median["raw write"]), "raw file write", "GB/s")  # fmt: skip
+        result.ratio(f"store read (payload), {backend}, {size}", gbps(nbytes, read_s),
+                     gbps(file_nbytes, median[f"{backend} raw read"]),
+                     "raw read of its slot file", "GB/s")  # fmt: skip
 
 
 def memcpy_s(src: np.ndarray, dst: np.ndarray, ranges: list[ByteRange], repeats: int) -> float:
@@ -222,7 +220,9 @@ def peer(role: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
-async def run_transfer(url: str, block_nbytes: int, batch: int, repeats: int) -> None:
+async def run_transfer(
+    url: str, block_nbytes: int, batch: int, repeats: int, result: BenchResult
+) -> None:
     nbytes = block_nbytes * batch
     say(f"\n== NIXL UCX write between 2 processes: {batch} scattered blocks x {block_nbytes} B "
         f"= {nbytes / 1e6:.1f} MB per transfer, x{repeats}, memcpy interleaved ==")  # fmt: skip
@@ -242,16 +242,14 @@ async def run_transfer(url: str, block_nbytes: int, batch: int, repeats: int) ->
             if ready.strip() != "ready":
                 raise RuntimeError(f"receiver did not start: {ready!r}")
             sender = peer("--sender", env, *args)
-            result = await asyncio.to_thread(sender.stdout.readline)  # type: ignore[union-attr]
+            line = await asyncio.to_thread(sender.stdout.readline)  # type: ignore[union-attr]
             digest = await asyncio.to_thread(receiver.stdout.readline)  # type: ignore[union-attr]
-            ucx_gbps, copy_gbps, sent_digest = result.split()
-            verdict = "match" if digest.strip() == sent_digest else "DIFFER"
-            ratio = float(ucx_gbps) / float(copy_gbps)
-            say(
-                f"  UCX_TLS={tls or '(default)':<10} NIXL write {float(ucx_gbps):6.2f} GB/s, "
-                f"memcpy {float(copy_gbps):6.2f} GB/s: {ratio:.2f}x memcpy; "
-                f"bytes at the peer {verdict}"
-            )
+            ucx_gbps, copy_gbps, sent_digest = line.split()
+            what = f"{batch} x {block_nbytes // 1024} KiB, UCX_TLS={tls or '(default)'}"
+            result.ratio(f"NIXL write between processes, {what}", float(ucx_gbps),
+                         float(copy_gbps), "memcpy in one process", "GB/s")  # fmt: skip
+            result.figure(f"bytes at the peer equal the sent bytes, {what}",
+                          float(digest.strip() == sent_digest), "bool", 1.0)  # fmt: skip
         finally:
             for proc in (sender, receiver):
                 if proc is not None:
@@ -300,28 +298,57 @@ async def receiver_main(url: str, root: str, block_nbytes: int, batch: int, repe
     await bus.close()
 
 
-async def main(args: argparse.Namespace) -> None:
+async def measure(args: argparse.Namespace, result: BenchResult) -> None:
     workdir = (
         Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-kv-", dir="/var/tmp"))
     )
     workdir.mkdir(parents=True, exist_ok=True)
-    say(f"workdir {workdir} (same filesystem for raw and store); cpus {os.cpu_count()}; "
-        f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    result.note(f"workdir {workdir} (same filesystem for raw and store)")
     why_not = drop_caches()
     if why_not is None:
-        say("page cache: dropped before every read (echo 1 > /proc/sys/vm/drop_caches)")
+        result.note("page cache: dropped before every read (echo 1 > /proc/sys/vm/drop_caches)")
     else:
-        say(f"page cache: NOT dropped ({why_not}; needs root): reads may be served from memory")
+        result.note(f"page cache NOT dropped ({why_not}; needs root): reads may be from memory")
     try:
         for block_nbytes, num_blocks in ((SMALL_BLOCK_NBYTES, args.small_blocks),
                                          (BIG_BLOCK_NBYTES, args.big_blocks)):  # fmt: skip
             await run_store(workdir, block_nbytes, num_blocks, args.batch,
-                            args.backends.split(","), args.rounds)  # fmt: skip
+                            args.backends.split(","), args.rounds, result)  # fmt: skip
     finally:
         subprocess.run(["rm", "-rf", str(workdir)], check=False)
     with tempfile.TemporaryDirectory() as nats_dir, NatsServer(Path(nats_dir)) as server:
-        for block_nbytes, repeats in ((SMALL_BLOCK_NBYTES, 50), (BIG_BLOCK_NBYTES, 5)):
-            await run_transfer(server.url, block_nbytes, args.batch, repeats)
+        for block_nbytes, repeats in ((SMALL_BLOCK_NBYTES, args.small_repeats),
+                                      (BIG_BLOCK_NBYTES, args.big_repeats)):  # fmt: skip
+            await run_transfer(server.url, block_nbytes, args.batch, repeats, result)
+
+
+def run(quick: bool = False, **options: object) -> BenchResult:
+    """Options: the CLI's (small_blocks, big_blocks, batch, rounds, backends, dir). Quick: 200
+    small and 20 big blocks, one round, few transfers."""
+    defaults = {
+        "dir": None, "small_blocks": 2000, "big_blocks": 100, "batch": 100, "rounds": 3,
+        "backends": "nixl:POSIX,aiofiles", "small_repeats": 50, "big_repeats": 5,
+    }  # fmt: skip
+    if quick:
+        defaults |= {"small_blocks": 200, "big_blocks": 20, "batch": 20, "rounds": 1,
+                     "small_repeats": 5, "big_repeats": 2}  # fmt: skip
+    result = BenchResult("kv", quick)
+    asyncio.run(measure(argparse.Namespace(**(defaults | options)), result))
+    return result.finish()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--dir", help="where to write (default: a new dir under /var/tmp)")
+    parser.add_argument("--small-blocks", type=int, default=2000)
+    parser.add_argument("--big-blocks", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--backends", default="nixl:POSIX,aiofiles")
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
+    args = vars(parser.parse_args())
+    quick = args.pop("quick")
+    run(quick, **({"dir": args["dir"]} if quick else args)).print()
 
 
 if __name__ == "__main__":
@@ -330,11 +357,4 @@ if __name__ == "__main__":
         url_arg, root_arg, *numbers = sys.argv[2:]
         asyncio.run(role(url_arg, root_arg, *map(int, numbers)))
         sys.exit(0)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", help="where to write (default: a new dir under /var/tmp)")
-    parser.add_argument("--small-blocks", type=int, default=2000)
-    parser.add_argument("--big-blocks", type=int, default=100)
-    parser.add_argument("--batch", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--backends", default="nixl:POSIX,aiofiles")
-    asyncio.run(main(parser.parse_args()))
+    main()

@@ -17,7 +17,6 @@ machine's binaries, with fsync on, as production runs.
 from __future__ import annotations
 
 import argparse
-import os
 import sqlite3
 import statistics
 import sys
@@ -27,6 +26,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from loadtest.results import BenchResult
 from services.billing.ledger import COLUMNS, LedgerRow, open_ledger
 from services.billing.ledger.sqlite import SqliteLedger
 from services.billing.pricing import PriceBook, price
@@ -71,7 +71,7 @@ def medians(repeat: int, measures: dict[str, Callable[[], float]]) -> dict[str, 
     return {name: statistics.median(values) for name, values in runs.items()}
 
 
-def bench_sqlite(rows: list[LedgerRow], size: int, repeat: int) -> dict[str, float]:
+def bench_sqlite(rows: list[LedgerRow], size: int, repeat: int, result: BenchResult) -> None:
     def in_fresh_file(measure: Callable[[Path], float]) -> Callable[[], float]:
         def run() -> float:
             with tempfile.TemporaryDirectory(prefix="bench-ledger-") as directory:
@@ -120,26 +120,24 @@ def bench_sqlite(rows: list[LedgerRow], size: int, repeat: int) -> dict[str, flo
         "ledger_record": in_fresh_file(ledger),
         "service": in_fresh_file(service),
     })  # fmt: skip
-    results["bare"] = max(results["bare_executemany"], results["bare_multi_row"])
-    line("sqlite", "bare INSERT, executemany", results["bare_executemany"], "rows/s")
-    line("sqlite", "bare INSERT, one multi-row per batch", results["bare_multi_row"], "rows/s")
-    report("sqlite", results)
-    return results
+    result.figure("sqlite: bare INSERT, executemany", results["bare_executemany"], "rows/s")
+    result.figure("sqlite: bare INSERT, one multi-row per batch", results["bare_multi_row"],
+                  "rows/s")  # fmt: skip
+    bare = max(results["bare_executemany"], results["bare_multi_row"])
+    report("sqlite", results, bare, "the faster bare INSERT", result)
 
 
-def line(backend: str, what: str, value: float, unit: str, note: str = "") -> None:
-    print(f"{backend:<8} {what:<40} {value:>9,.0f} {unit:<10} {note}".rstrip())
+def report(backend: str, results: dict[str, float], bare: float, peer: str,
+           result: BenchResult) -> None:  # fmt: skip
+    result.ratio(f"{backend}: Ledger.record", results["ledger_record"], bare, peer, "rows/s")
+    result.ratio(f"{backend}: JetStream -> UsageConsumer -> ledger", results["service"], bare,
+                 peer, "records/s", 0.5)  # fmt: skip
+    result.figure(f"{backend}: records/s into the ledger per billing process",
+                  results["service"], "records/s", 5000)  # fmt: skip
 
 
-def report(backend: str, results: dict[str, float]) -> None:
-    bare = results["bare"]
-    line(backend, "Ledger.record", results["ledger_record"], "rows/s",
-         f"{results['ledger_record'] / bare:.2f}x bare")  # fmt: skip
-    line(backend, "JetStream -> UsageConsumer -> ledger", results["service"], "records/s",
-         f"{results['service'] / bare:.2f}x bare (target >= 0.5x and >= 5,000/s)")  # fmt: skip
-
-
-def bench_postgres(rows: list[LedgerRow], size: int, repeat: int, url: str) -> dict[str, float]:
+def bench_postgres(rows: list[LedgerRow], size: int, repeat: int, url: str,
+                   result: BenchResult) -> None:  # fmt: skip
     import psycopg
 
     from shared.testing.postgres import schema_url
@@ -174,9 +172,7 @@ def bench_postgres(rows: list[LedgerRow], size: int, repeat: int, url: str) -> d
         "ledger_record": ledger,
         "service": lambda: through_jetstream(records_of(rows), fresh(), size),
     })  # fmt: skip
-    line("postgres", "bare INSERT, executemany", results["bare"], "rows/s")
-    report("postgres", results)
-    return results
+    report("postgres", results, results["bare"], "bare INSERT, executemany", result)
 
 
 def through_jetstream(records: list[UsageRecord], ledger_url: str, size: int) -> float:
@@ -233,32 +229,55 @@ def records_of(rows: list[LedgerRow]) -> list[UsageRecord]:
             for r in rows]  # fmt: skip
 
 
+def run(
+    quick: bool = False,
+    *,
+    num_rows: int | None = None,
+    batch_size: int = 500,
+    repeat: int | None = None,
+    backends: tuple[str, ...] = ("sqlite", "postgres"),
+    postgres_url: str | None = None,
+) -> BenchResult:
+    """Quick: 2,000 rows, one run each. PostgreSQL is skipped, with a note, where the
+    machine has no PostgreSQL binaries and no --postgres-url is given."""
+    num_rows = num_rows or (2000 if quick else 20_000)
+    repeat = repeat or (1 if quick else 3)
+    result = BenchResult("ledger", quick)
+    rows = make_rows(num_rows)
+    result.note(f"{num_rows:,} rows in batches of {batch_size}, one commit per batch, "
+                f"median of {repeat} interleaved runs")  # fmt: skip
+    if "sqlite" in backends:
+        bench_sqlite(rows, batch_size, repeat, result)
+    if "postgres" in backends:
+        if postgres_url:
+            bench_postgres(rows, batch_size, repeat, postgres_url, result)
+        else:
+            from shared.testing.postgres import PostgresServer, PostgresUnavailable
+
+            try:
+                server = PostgresServer(fsync=True).start()
+            except PostgresUnavailable as exc:
+                result.note(f"postgres: skipped ({exc})")
+            else:
+                try:
+                    bench_postgres(rows, batch_size, repeat, server.url, result)
+                finally:
+                    server.stop()
+    return result.finish()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--num-rows", type=int, default=20_000)
+    parser.add_argument("--num-rows", type=int, default=None, help="default 20000")
     parser.add_argument("--batch-size", type=int, default=500)
-    parser.add_argument("--repeat", type=int, default=3, help="runs per figure (the median)")
+    parser.add_argument("--repeat", type=int, default=None, help="runs per figure (the median)")
     parser.add_argument("--backends", nargs="+", choices=["sqlite", "postgres"],
                         default=["sqlite", "postgres"])  # fmt: skip
     parser.add_argument("--postgres-url", help="an existing server; else a throwaway one")
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
     args = parser.parse_args()
-    rows = make_rows(args.num_rows)
-    print(f"{args.num_rows:,} rows in batches of {args.batch_size}, one commit per batch, "
-          f"median of {args.repeat}")  # fmt: skip
-    if "sqlite" in args.backends:
-        bench_sqlite(rows, args.batch_size, args.repeat)
-    if "postgres" in args.backends:
-        if args.postgres_url:
-            bench_postgres(rows, args.batch_size, args.repeat, args.postgres_url)
-        else:
-            from shared.testing.postgres import PostgresServer
-
-            server = PostgresServer(fsync=True).start()
-            try:
-                bench_postgres(rows, args.batch_size, args.repeat, server.url)
-            finally:
-                server.stop()
-    print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    run(args.quick, num_rows=args.num_rows, batch_size=args.batch_size, repeat=args.repeat,
+        backends=tuple(args.backends), postgres_url=args.postgres_url).print()  # fmt: skip
 
 
 if __name__ == "__main__":

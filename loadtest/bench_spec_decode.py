@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from loadtest.bench_engine import DEFAULT_MODEL, build_stand_in, make_tokenize, source_text
+from loadtest.results import BenchResult
 from shared.engine import Engine, ModelRunner, SamplingParams, SchedulerConfig, Sequence, load_model
 from shared.engine.drafter import SpecDecodeConfig, SpecStats
 
@@ -60,7 +61,7 @@ def build_copier(out_dir: Path) -> Path:
     )
 
 
-def run(runner, prompts, new_tokens, spec: SpecDecodeConfig, num_slots: int | None = None):
+def generate_all(runner, prompts, new_tokens, spec: SpecDecodeConfig, num_slots: int | None = None):
     """Greedy outputs, end-to-end tokens/s, decode-phase tokens/s, the engine's counters.
 
     The decode phase starts once every sequence has its first token (prefill done); with
@@ -90,39 +91,35 @@ def run(runner, prompts, new_tokens, spec: SpecDecodeConfig, num_slots: int | No
     return [tokens[i] for i in seq_ids], num_tokens / (end - start), decode_tps, engine.spec_stats
 
 
-def compare(name, runner, prompts, new_tokens, repeats, num_slots: int | None = None) -> None:
+def compare(name, runner, prompts, new_tokens, repeats, result: BenchResult,  # noqa: PLR0913
+            num_slots: int | None = None) -> None:  # fmt: skip
     """Off and on alternately, `repeats` times each; the median tokens/s of each side."""
     off_tps, on_tps, off_dec, on_dec = [], [], [], []
     stats = SpecStats()
     off_spec = SpecDecodeConfig(enabled=False)
     for _ in range(repeats):
-        plain, tps, dec, _ = run(runner, prompts, new_tokens, off_spec, num_slots)
+        plain, tps, dec, _ = generate_all(runner, prompts, new_tokens, off_spec, num_slots)
         off_tps.append(tps)
         off_dec.append(dec)
-        spec, tps, dec, stats = run(runner, prompts, new_tokens, SpecDecodeConfig(), num_slots)
+        spec, tps, dec, stats = generate_all(runner, prompts, new_tokens, SpecDecodeConfig(),
+                                             num_slots)  # fmt: skip
         on_tps.append(tps)
         on_dec.append(dec)
     off, on = statistics.median(off_tps), statistics.median(on_tps)
     off_d, on_d = statistics.median(off_dec), statistics.median(on_dec)
     identical = sum(a == b for a, b in zip(plain, spec, strict=True))
     batch = f"{num_slots}q{len(prompts)}" if num_slots else str(len(prompts))
-    decode = f"{off_d:>9.0f} {on_d:>9.0f} {on_d / off_d:>6.2f}x" if off_d else f"{'-':>27}"
-    print(
-        f"{name:>9} {batch:>5} {off:>9.0f} {on:>9.0f} {on / off:>6.2f}x {decode} "
-        f"{stats.acceptance_rate:>7.1%} {stats.tokens_per_forward:>7.2f} "
-        f"{stats.num_drafts:>6} {stats.num_draft_tokens:>7} {identical:>5}/{len(prompts)}",
-        flush=True,
-    )
-
-
-def header() -> None:
-    print(
-        f"{'':>15} {'---- end to end ----':>27} {'---- decode phase ----':>27}\n"
-        f"{'workload':>9} {'batch':>5} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>7} "
-        f"{'off tok/s':>9} {'on tok/s':>9} {'ratio':>7} "
-        f"{'accept':>7} {'tok/fwd':>7} {'drafts':>6} {'drafted':>7} {'same':>7}",
-        flush=True,
-    )
+    what = f"{name}, batch {batch}"
+    result.ratio(f"tok/s with drafts / without, {what}, end to end", on, off,
+                 "the same engine without drafts", "tokens/s")  # fmt: skip
+    if off_d:
+        result.ratio(f"tok/s with drafts / without, {what}, decode phase", on_d, off_d,
+                     "the same engine without drafts", "tokens/s")  # fmt: skip
+    result.figure(f"draft acceptance, {what}", stats.acceptance_rate, "share")
+    result.figure(f"tokens per sequence-step, {what}", stats.tokens_per_forward, "tokens")
+    result.figure(f"outputs identical with and without drafts, {what}",
+                  identical / len(prompts), "share", 1.0)  # fmt: skip
+    print(f"{what}: {on / off:.2f}x", flush=True)
 
 
 def edit_prompts(ids: list[int], count: int, tokenize, seed: int) -> list[list[int]]:
@@ -142,7 +139,7 @@ def oracle_prompts(runner, ids: list[int], count: int, new_tokens: int) -> list[
     for _ in range(count):
         start = rng.randrange(0, len(ids) - 200)
         contexts.append(ids[start : start + 200])
-    again, _, _, _ = run(runner, contexts, new_tokens, SpecDecodeConfig(enabled=False))
+    again, _, _, _ = generate_all(runner, contexts, new_tokens, SpecDecodeConfig(enabled=False))
     return [x + g + x for x, g in zip(contexts, again, strict=True)]
 
 
@@ -151,7 +148,8 @@ def random_prompts(vocab_size: int, count: int) -> list[list[int]]:
     return [[rng.randrange(vocab_size) for _ in range(300)] for _ in range(count)]
 
 
-def calibrate(runner, ids: list[int], batch_size: int, repeats: int = 30) -> None:
+def calibrate(runner, ids: list[int], batch_size: int, result: BenchResult,
+              repeats: int = 30) -> None:  # fmt: skip
     """ms of one decode step vs one score_drafts of 1 + k tokens per sequence."""
     seqs = [Sequence(10**6 + i, ids[i * 50 : i * 50 + 300]) for i in range(batch_size)]
     for seq in seqs:
@@ -173,12 +171,74 @@ def calibrate(runner, ids: list[int], batch_size: int, repeats: int = 30) -> Non
         runner.release(seq)
     rel = {k: t / decode_s for k, t in timings.items()}
     slope = (rel[16] - rel[1]) / 15
-    print(
+    result.note(
         f"calibrate batch {batch_size}: decode {decode_s * 1e3:.1f} ms/step; score 1+k tokens "
         f"= {', '.join(f'k={k}: {r:.2f}' for k, r in rel.items())} decode steps "
-        f"-> verify_overhead ~{rel[1] - slope - 1:.2f}, draft_token_cost ~{slope:.3f}",
-        flush=True,
+        f"-> verify_overhead ~{rel[1] - slope - 1:.2f}, draft_token_cost ~{slope:.3f}"
     )
+
+
+def run(  # noqa: PLR0913
+    quick: bool = False,
+    *,
+    model: str | None = None,
+    batch_sizes: tuple[int, ...] | None = None,
+    new_tokens: int | None = None,
+    repeats: int | None = None,
+    workloads: tuple[str, ...] = ("calibrate", "edit", "oracle", "no-match"),
+    num_threads: int = 1,
+) -> BenchResult:
+    """Quick: batch 1 only, 32 new tokens, one repeat."""
+    batch_sizes = batch_sizes or ((1,) if quick else (1, 8))
+    new_tokens = new_tokens or (32 if quick else 128)
+    repeats = repeats or (1 if quick else 2)
+    result = BenchResult("spec", quick)
+    torch.set_num_threads(num_threads)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        if model:
+            model_dir, description = Path(model), f"{model} (given)"
+        elif (DEFAULT_MODEL / "config.json").exists():
+            model_dir, description = DEFAULT_MODEL, f"{DEFAULT_MODEL} (trained)"
+        else:
+            model_dir = build_stand_in(tmp / "stand-in")
+            description = "random stand-in of tiny-coder's shape (no trained model found)"
+        loaded = load_model(model_dir)
+        tokenize, how = make_tokenize(model_dir, loaded.config.vocab_size)
+        ids = tokenize(source_text())
+        result.note(
+            f"model: {description}; float32; torch threads {torch.get_num_threads()}; "
+            f"prompts tokenized with {how}; {new_tokens} new tokens, greedy; "
+            f"default {SpecDecodeConfig()}"
+        )
+        runner = ModelRunner(loaded, num_blocks=256, block_size_tokens=BLOCK_SIZE_TOKENS)
+        generate_all(runner, edit_prompts(ids, 2, tokenize, 99), 8, SpecDecodeConfig())  # warm
+        if "calibrate" in workloads:
+            for batch_size in batch_sizes:
+                calibrate(runner, ids, batch_size, result)
+        if "edit" in workloads:
+            for batch_size in batch_sizes:
+                prompts = edit_prompts(ids, batch_size, tokenize, batch_size)
+                compare("edit", runner, prompts, new_tokens, repeats, result)
+            for batch_size in [b for b in batch_sizes if b > 1]:
+                # Serving: a queue of 3x the slots, so a request that finishes early (it
+                # copied) frees its slot for the next instead of idling until the slowest.
+                prompts = edit_prompts(ids, 3 * batch_size, tokenize, 3 * batch_size)
+                compare("edit", runner, prompts, new_tokens, repeats, result, batch_size)
+        if "no-match" in workloads:
+            stand_in = load_model(build_stand_in(tmp / "no-match"))
+            other = ModelRunner(stand_in, num_blocks=256, block_size_tokens=BLOCK_SIZE_TOKENS)
+            for batch_size in batch_sizes:
+                prompts = random_prompts(stand_in.config.vocab_size, batch_size)
+                compare("no-match", other, prompts, new_tokens, repeats, result)
+        if "oracle" in workloads:
+            copier = load_model(build_copier(tmp / "copier"))
+            copier_ids = [t % copier.config.vocab_size for t in ids]
+            other = ModelRunner(copier, num_blocks=256, block_size_tokens=BLOCK_SIZE_TOKENS)
+            for batch_size in batch_sizes:
+                prompts = oracle_prompts(other, copier_ids, batch_size, new_tokens)
+                compare("oracle", other, prompts, new_tokens, repeats, result)
+    return result.finish()
 
 
 def main() -> None:
@@ -191,56 +251,14 @@ def main() -> None:
     # One thread, as bench_engine: on this shared 2-core box two threads made steps 3-15x
     # slower and far noisier.
     parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
     args = parser.parse_args()
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    workloads = args.workloads.split(",")
-    torch.set_num_threads(args.num_threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        if args.model:
-            model_dir, description = Path(args.model), f"{args.model} (given)"
-        elif (DEFAULT_MODEL / "config.json").exists():
-            model_dir, description = DEFAULT_MODEL, f"{DEFAULT_MODEL} (trained)"
-        else:
-            model_dir = build_stand_in(tmp / "stand-in")
-            description = "random stand-in of tiny-coder's shape (no trained model found)"
-        model = load_model(model_dir)
-        tokenize, how = make_tokenize(model_dir, model.config.vocab_size)
-        ids = tokenize(source_text())
-        print(
-            f"model: {description}; float32; torch threads {torch.get_num_threads()}; "
-            f"prompts tokenized with {how}; {args.new_tokens} new tokens, greedy; "
-            f"default {SpecDecodeConfig()}",
-            flush=True,
-        )
-        runner = ModelRunner(model, num_blocks=256, block_size_tokens=BLOCK_SIZE_TOKENS)
-        run(runner, edit_prompts(ids, 2, tokenize, 99), 8, SpecDecodeConfig())  # warm-up
-        if "calibrate" in workloads:
-            for batch_size in batch_sizes:
-                calibrate(runner, ids, batch_size)
-        header()
-        if "edit" in workloads:
-            for batch_size in batch_sizes:
-                prompts = edit_prompts(ids, batch_size, tokenize, batch_size)
-                compare("edit", runner, prompts, args.new_tokens, args.repeats)
-            for batch_size in [b for b in batch_sizes if b > 1]:
-                # Serving: a queue of 3x the slots, so a request that finishes early (it
-                # copied) frees its slot for the next instead of idling until the slowest.
-                prompts = edit_prompts(ids, 3 * batch_size, tokenize, 3 * batch_size)
-                compare("edit", runner, prompts, args.new_tokens, args.repeats, batch_size)
-        if "no-match" in workloads:
-            stand_in = load_model(build_stand_in(tmp / "no-match"))
-            other = ModelRunner(stand_in, num_blocks=256, block_size_tokens=BLOCK_SIZE_TOKENS)
-            for batch_size in batch_sizes:
-                prompts = random_prompts(stand_in.config.vocab_size, batch_size)
-                compare("no-match", other, prompts, args.new_tokens, args.repeats)
-        if "oracle" in workloads:
-            copier = load_model(build_copier(tmp / "copier"))
-            copier_ids = [t % copier.config.vocab_size for t in ids]
-            other = ModelRunner(copier, num_blocks=256, block_size_tokens=BLOCK_SIZE_TOKENS)
-            for batch_size in batch_sizes:
-                prompts = oracle_prompts(other, copier_ids, batch_size, args.new_tokens)
-                compare("oracle", other, prompts, args.new_tokens, args.repeats)
+    sizes = {} if args.quick else {
+        "batch_sizes": tuple(int(b) for b in args.batch_sizes.split(",")),
+        "new_tokens": args.new_tokens, "repeats": args.repeats,
+    }  # fmt: skip
+    run(args.quick, model=args.model, workloads=tuple(args.workloads.split(",")),
+        num_threads=args.num_threads, **sizes).print()  # fmt: skip
 
 
 if __name__ == "__main__":

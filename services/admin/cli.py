@@ -16,7 +16,15 @@ from pathlib import Path
 
 import typer
 
-from services.admin import billing_cli, cache_cli, generate_cli, keys_cli, models_cli, plan_cli
+from services.admin import (
+    bench_cli,
+    billing_cli,
+    cache_cli,
+    generate_cli,
+    keys_cli,
+    models_cli,
+    plan_cli,
+)
 from services.admin.demo import demo_requests
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of, parse_replicas
 from services.admin.status import render
@@ -50,6 +58,9 @@ app.add_typer(
     short_help="API keys ingress accepts, each mapped to a billing account: create, list, revoke.",
 )
 app.command("generate")(generate_cli.generate_command)
+app.command("bench", short_help="Benchmarks, each against its peer in one run: NAME, list, all.")(
+    bench_cli.bench_command
+)
 app.command("plan", short_help="GPUs, servers, money, SSD of a deployment.")(plan_cli.plan_command)
 
 NATS_URL_HELP = "URL of a running NATS server (default: start an embedded one)"

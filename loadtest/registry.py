@@ -1,0 +1,51 @@
+"""The benchmarks `kvfabric bench` runs: a name, the module whose `run(quick)` measures it
+(loadtest/results.py), and what it compares. Modules are imported only when run: several
+load torch, transformers or a cluster's worth of processes."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from loadtest.results import BenchResult
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    module: str
+    compares: str
+    in_suite: bool = True  # False: installs another stack (a peer), kept out of CI
+
+    def run(self, quick: bool = False) -> BenchResult:
+        return importlib.import_module(self.module).run(quick=quick)
+
+
+BENCHMARKS = {
+    b.name: b
+    for b in (
+        Benchmark("bus", "loadtest.bench_bus",
+                  "request/reply and events through shared.bus against raw nats-py"),
+        Benchmark("engine", "loadtest.bench_engine",
+                  "decode and prefill tokens/s against transformers on the same weights"),
+        Benchmark("kv", "loadtest.bench_kv",
+                  "store GB/s against raw file I/O; NIXL transfers against memcpy"),
+        Benchmark("prefix", "loadtest.bench_prefix_reuse",
+                  "prefill time and TTFT after a cached prefix against the ideal 1/(1-h)"),
+        Benchmark("spec", "loadtest.bench_spec_decode",
+                  "tokens/s with prompt-lookup drafts against without"),
+        Benchmark("tokenize", "loadtest.bench_tokenize",
+                  "segment-cached chat tokenization against tokenizing the whole text"),
+        Benchmark("ingress", "loadtest.bench_ingress",
+                  "HTTP ingress against calling the router directly"),
+        Benchmark("ledger", "loadtest.bench_ledger",
+                  "usage records into the ledger against a bare batched INSERT"),
+    )
+}  # fmt: skip
+
+
+def get(name: str) -> Benchmark:
+    try:
+        return BENCHMARKS[name]
+    except KeyError:
+        raise KeyError(f"no benchmark {name!r}; known: {', '.join(BENCHMARKS)}") from None

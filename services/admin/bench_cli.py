@@ -1,0 +1,68 @@
+"""`kvfabric bench NAME`: run a benchmark and print the ratios it measured side by side in one
+run; `--json PATH` writes the same result as JSON. `kvfabric bench list` names them all (and
+what each compares), `kvfabric bench all` runs every one in turn (`--json` is then a
+directory: one NAME.json each). Each benchmark's own options: `python -m loadtest.bench_<name>
+--help`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from loadtest.registry import BENCHMARKS, Benchmark, get
+
+QUICK_HELP = "small sizes, as CI runs them (a minute or so each; rough figures)"
+
+
+def bench_command(
+    name: str = typer.Argument(..., help=f"list, all, or one of: {', '.join(BENCHMARKS)}"),
+    quick: bool = typer.Option(False, "--quick", help=QUICK_HELP),
+    json_path: Path | None = typer.Option(
+        None, "--json", help="write the result here (with `all`: a directory)"
+    ),
+    peers: bool = typer.Option(False, "--peers", help="`all` runs the peer benchmarks too"),
+) -> None:
+    """Run a benchmark (or `list` them, or run `all`)."""
+    if name == "list":
+        width = max(len(b) for b in BENCHMARKS)
+        for bench in BENCHMARKS.values():
+            peer = "" if bench.in_suite else "  (installs a peer; not in CI)"
+            typer.echo(f"{bench.name:<{width}}  {bench.compares}{peer}")
+        return
+    if name == "all":
+        _run_all(quick, json_path, peers)
+        return
+    try:
+        bench = get(name)
+    except KeyError as exc:
+        raise typer.BadParameter(str(exc.args[0]), param_hint="NAME") from None
+    _run_one(bench, quick, json_path)
+
+
+def _run_one(bench: Benchmark, quick: bool, json_path: Path | None) -> None:
+    typer.echo(f"== {bench.name}: {bench.compares}{' (quick)' if quick else ''} ==")
+    result = bench.run(quick=quick)
+    result.print()
+    if json_path is not None:
+        result.write_json(json_path)
+        typer.echo(f"wrote {json_path}")
+
+
+def _run_all(quick: bool, json_dir: Path | None, peers: bool) -> None:
+    """Every benchmark in turn; a failing one is reported and the others still run."""
+    failed = []
+    for bench in BENCHMARKS.values():
+        if not bench.in_suite and not peers:
+            continue
+        started = time.monotonic()
+        try:
+            _run_one(bench, quick, json_dir / f"{bench.name}.json" if json_dir else None)
+        except Exception as exc:  # the next benchmark still runs; the exit code says so
+            failed.append(bench.name)
+            typer.echo(f"{bench.name} FAILED after {time.monotonic() - started:.0f} s: {exc!r}")
+    if failed:
+        typer.echo(f"failed: {', '.join(failed)}")
+        raise typer.Exit(1)
