@@ -79,6 +79,7 @@ class BenchResult:
     ratios: list[Ratio] = field(default_factory=list)
     figures: list[Figure] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    command: str = ""  # what produced it, for the docs (kvfabric bench sets it)
     started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     _started: float = field(default_factory=time.perf_counter, repr=False)
     duration_s: float = 0.0
@@ -106,6 +107,7 @@ class BenchResult:
         return {
             "name": self.name,
             "quick": self.quick,
+            "command": self.command,
             "started_at": self.started_at,
             "duration_s": round(self.duration_s, 3),
             "machine": machine(),
@@ -122,13 +124,14 @@ class BenchResult:
         """The result as printed: every ratio and figure, one line each."""
         out = [f"{self.name}{' (quick)' if self.quick else ''}"]
         for r in self.ratios:
+            ours, peer = format_number(r.ours), format_number(r.peer)
             out.append(
-                f"  {r.name}: ours {_number(r.ours)} vs {r.peer_name} {_number(r.peer)} {r.unit}"
+                f"  {r.name}: ours {ours} vs {r.peer_name} {peer} {r.unit}"
                 f" = {r.value:.2f}x{_target(r.met, r.target, r.lower_is_better, 'x')}"
             )
         for f in self.figures:
             out.append(
-                f"  {f.name}: {_number(f.value)} {f.unit}"
+                f"  {f.name}: {format_number(f.value)} {f.unit}"
                 f"{_target(f.met, f.target, f.lower_is_better, '')}"
             )
         out.extend(f"  note: {n}" for n in self.notes)
@@ -138,7 +141,7 @@ class BenchResult:
         print("\n".join(self.lines()), flush=True)
 
 
-def _number(value: float) -> str:
+def format_number(value: float) -> str:
     if value == 0 or abs(value) >= 100:
         return f"{value:,.0f}"
     if abs(value) >= 1:
@@ -150,4 +153,4 @@ def _target(met: bool | None, target: float | None, lower: bool, suffix: str) ->
     if met is None or target is None:
         return ""
     bound = "<=" if lower else ">="
-    return f" (target {bound} {_number(target)}{suffix}: {'met' if met else 'NOT met'})"
+    return f" (target {bound} {format_number(target)}{suffix}: {'met' if met else 'NOT met'})"

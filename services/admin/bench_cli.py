@@ -45,6 +45,7 @@ def bench_command(
 def _run_one(bench: Benchmark, quick: bool, json_path: Path | None) -> None:
     typer.echo(f"== {bench.name}: {bench.compares}{' (quick)' if quick else ''} ==")
     result = bench.run(quick=quick)
+    result.command = f"kvfabric bench {bench.name}{' --quick' if quick else ''}"
     result.print()
     if json_path is not None:
         result.write_json(json_path)

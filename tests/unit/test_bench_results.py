@@ -1,0 +1,57 @@
+"""A benchmark result prints, writes and renders the same figures: each ratio with its
+target's verdict (lower is better for latencies), one line per entry."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadtest.markdown import render
+from loadtest.results import BenchResult
+
+
+def sample() -> BenchResult:
+    result = BenchResult("demo", quick=True, command="kvfabric bench demo --quick")
+    result.ratio("decode tok/s", 30.0, 20.0, "transformers", "tokens/s", 1.5)
+    result.ratio("p50 latency", 4.0, 2.0, "raw nats-py", "us", 1.3, lower_is_better=True)
+    result.ratio("events/s", 9.0, 10.0, "raw nats-py", "events/s")
+    result.figure("ingest", 26_000, "records/s", 5000)
+    result.note("measured beside nothing else")
+    return result.finish()
+
+
+def test_targets_and_direction() -> None:
+    decode, latency, events = sample().ratios
+    assert decode.value == 1.5 and decode.met is True  # a floor, reached exactly
+    assert latency.value == 2.0 and latency.met is False  # a ceiling, exceeded
+    assert events.met is None  # no target: no verdict
+
+
+def test_printed_lines_match_the_json(tmp_path: Path) -> None:
+    result = sample()
+    lines = result.lines()
+    assert lines[0] == "demo (quick)"
+    assert lines[1] == (
+        "  decode tok/s: ours 30.00 vs transformers 20.00 tokens/s = 1.50x (target >= 1.50x: met)"
+    )
+    assert lines[2].endswith("= 2.00x (target <= 1.30x: NOT met)")
+    assert lines[4] == "  ingest: 26,000 records/s (target >= 5,000: met)"
+    assert lines[5] == "  note: measured beside nothing else"
+    result.write_json(tmp_path / "demo.json")
+    data = json.loads((tmp_path / "demo.json").read_text())
+    assert [r["name"] for r in data["ratios"]] == ["decode tok/s", "p50 latency", "events/s"]
+    assert [r["met"] for r in data["ratios"]] == [True, False, None]
+    assert data["figures"][0]["value"] == 26_000 and data["command"].startswith("kvfabric")
+    assert data["machine"]["cpu_count"] >= 1
+
+
+def test_markdown_has_every_entry() -> None:
+    data = json.loads(json.dumps(sample().to_dict()))
+    text = render([data], "fallback")
+    assert "## demo (quick)" in text and "`kvfabric bench demo --quick`" in text
+    assert (
+        "| decode tok/s | 30.00 | transformers: 20.00 | tokens/s | 1.50x | >= 1.50: met |" in text
+    )
+    assert "| p50 latency | 4.00 | raw nats-py: 2.00 | us | 2.00x | <= 1.30: **NOT met** |" in text
+    assert "| ingest | 26,000 | records/s | >= 5,000: met |" in text
+    assert "- measured beside nothing else" in text
