@@ -40,6 +40,8 @@ BENCHMARKS = {
                   "HTTP ingress against calling the router directly"),
         Benchmark("ledger", "loadtest.bench_ledger",
                   "usage records into the ledger against a bare batched INSERT"),
+        Benchmark("agent", "loadtest.bench_agent",
+                  "coding-agent sessions over HTTP: warm steps against the cold first step"),
     )
 }  # fmt: skip
 

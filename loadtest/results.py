@@ -142,7 +142,7 @@ class BenchResult:
 
 
 def format_number(value: float) -> str:
-    if value == 0 or abs(value) >= 100:
+    if value == 0 or abs(value) >= 100 or float(value).is_integer():
         return f"{value:,.0f}"
     if abs(value) >= 1:
         return f"{value:,.2f}"

@@ -32,7 +32,7 @@ def test_printed_lines_match_the_json(tmp_path: Path) -> None:
     lines = result.lines()
     assert lines[0] == "demo (quick)"
     assert lines[1] == (
-        "  decode tok/s: ours 30.00 vs transformers 20.00 tokens/s = 1.50x (target >= 1.50x: met)"
+        "  decode tok/s: ours 30 vs transformers 20 tokens/s = 1.50x (target >= 1.50x: met)"
     )
     assert lines[2].endswith("= 2.00x (target <= 1.30x: NOT met)")
     assert lines[4] == "  ingest: 26,000 records/s (target >= 5,000: met)"
@@ -50,8 +50,8 @@ def test_markdown_has_every_entry() -> None:
     text = render([data], "fallback")
     assert "## demo (quick)" in text and "`kvfabric bench demo --quick`" in text
     assert (
-        "| decode tok/s | 30.00 | transformers: 20.00 | tokens/s | 1.50x | >= 1.50: met |" in text
+        "| decode tok/s | 30 | transformers: 20 | tokens/s | 1.50x | >= 1.50: met |" in text
     )
-    assert "| p50 latency | 4.00 | raw nats-py: 2.00 | us | 2.00x | <= 1.30: **NOT met** |" in text
+    assert "| p50 latency | 4 | raw nats-py: 2 | us | 2.00x | <= 1.30: **NOT met** |" in text
     assert "| ingest | 26,000 | records/s | >= 5,000: met |" in text
     assert "- measured beside nothing else" in text

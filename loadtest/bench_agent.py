@@ -1,0 +1,231 @@
+"""Coding agents over HTTP: sessions whose every step re-sends the whole conversation, through
+the official `openai` and `anthropic` SDKs, against a cluster this benchmark starts or any
+server that speaks either protocol.
+
+    python -m loadtest.bench_agent [--quick] [--protocol openai|anthropic|both]
+        [--sessions 16 --steps 8 --initial-tokens 6000 --growth-tokens 600 --max-tokens 64]
+        [--concurrency 8] [--think-time-s 0] [--model tiny-coder] [--engine mock|model]
+        [--base-url URL --api-key KEY --model NAME] [--out DIR]
+
+Without `--base-url` it starts a cluster of separate processes (kv-index, swa-memcache,
+router, prefill and decode workers, ingress; no billing) on free ports: by default the mock
+engine serving tiny-coder, whose timing is the router's cost model of a GPU (`--mock-speedup`
+divides it) and whose context limit is raised to fit the workload. `--engine model` (or
+`torch`) runs the real model on this CPU at reduced scale (`--model SmolLM2-135M-Instruct`).
+
+Printed (per protocol): the p50 time to first token of every session's first step (cold but
+for the shared system prompt) against the later steps' (warm: all but the newest text is
+cached) as a ratio; the share of prompt tokens the server reported as cached (first step,
+later steps, all); p50/p99 TTFT, time per output token and end-to-end latency; requests/s
+and output tokens/s; errors by class. `--out` (default a fresh temp dir) receives
+bench.json (every printed figure), report-<protocol>.json (every request) and three PNGs.
+With `--protocol both` the Anthropic pass uses the next seed, so it starts cold too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from loadtest.agent.plots import write_plots
+from loadtest.agent.report import AgentReport, summary
+from loadtest.agent.runner import PROTOCOLS, Target, TargetUnreachable, run_agents
+from loadtest.agent.workload import Workload
+from loadtest.results import BenchResult
+from services.admin.launcher import Cluster, ClusterSpec
+from shared.bus import Bus
+from shared.engine.checkpoint import Checkpoint
+from shared.models import model_path, served_name
+from shared.subjects import BILLING, DECODE, PREFILL
+from shared.testing import unique_root
+
+KEY = "kvf-bench-agent-key"
+# Sizes by scale: (sessions, steps, initial tokens, growth tokens, max tokens, concurrency).
+FULL = (16, 8, 6000, 600, 64, 8)
+QUICK = (4, 4, 1000, 200, 16, 4)
+REAL_MODEL = (2, 3, 600, 150, 16, 2)  # the model on this CPU: ~1 s a step
+SIZE_NAMES = ("sessions", "steps", "initial_tokens", "growth_tokens", "max_tokens", "concurrency")
+ENGINES = {"mock": "mock", "model": "model", "torch": "model"}
+
+
+def run(quick: bool = False, **options: Any) -> BenchResult:
+    """Options: protocol ("openai", "anthropic", "both"), the SIZE_NAMES, think_time_s, seed,
+    model, engine, mock_speedup, workers (prefill and decode of each), base_url and api_key
+    (an existing server), out (a directory), progress."""
+    engine = ENGINES.get(options.get("engine", "mock"))
+    if engine is None:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {options['engine']!r}")
+    protocol = options.get("protocol", "openai")
+    protocols = PROTOCOLS if protocol == "both" else (protocol,)
+    if not set(protocols) <= set(PROTOCOLS):
+        raise ValueError(
+            f"protocol must be one of {', '.join(PROTOCOLS)} or both, got {protocol!r}"
+        )
+    preset = QUICK if quick else REAL_MODEL if engine == "model" else FULL
+    sizes = {name: default if options.get(name) is None else options[name]
+             for name, default in zip(SIZE_NAMES, preset, strict=True)}  # fmt: skip
+    workload = Workload(
+        num_sessions=sizes["sessions"], num_steps=sizes["steps"],
+        initial_context_tokens=sizes["initial_tokens"],
+        growth_tokens_per_step=sizes["growth_tokens"], max_output_tokens=sizes["max_tokens"],
+        think_time_s=options.get("think_time_s", 0.0), seed=options.get("seed", 0),
+    )  # fmt: skip
+    out_dir = Path(options.get("out") or tempfile.mkdtemp(prefix="kvf-bench-agent-"))
+    result = BenchResult("agent", quick)
+    asyncio.run(
+        _measure(workload, protocols, sizes["concurrency"], engine, out_dir, options, result)
+    )
+    result.finish()
+    result.write_json(out_dir / "bench.json")
+    return result
+
+
+async def _measure(
+    workload: Workload, protocols: tuple[str, ...], concurrency: int, engine: str,
+    out_dir: Path, options: dict[str, Any], result: BenchResult,
+) -> None:  # fmt: skip
+    base_url = options.get("base_url")
+    model = options.get("model") or "tiny-coder"
+    cluster = None
+    if base_url is None:
+        cluster = await _start_cluster(workload, model, engine, options, out_dir)
+        base_url, api_key, model = cluster.http_urls[0], KEY, served_name(model)
+        speed = f", mock speedup {options.get('mock_speedup', 1.0):g}" if engine == "mock" else ""
+        result.note(
+            f"a cluster of this tree: {model} on the {engine} engine{speed}, on the machine "
+            "the clients run on (noisy figures)"
+        )
+    else:
+        api_key = options.get("api_key") or "none"
+        result.note(f"an existing server at {base_url}, model {model}")
+    result.note(
+        f"{workload.num_sessions} sessions x {workload.num_steps} steps at concurrency "
+        f"{concurrency}: ~{workload.initial_context_tokens} tokens first, "
+        f"+{workload.growth_tokens_per_step} of tool output a step, <= "
+        f"{workload.max_output_tokens} out, think time {workload.think_time_s:g} s, seed "
+        f"{workload.seed}"
+    )
+    reports: dict[str, AgentReport] = {}
+    try:
+        for index, protocol in enumerate(protocols):
+            target = Target(base_url, api_key, model, protocol)
+            seeded = dataclasses.replace(workload, seed=workload.seed + index)
+            progress = options.get("progress", False)
+            reports[protocol] = await run_agents(target, seeded, concurrency, progress)
+            reports[protocol].write_json(out_dir / f"report-{protocol}.json")
+            add_figures(result, protocol, reports[protocol])
+    finally:
+        if cluster is not None:
+            cluster.stop()
+            shutil.rmtree(cluster.spec.state_dir / "kvstore", ignore_errors=True)  # the bulk
+    plots = write_plots(reports, out_dir)
+    result.note(f"wrote bench.json, {len(reports)} report JSON, {len(plots)} PNGs to {out_dir}")
+
+
+async def _start_cluster(workload: Workload, model: str, engine: str, options: dict[str, Any],
+                         out_dir: Path) -> Cluster:  # fmt: skip
+    context = Checkpoint(model_path(model)).config().max_position_embeddings
+    # The workload's sizes are estimates (within 15% for the bundled tokenizers): room for
+    # half again as much.
+    needed = int(workload.max_context_tokens * 1.5)
+    worker = ["--engine", engine]
+    if engine == "mock":
+        # The mock's only context limit is the one it is given; its blocks are 4 KiB, so
+        # 16 MiB store files (preallocated) rather than the model's 256 MiB.
+        worker += ["--mock-speedup", str(options.get("mock_speedup", 1.0)),
+                   "--max-model-len", str(max(context, needed)),
+                   "--store-file-nbytes", str(16 << 20)]  # fmt: skip
+    elif needed > context:
+        raise ValueError(
+            f"the workload reaches ~{workload.max_context_tokens} tokens; {model} holds "
+            f"{context}: fewer steps or smaller --initial-tokens / --growth-tokens"
+        )
+    num_workers = options.get("workers", 1)
+    spec = ClusterSpec(
+        state_dir=out_dir / "cluster", nats_port=0,  # its logs stay there
+        http_port=0, root=unique_root(), log_level="warning", models=(model,),
+        replicas={BILLING: 0, PREFILL: num_workers, DECODE: num_workers},
+        extra_args={PREFILL: worker, DECODE: worker}, dev_api_key=KEY,
+    )  # fmt: skip
+    cluster = Cluster(spec)
+    cluster.start()
+    try:
+        bus = await Bus.connect(cluster.nats_url, service="bench", root=spec.root)
+        try:
+            await cluster.wait_ready(bus, timeout_s=300)
+        finally:
+            await bus.close()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def add_figures(result: BenchResult, label: str, report: AgentReport) -> None:
+    """What one protocol's run printed: every number from `report`, none computed apart."""
+    first, later = summary(report.first_step()), summary(report.later_steps())
+    overall = summary(report.records)
+    cold, warm = first["ttft_s"]["p50"], later["ttft_s"]["p50"]
+    if cold is not None and warm is not None:
+        result.ratio(f"{label}: TTFT p50, first step (cold) / later steps (warm)", cold * 1e3,
+                     warm * 1e3, "later steps", "ms")  # fmt: skip
+    else:
+        result.note(f"{label}: no cold/warm TTFT ratio (a side has no first token)")
+    for name, part in (("first step", first), ("later steps", later), ("all steps", overall)):
+        if part["hit_share"] is not None:
+            result.figure(f"{label}: cache-hit share, {name}", 100 * part["hit_share"], "%")
+    for metric, title in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end")):
+        for quantile in ("p50", "p99"):
+            if overall[metric][quantile] is not None:
+                result.figure(f"{label}: {title} {quantile}", overall[metric][quantile] * 1e3, "ms")
+    throughput = report.throughput()
+    result.figure(f"{label}: requests/s", throughput["requests_per_s"], "requests/s")
+    result.figure(f"{label}: output tokens/s", throughput["output_tokens_per_s"], "tokens/s")
+    result.figure(f"{label}: requests answered", overall["num_answered"], "requests")
+    result.figure(f"{label}: errors", overall["num_requests"] - overall["num_answered"], "requests")
+    for error, count in report.errors_by_class.items():
+        result.figure(f"{label}: errors, {error}", count, "requests")
+    if report.num_skipped:
+        result.figure(f"{label}: steps skipped after a failed step", report.num_skipped, "requests")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
+    parser.add_argument("--protocol", default="openai", choices=[*PROTOCOLS, "both"])
+    for name, full, quick in zip(SIZE_NAMES, FULL, QUICK, strict=True):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name,
+                            help=f"default {full} ({quick} quick)")  # fmt: skip
+    parser.add_argument("--think-time-s", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", help="a served name (default tiny-coder)")
+    parser.add_argument("--engine", default="mock", choices=sorted(ENGINES))
+    parser.add_argument("--mock-speedup", type=float, default=1.0)
+    parser.add_argument("--workers", type=int, default=1, help="prefill and decode workers each")
+    parser.add_argument("--base-url", help="an existing server's root URL: no cluster started")
+    parser.add_argument("--api-key", help="for --base-url")
+    parser.add_argument("--out", help="where JSON and plots go (default a fresh temp dir)")
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=sys.stderr.isatty(),
+        help="a live progress bar on stderr (default: when it is a terminal)",
+    )
+    args = parser.parse_args()
+    if args.base_url and not args.model:
+        parser.error("--base-url needs --model (what the server serves)")
+    try:
+        result = run(**vars(args))
+    except (TargetUnreachable, ValueError) as exc:  # bad options or a server that says no
+        parser.exit(2, f"bench_agent: {exc}\n")
+    result.print()
+
+
+if __name__ == "__main__":
+    main()
