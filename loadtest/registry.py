@@ -42,6 +42,9 @@ BENCHMARKS = {
                   "usage records into the ledger against a bare batched INSERT"),
         Benchmark("agent", "loadtest.bench_agent",
                   "coding-agent sessions over HTTP: warm steps against the cold first step"),
+        Benchmark("trace", "loadtest.bench_trace",
+                  "the production trace: our routing's hit rate against the upper bound "
+                  "and other policies"),
     )
 }  # fmt: skip
 
