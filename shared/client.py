@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from shared import telemetry
 from shared.bus import Bus, now_ms
 from shared.kvstore.blocks import RequestBlocks
 from shared.logging import get_logger
@@ -45,11 +46,13 @@ from shared.schema import (
     Unavailable,
     UsageRecord,
     UsageStatus,
+    num_packed_tokens,
     pack_token_ids,
     unpack_token_ids,
 )
 from shared.streams import ChunkReader
 from shared.subjects import DECODE, INGRESS
+from shared.telemetry import REQUEST_ID
 from shared.usage import usage_publisher
 from shared.usage_outbox import UsageOutbox
 
@@ -148,6 +151,43 @@ async def generate(
     when the decode worker stops heartbeating, `StreamStalled` / `DeadlineExceeded` from the
     reader.
     """
+    with telemetry.span("client generate") as span:
+        if span.is_recording():
+            span.set_attributes({
+                REQUEST_ID: request.request_id, "kvfabric.model": request.model,
+                "kvfabric.num_prompt_tokens": num_packed_tokens(request.prompt_token_ids),
+            })  # fmt: skip
+        result = await _generate(
+            bus, request, on_chunk, on_decision, liveness_timeout_s, first_chunk_timeout_s,
+            idle_timeout_s, route_timeout_s, overload_wait_s, outbox,
+        )  # fmt: skip
+        if span.is_recording():
+            decision = result.decision
+            span.set_attributes({
+                "kvfabric.hit_tokens": decision.num_cached_tokens,
+                "kvfabric.prefill_worker_id": decision.prefill_worker_id,
+                "kvfabric.decode_worker_id": decision.decode_worker_id,
+                "kvfabric.num_output_tokens": len(result.token_ids),
+                "kvfabric.finish_reason": result.finish_reason or "",
+            })  # fmt: skip
+            if result.ttft_s is not None:
+                span.set_attribute("kvfabric.ttft_ms", round(result.ttft_s * 1000, 3))
+        return result
+
+
+async def _generate(
+    bus: Bus,
+    request: GenerateRequest,
+    on_chunk: Callable[[TokenChunk], object] | None,
+    on_decision: Callable[[RouteDecision], object] | None,
+    liveness_timeout_s: float,
+    first_chunk_timeout_s: float,
+    idle_timeout_s: float,
+    route_timeout_s: float,
+    overload_wait_s: float,
+    outbox: UsageOutbox | None,
+) -> GenerateResult:
+    """`generate`: sends until the router takes the request or the overload wait is spent."""
     waited_s = 0.0
     while True:
         inbox = await bus.open_inbox()
@@ -172,6 +212,7 @@ async def generate(
                 raise
             log.info("router overloaded: sending again", request_id=request.request_id,
                      wait_s=round(wait_s, 3), reason=exc.message)  # fmt: skip
+            telemetry.current_span().add_event("overloaded", {"kvfabric.wait_s": round(wait_s, 3)})
         finally:
             await inbox.close()
         await asyncio.sleep(wait_s)
@@ -317,6 +358,7 @@ class _Generation:
             prefill_worker_id=decision.prefill_worker_id,
             decode_worker_id=decision.decode_worker_id,
         )
+        telemetry.keep_context(record.request_id)  # billing's span continues this trace
         try:
             if self.outbox is not None:
                 await self.outbox.add(record)  # durable now; published until JetStream has it

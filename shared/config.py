@@ -47,6 +47,12 @@ class ServiceConfig:
     connect_timeout_s: float = 10.0
     log_level: str = "info"
     otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint; tracing export is off unless set
+    # Finished spans as JSON lines in <trace_dir>/<instance>.jsonl (`kvfabric trace` reads
+    # them); exporting there counts as exporting, as an OTLP endpoint does.
+    trace_dir: Path | None = None
+    # The share of requests traced once spans are exported: roots sampled by trace id,
+    # every hop after them following the root's choice.
+    trace_sample_ratio: float = 1.0
     # `GET /health` on this port (0: any free one, named `health_url` in discovery); off when
     # unset. Ingress answers /health on its API port whatever this says.
     health_port: int | None = None
@@ -70,6 +76,12 @@ class ServiceConfig:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.health_port is not None and not 0 <= self.health_port < 65536:
             raise ConfigError(f"health_port must be in [0, 65536), got {self.health_port}")
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ConfigError(
+                f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}"
+            )
+        if self.trace_dir is not None and self.trace_dir.exists() and not self.trace_dir.is_dir():
+            raise ConfigError(f"trace_dir {str(self.trace_dir)!r} exists and is not a directory")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
 

@@ -139,8 +139,9 @@ class ServiceRuntime:
             service=self.service, instance_id=self.instance_id, level=self.config.log_level
         )
         telemetry.setup_tracing(
-            self.service, self.instance_id, otlp_endpoint=self.config.otlp_endpoint
-        )
+            self.service, self.instance_id, otlp_endpoint=self.config.otlp_endpoint,
+            trace_dir=self.config.trace_dir, sample_ratio=self.config.trace_sample_ratio,
+        )  # fmt: skip
         log.info("config", **(self.config.to_log() | {"instance_id": self.instance_id}))
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from shared import telemetry
 from shared.bus import Bus, NoStream
 from shared.logging import get_logger
 from shared.schema import UsageRecord
@@ -40,11 +41,13 @@ def usage_publisher(bus: Bus, service: str) -> Callable[[UsageRecord], Awaitable
 
     async def publish(record: UsageRecord) -> None:
         msg_id = f"{service}:{record.request_id}"
+        # The request's trace context, kept when the record was made: billing's span joins it.
+        headers = telemetry.take_context(record.request_id)
         try:
-            await bus.js.publish(subject, record, msg_id=msg_id)
+            await bus.js.publish(subject, record, msg_id=msg_id, headers=headers)
         except NoStream:
             await ensure_usage_stream(bus)
-            await bus.js.publish(subject, record, msg_id=msg_id)
+            await bus.js.publish(subject, record, msg_id=msg_id, headers=headers)
 
     return publish
 

@@ -24,6 +24,7 @@ from services.admin import (
     keys_cli,
     models_cli,
     plan_cli,
+    trace_cli,
 )
 from services.admin.demo import demo_requests
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of, parse_replicas
@@ -62,6 +63,9 @@ app.command("bench", short_help="Benchmarks, each against its peer in one run: N
     bench_cli.bench_command
 )
 app.command("plan", short_help="GPUs, servers, money, SSD of a deployment.")(plan_cli.plan_command)
+app.command("trace", short_help="One request's spans as a tree, from `up --trace-dir`'s files.")(
+    trace_cli.trace_command
+)
 
 NATS_URL_HELP = "URL of a running NATS server (default: start an embedded one)"
 
@@ -93,6 +97,15 @@ def up(
         envvar="KVF_DEV_API_KEY",
         help="an API key ingress accepts besides the keys of `kvfabric keys` (account 'dev')",
     ),
+    trace_dir: Path | None = typer.Option(
+        None, help="every service writes its spans here as JSON lines (read: kvfabric trace)"
+    ),
+    otlp_endpoint: str | None = typer.Option(
+        None, help="every service exports its spans over OTLP/HTTP to this URL (.../v1/traces)"
+    ),
+    trace_sample_ratio: float = typer.Option(
+        1.0, help="the share of requests traced when spans are exported (0..1)"
+    ),
 ) -> None:
     """Run the whole cluster on this machine until Ctrl-C or SIGTERM."""
     spec = _spec(
@@ -109,6 +122,9 @@ def up(
     spec.models = _models(models_, engine)
     spec.extra_args = _engine_args(engine)
     spec.dev_api_key = dev_api_key
+    spec.trace_dir, spec.otlp_endpoint, spec.trace_sample_ratio = _tracing(
+        trace_dir, otlp_endpoint, trace_sample_ratio
+    )
     raise typer.Exit(asyncio.run(_up(spec, serve_forever=True)))
 
 
@@ -208,6 +224,26 @@ def _is_known(name: str) -> bool:
     except models.ModelError:
         return False
     return True
+
+
+def _tracing(
+    trace_dir: Path | None, otlp_endpoint: str | None, ratio: float
+) -> tuple[Path | None, str | None, float]:
+    """The tracing options, checked before any process starts; the trace dir made."""
+    if not 0.0 <= ratio <= 1.0:
+        raise typer.BadParameter(
+            f"must be in [0, 1], got {ratio}", param_hint="--trace-sample-ratio"
+        )
+    if otlp_endpoint is not None and not otlp_endpoint.startswith(("http://", "https://")):
+        raise typer.BadParameter("must be an http(s) URL", param_hint="--otlp-endpoint")
+    if trace_dir is not None:
+        try:
+            trace_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise typer.BadParameter(
+                f"{trace_dir}: {exc.strerror}", param_hint="--trace-dir"
+            ) from exc
+    return trace_dir, otlp_endpoint, ratio
 
 
 def _engine_args(engine: str) -> dict[str, list[str]]:

@@ -84,6 +84,11 @@ class ClusterSpec:
     # Names (shared.models) or paths; the workers' `--model`, unless extra_args give one.
     models: tuple[str, ...] = ("tiny-coder",)
     dev_api_key: str | None = None  # ingress accepts it besides `kvfabric keys` (account dev)
+    # Tracing, for every service: spans as JSON lines under `trace_dir` (`kvfabric trace`)
+    # and/or over OTLP/HTTP, the share of requests traced.
+    trace_dir: Path | None = None
+    otlp_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
 
     def num_replicas(self, service: str) -> int:
         return self.replicas.get(service, 1)
@@ -100,6 +105,28 @@ class ClusterSpec:
         return [
             (f"{service}-{_short(model)}-{i}", model) for model in self.models for i in range(count)
         ]
+
+
+TRACE_DIR_RECORD = "trace-dir"  # in the state dir: where its cluster's spans go
+
+
+def record_trace_dir(state_dir: Path, trace_dir: Path | None) -> None:
+    """Note in the state dir where this cluster writes its spans (`kvfabric trace` reads them
+    from there by default); a cluster started without a trace dir removes the note."""
+    record = state_dir / TRACE_DIR_RECORD
+    if trace_dir is None:
+        record.unlink(missing_ok=True)
+    else:
+        record.write_text(f"{trace_dir.resolve()}\n")
+
+
+def recorded_trace_dir(state_dir: Path) -> Path | None:
+    """The trace dir the last `kvfabric up` with this state dir wrote to, if it had one."""
+    record = state_dir / TRACE_DIR_RECORD
+    if not record.is_file():
+        return None
+    text = record.read_text().strip()
+    return Path(text) if text else None
 
 
 @dataclass
@@ -121,6 +148,7 @@ class Cluster:
     def start(self) -> None:
         self.spec.state_dir.mkdir(parents=True, exist_ok=True)
         (self.spec.state_dir / "logs").mkdir(exist_ok=True)
+        record_trace_dir(self.spec.state_dir, self.spec.trace_dir)
         if self.spec.nats_url is None:
             self.nats = NatsServer(self.spec.state_dir / "nats", port=self.spec.nats_port)
             self.nats.start()
@@ -138,6 +166,12 @@ class Cluster:
             "--log-level", self.spec.log_level,
             "--shutdown-grace-s", str(self.spec.shutdown_grace_s),
         ]  # fmt: skip
+        if self.spec.trace_dir is not None:
+            args += ["--trace-dir", str(self.spec.trace_dir.resolve())]
+        if self.spec.otlp_endpoint:
+            args += ["--otlp-endpoint", self.spec.otlp_endpoint]
+        if self.spec.trace_dir is not None or self.spec.otlp_endpoint:
+            args += ["--trace-sample-ratio", str(self.spec.trace_sample_ratio)]
         if service == INGRESS:
             port = self.spec.http_port + index if self.spec.http_port else 0
             args += ["--http-host", self.spec.http_host, "--http-port", str(port)]

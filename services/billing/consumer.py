@@ -21,11 +21,15 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import StatusCode
+
 from services.billing.ledger import Ledger, LedgerRow
 from services.billing.pricing import PriceBook, price
+from shared import telemetry
 from shared.bus import Bus, PulledMessage
 from shared.logging import get_logger
 from shared.schema import DeadLetter, UsageRecord, decode
+from shared.telemetry import REQUEST_ID, TRACEPARENT
 
 log = get_logger(__name__)
 
@@ -119,6 +123,7 @@ class UsageConsumer:
 
     async def _commit(self, rows: list[LedgerRow], taken: list[PulledMessage]) -> None:
         started = time.perf_counter()
+        started_ns = time.time_ns()
         if rows:
             try:
                 result = await asyncio.to_thread(self.ledger.record, rows)
@@ -126,9 +131,11 @@ class UsageConsumer:
                 self.counts.num_ledger_failures += 1
                 log.error("ledger write failed: the batch is delivered again", error=str(exc),
                           num_records=len(rows))  # fmt: skip
+                _trace_records(rows, taken, started_ns, f"ledger write failed: {exc}")
                 for msg in taken:
                     await msg.nak(self.retry_delay_s)
                 return
+            _trace_records(rows, taken, started_ns, None)
             self.counts.num_ledgered += result.num_inserted + result.num_replaced
             self.counts.num_duplicates += result.num_duplicates
             for source, num_rows in Counter(row.source for row in rows).items():
@@ -169,6 +176,32 @@ class UsageConsumer:
         log.warning("usage record dead-lettered", stream_seq=msg.stream_seq, reason=reason)
         self.counts.num_dead_letters += 1
         await msg.term()
+
+
+def _trace_records(
+    rows: list[LedgerRow], taken: list[PulledMessage], started_ns: int, error: str | None
+) -> None:
+    """A `billing record` span for each record that came with its request's trace context
+    (the producer's headers): the batch's ledger write, as a step of that request's trace.
+    One span per traced record rather than one per batch, so each request's trace ends at
+    its own ledger row; a record without a sampled context costs a header lookup."""
+    ended_ns = time.time_ns()
+    for row, msg in zip(rows, taken, strict=True):  # one row per message taken
+        headers = msg.headers
+        if TRACEPARENT not in headers:
+            continue
+        span = telemetry.child_span(
+            telemetry.remote_parent(headers), "billing record", start_ns=started_ns
+        )
+        if span.is_recording():
+            span.set_attributes({
+                REQUEST_ID: row.request_id, "kvfabric.source": row.source,
+                "kvfabric.model": row.model, "kvfabric.total_pico_cny": row.total_pico_cny,
+                "kvfabric.batch_size": len(rows),
+            })  # fmt: skip
+            if error is not None:
+                span.set_status(StatusCode.ERROR, error)
+        span.end(end_time=ended_ns)
 
 
 def _problem(record: UsageRecord) -> str | None:

@@ -15,7 +15,10 @@ import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
+from opentelemetry.trace import StatusCode
+
 from services.decode.state import DecodeRequest, Finished
+from shared import telemetry
 from shared.bus import Bus
 from shared.kvstore.store import KvStore
 from shared.kvstore.writer import KvEventPublisher
@@ -89,6 +92,18 @@ class Finisher:
         token_ids: list[int],
         text: str,
     ) -> None:
+        _end_generate_span(state, finished, error)
+        with telemetry.span("decode finish", parent=state.span):
+            await self._finish(state, finished, error, token_ids, text)
+
+    async def _finish(
+        self,
+        state: DecodeRequest,
+        finished: Finished | None,
+        error: ServiceError | None,
+        token_ids: list[int],
+        text: str,
+    ) -> None:
         if finished is not None:
             try:
                 await self._persist(state, finished)
@@ -129,9 +144,14 @@ class Finisher:
         blocks = state.blocks
         first, end_block = finished.blocks[0][0], finished.blocks[-1][0] + 1
         payloads = [payload for _, payload in finished.blocks]  # blocks first..end_block-1
-        self.counts["num_blocks_stored"] += await store_payloads(
+        num_stored = await store_payloads(
             self.publisher, finished.token_ids, blocks, first, payloads
         )
+        self.counts["num_blocks_stored"] += num_stored
+        span = telemetry.current_span()  # decode finish
+        if span.is_recording():
+            nbytes = num_stored * len(payloads[0])  # every block is the same size
+            span.set_attributes({"kvfabric.num_blocks": num_stored, "kvfabric.bytes": nbytes})
         if self.swa is None or finished.boundary_snapshot is None:
             return
         try:
@@ -143,6 +163,12 @@ class Finisher:
 
     async def _publish_usage(self, state: DecodeRequest, status: UsageStatus, reason: str) -> None:
         record = state.usage_record(status, reason, self.bus.instance_id)
+        span = telemetry.current_span()  # decode finish
+        if span.is_recording():
+            span.set_attributes(
+                {"kvfabric.usage_status": str(status), "kvfabric.finish_reason": reason}
+            )
+        telemetry.keep_context(record.request_id)  # billing's span continues this trace
         try:
             await self.outbox.add(record)
         except Exception:  # the disk itself failed: the one way left to lose it, said loudly
@@ -150,3 +176,21 @@ class Finisher:
             log.exception("usage record not kept", request_id=state.request_id, record=str(record))
             return
         self.counts["num_usage_records"] += 1
+
+
+def _end_generate_span(
+    state: DecodeRequest, finished: Finished | None, error: ServiceError | None
+) -> None:
+    """The generation's span ends with the request's last step (or its failure)."""
+    span = state.generate_span
+    if span.is_recording():
+        span.set_attributes({
+            "kvfabric.num_output_tokens": len(state.output_ids),
+            "kvfabric.num_forward_passes": state.num_forward_passes,
+            "kvfabric.num_draft_tokens": state.num_draft_tokens,
+            "kvfabric.num_accepted_draft_tokens": state.num_accepted_draft_tokens,
+            "kvfabric.finish_reason": finished.reason if finished is not None else "cancelled",
+        })  # fmt: skip
+        if error is not None:
+            span.set_status(StatusCode.ERROR, f"{error.code.value}: {error.message}")
+    span.end()

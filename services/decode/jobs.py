@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 
 from services.decode.finish import Finisher
 from services.decode.state import DecodeRequest, Finished
+from shared import telemetry
 from shared.bus import Bus, Context
 from shared.detokenizer import IncrementalDetokenizer
 from shared.logging import get_logger
@@ -157,6 +158,7 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
             StreamWriter(self.bus, request.stream_inbox, request_id=request.request_id),
             IncrementalDetokenizer(self.tokenizer, stop=sampling.stop), params,
         )  # fmt: skip
+        state.span = telemetry.current_span()
         self._admit(state, num_pages)
         self.requests[request.request_id] = state
         return JobAccepted(request_id=request.request_id, instance_id=self.bus.instance_id)
@@ -191,6 +193,7 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
             await self._fail(state, InternalError("joining the suffix failed"))
             raise
         state.seq_id, state.joined = seq_id, True
+        state.generate_span = telemetry.child_span(state.span, "decode generate")
         self._by_seq[seq_id] = state
         self._wake.set()
         return accepted

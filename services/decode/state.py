@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.trace import INVALID_SPAN, Span
+
 from shared.detokenizer import IncrementalDetokenizer
 from shared.engine.outputs import FinishReason
 from shared.kvstore.blocks import RequestBlocks
@@ -64,6 +66,10 @@ class DecodeRequest:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_forward_passes: int = 0
+    # The job's span (the bus's, of the `run` endpoint) and its generation's, from joining the
+    # batch to the last step: the steps after the job was accepted run in other tasks.
+    span: Span = INVALID_SPAN
+    generate_span: Span = INVALID_SPAN
 
     @property
     def request_id(self) -> str:

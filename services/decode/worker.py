@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 from services.decode.finish import Finisher
 from services.decode.jobs import DecodeJobsBase
 from services.decode.state import STREAM_FINISH_REASONS, DecodeRequest, Finished
+from shared import telemetry
 from shared.bus import Bus
 from shared.engine.engine import Engine, FinishReason, RequestError, StepOutput
 from shared.engine.kv_cache import SlidingWindowState
@@ -107,11 +108,19 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         )
 
     async def _load_prefix(self, state: DecodeRequest, num_blocks: int) -> LoadedPrefix:
+        if num_blocks == 0:
+            return LoadedPrefix([])
         started = time.perf_counter()
-        prefix = await load_prefix(
-            self.finisher.store, self.runner.pool, self.runner.allocator,
-            state.job.cached_blocks, num_blocks,
-        )  # fmt: skip
+        with telemetry.span("decode load", parent=state.span) as span:
+            locations = state.job.cached_blocks
+            prefix = await load_prefix(
+                self.finisher.store, self.runner.pool, self.runner.allocator, locations, num_blocks
+            )
+            if span.is_recording():
+                span.set_attributes({
+                    "kvfabric.tier": locations.tier, "kvfabric.num_blocks": prefix.num_blocks,
+                    "kvfabric.bytes": prefix.num_blocks * self.runner.layout.block_nbytes,
+                })  # fmt: skip
         state.prefix_load_ms = (time.perf_counter() - started) * 1000
         return prefix
 
@@ -128,7 +137,13 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         allocator.free(prefix.pages[ready.first_block_index :])  # prefill computed those
         pages = prefix.pages[: ready.first_block_index]
         try:
-            suffix_pages, window, pull_ms = await self._pull(ready)
+            with telemetry.span("decode pull") as span:
+                suffix_pages, window, pull_ms = await self._pull(ready)
+                if span.is_recording():
+                    nbytes = ready.num_blocks * ready.block_nbytes + ready.window_nbytes
+                    span.set_attributes({"kvfabric.prefill_worker_id": ready.prefill_worker_id,
+                                         "kvfabric.num_blocks": ready.num_blocks,
+                                         "kvfabric.bytes": nbytes})  # fmt: skip
         except BaseException:
             allocator.free(pages)
             raise

@@ -27,9 +27,10 @@ import msgspec
 
 from services.ingress.errors import ApiError, from_service_error, invalid
 from services.ingress.models import ModelTable, ServedModel
+from shared import telemetry
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
-from shared.logging import get_logger
+from shared.logging import bind_request, get_logger
 from shared.schema import (
     GenerateRequest,
     RouteDecision,
@@ -37,6 +38,7 @@ from shared.schema import (
     TokenChunk,
     num_packed_tokens,
 )
+from shared.telemetry import REQUEST_ID
 from shared.tokenizer import PromptError
 from shared.tokenizer.chat import Chat, Message, ToolCall
 from shared.tokenizer.tool_parsers import (
@@ -156,10 +158,15 @@ class Pipeline:
     async def prepare(self, completion: Completion) -> Prepared:
         model = await self.model(completion.model)
         chat = completion.chat
-        try:
-            ids = await asyncio.to_thread(model.tokenizer.encode, chat)
-        except PromptError as exc:
-            raise invalid(str(exc)) from exc
+        with telemetry.span("ingress tokenize") as span:
+            try:
+                ids = await asyncio.to_thread(model.tokenizer.encode, chat)
+            except PromptError as exc:
+                raise invalid(str(exc)) from exc
+            if span.is_recording():
+                span.set_attributes(
+                    {"kvfabric.model": model.name, "kvfabric.num_prompt_tokens": len(ids)}
+                )
         num_prompt = len(ids)
         room = model.max_model_len - num_prompt
         if completion.max_tokens is not None and completion.max_tokens < 1:
@@ -192,6 +199,11 @@ class Pipeline:
         )
         forced = model.chat_format.forced_prefix(chat)
         parse_tools = bool(chat.tools) and chat.tool_choice.mode != "none"
+        span = telemetry.current_span()  # the HTTP request's
+        if span.is_recording():
+            bind_request(request.request_id, None)
+            span.set_attributes({REQUEST_ID: request.request_id, "kvfabric.model": model.name,
+                                 "kvfabric.num_prompt_tokens": num_prompt})  # fmt: skip
         return Prepared(completion, model, request, forced, parse_tools)
 
     def fork(self, prepared: Prepared, index: int) -> Prepared:

@@ -10,6 +10,7 @@ import msgspec
 
 from services.kv_index.config import KvIndexConfig
 from services.kv_index.index import KvIndex, Removal
+from shared import telemetry
 from shared.bus import Bus, Context, RawMessage
 from shared.kv_index_client import to_wire
 from shared.logging import get_logger
@@ -62,7 +63,14 @@ class KvIndexService:
             hashes = unpack_block_hashes(request.block_hashes).tolist()
         except ValueError as exc:
             raise BadRequest(str(exc)) from exc
-        results = self.index.match(hashes, time.time(), refresh=request.refresh)
+        with telemetry.span("kv-index match") as span:
+            results = self.index.match(hashes, time.time(), refresh=request.refresh)
+            if span.is_recording():
+                span.set_attributes({"kvfabric.shard_id": self.config.shard_id,
+                                     "kvfabric.num_blocks": len(hashes)})  # fmt: skip
+                for r in results:  # this shard's hits of the prefix, and where it ends
+                    span.set_attribute(f"kvfabric.hit_blocks.{r.tier}", len(r.indices))
+                    span.set_attribute(f"kvfabric.first_miss.{r.tier}", r.first_miss_index)
         return MatchReply(
             shard_id=self.config.shard_id,
             num_shards=self.config.num_shards,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from services.prefill.jobs import JobState
+from shared import telemetry
 from shared.bus import Bus
 from shared.logging import get_logger
 from shared.schema import JobAccepted, PrefillTimings, ServiceError, SuffixReady
@@ -37,7 +38,14 @@ async def tell_decode(
         block_nbytes=block_nbytes, region_offset=region_offset, window_nbytes=window_nbytes,
         timings=timings,
     )  # fmt: skip
-    subject = bus.subjects.instance(bus.subjects.decode_suffix, entry.job.decision.decode_worker_id)
+    decode_worker_id = entry.job.decision.decode_worker_id
+    span = telemetry.current_span()  # prefill transfer
+    if span.is_recording():
+        span.set_attributes({
+            "kvfabric.decode_worker_id": decode_worker_id, "kvfabric.num_blocks": num_blocks,
+            "kvfabric.bytes": num_blocks * block_nbytes + window_nbytes,
+        })  # fmt: skip
+    subject = bus.subjects.instance(bus.subjects.decode_suffix, decode_worker_id)
     started = time.perf_counter()
     await bus.request(
         subject, ready, JobAccepted, timeout_s=timeout_s,
@@ -54,6 +62,9 @@ async def put_window(swa: SwaClient, entry: JobState, snapshot: bytes) -> bool:
     boundary_hash = blocks.boundary_hash(blocks.num_prefill_blocks)
     if boundary_hash is None:
         return False
+    span = telemetry.current_span()  # prefill store
+    if span.is_recording():
+        span.set_attribute("kvfabric.swa_snapshot_bytes", len(snapshot))
     try:
         return await swa.put(boundary_hash, snapshot)
     except ServiceError as exc:

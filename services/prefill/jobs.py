@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import msgspec
+from opentelemetry.trace import INVALID_SPAN, Span, StatusCode
 
+from shared import telemetry
 from shared.bus import Bus, Context
 from shared.kvstore.blocks import RequestBlocks
 from shared.kvstore.writer import KvEventPublisher
@@ -59,6 +61,9 @@ class JobState(ABC):
     first_chunk_s: float | None = field(default=None, kw_only=True)
     compute_s: float = field(default=0.0, kw_only=True)
     finishing: bool = field(default=False, kw_only=True)  # computed: being handed off
+    # The job's span (the bus's, of the `run` endpoint): the parent of the steps that run in the
+    # compute loop's and the handoff's tasks.
+    span: Span = field(default=INVALID_SPAN, kw_only=True)
 
     @property
     def request_id(self) -> str:
@@ -158,6 +163,7 @@ class PrefillJobsBase(ABC, Generic[JobT]):
             job.decision.num_cached_tokens // self.block_size
         )
         entry = await self._admit(job, token_ids, blocks, num_cached_blocks, accepted_s)
+        entry.span = telemetry.current_span()
         self.counts["num_tokens_cached"] += entry.num_cached_blocks * self.block_size
         self._enqueue(entry)
         try:
@@ -280,32 +286,53 @@ class PrefillJobsBase(ABC, Generic[JobT]):
         task.add_done_callback(self._finishing.discard)
 
     async def _finish(self, entry: JobT) -> None:
-        try:
-            timings, transfer_ms = await self._send_suffix(entry)
-        except ServiceError as exc:  # decode gone, cancelled or timed out: a typed answer
-            self.counts["num_failed"] += 1
-            log.warning("prefill handoff failed", request_id=entry.request_id, error=str(exc))
-            self._drop(entry, exc)
-            return
-        except Exception:
-            self.counts["num_failed"] += 1
-            log.exception("prefill handoff failed", request_id=entry.request_id)
-            self._drop(entry, InternalError("prefill handoff failed"))
-            return
+        self._trace_compute(entry)
+        with telemetry.span("prefill transfer", parent=entry.span) as span:
+            try:
+                timings, transfer_ms = await self._send_suffix(entry)
+            except ServiceError as exc:  # decode gone, cancelled or timed out: a typed answer
+                self.counts["num_failed"] += 1
+                log.warning("prefill handoff failed", request_id=entry.request_id, error=str(exc))
+                span.set_status(StatusCode.ERROR, str(exc))
+                self._drop(entry, exc)
+                return
+            except Exception:
+                self.counts["num_failed"] += 1
+                log.exception("prefill handoff failed", request_id=entry.request_id)
+                span.set_status(StatusCode.ERROR, "prefill handoff failed")
+                self._drop(entry, InternalError("prefill handoff failed"))
+                return
         # Decode holds the suffix and serves the request from here: what follows only
         # decides whether the next turn finds these blocks, never whether this one ends.
         started = time.perf_counter()
-        try:
-            await self._persist(entry)
-        except Exception:
-            self.counts["num_persist_failed"] += 1
-            log.exception("prefill blocks not stored", request_id=entry.request_id)
+        with telemetry.span("prefill store", parent=entry.span) as span:
+            try:
+                await self._persist(entry)
+            except Exception:
+                self.counts["num_persist_failed"] += 1
+                log.exception("prefill blocks not stored", request_id=entry.request_id)
+                span.set_status(StatusCode.ERROR, "prefill blocks not stored")
         store_ms = (time.perf_counter() - started) * 1000
         self._drop(entry, None)
         self.counts["num_done"] += 1
         if not entry.done.done():
             timings = msgspec.structs.replace(timings, transfer_ms=transfer_ms, store_ms=store_ms)
             entry.done.set_result(PrefillDone(request_id=entry.request_id, timings=timings))
+
+    def _trace_compute(self, entry: JobT) -> None:
+        """The job's compute, from its first pass to its last, as one span (its passes were
+        batched with other jobs' in the compute loop's task)."""
+        if entry.first_chunk_s is None:
+            return  # the restored prefix left nothing to compute
+        span = telemetry.child_span(
+            entry.span, "prefill compute", start_ns=telemetry.ns_ago(entry.first_chunk_s)
+        )
+        if span.is_recording():
+            num_computed = entry.target - entry.num_cached_blocks * self.block_size
+            compute_ms = round(entry.compute_s * 1000, 3)
+            span.set_attributes({"kvfabric.num_tokens": num_computed,
+                                 "kvfabric.compute_ms": compute_ms})  # fmt: skip
+        span.end()
 
     @abstractmethod
     async def _send_suffix(self, entry: JobT) -> tuple[PrefillTimings, float]:

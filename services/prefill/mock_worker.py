@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from services.prefill.config import PrefillConfig
 from services.prefill.handoff import put_window, tell_decode
 from services.prefill.jobs import JobState, PrefillJobsBase
+from shared import telemetry
 from shared.bus import Bus
 from shared.cost_model import CostModel
 from shared.kvstore.blocks import RequestBlocks
@@ -93,9 +94,19 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         if num_cached_tokens == 0:
             return PrefillTimings(swa_restore="none")
         speedup = self.config.mock_speedup
-        load_s = await sleep_simulated(self.cost.prefill_s(0, num_cached_tokens), speedup)
+        with telemetry.span("prefill load") as span:
+            load_s = await sleep_simulated(self.cost.prefill_s(0, num_cached_tokens), speedup)
+            if span.is_recording():  # simulated: the mock reads nothing back
+                num_blocks = num_cached_tokens // self.block_size
+                span.set_attributes({"kvfabric.tier": "ssd", "kvfabric.simulated": True,
+                                     "kvfabric.num_blocks": num_blocks})  # fmt: skip
         num_replay = self.cost.num_replay_tokens(num_cached_tokens, has_snapshot)
-        restore_s = await sleep_simulated(self.cost.prefill_s(0, 0, num_replay), speedup)
+        with telemetry.span("prefill window") as span:
+            restore_s = await sleep_simulated(self.cost.prefill_s(0, 0, num_replay), speedup)
+            if span.is_recording():
+                mode = "snapshot" if has_snapshot else "bounded"
+                span.set_attributes({"kvfabric.swa_restore": mode,
+                                     "kvfabric.num_replay_tokens": num_replay})  # fmt: skip
         return PrefillTimings(
             load_ms=load_s * 1000, restore_ms=restore_s * 1000,
             swa_restore="snapshot" if has_snapshot else "bounded", num_replay_tokens=num_replay,
@@ -138,9 +149,14 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         """Placeholder blocks and window, at the places the model's would go."""
         first_block, end_block = entry.num_cached_blocks, entry.blocks.num_prefill_blocks
         payloads = [self._payload] * max(end_block - first_block, 0)
-        self.counts["num_blocks_stored"] += await store_payloads(
+        num_stored = await store_payloads(
             self.publisher, entry.token_ids, entry.blocks, first_block, payloads
         )
+        self.counts["num_blocks_stored"] += num_stored
+        span = telemetry.current_span()  # prefill store
+        if span.is_recording():
+            span.set_attributes({"kvfabric.num_blocks": num_stored,
+                                 "kvfabric.bytes": num_stored * len(self._payload)})  # fmt: skip
         if self.swa is None or not payloads:
             return  # the boundary lies in the restored prefix: its snapshot was put before
         if await put_window(self.swa, entry, bytes(MOCK_SNAPSHOT_NBYTES)):

@@ -12,6 +12,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from shared import telemetry
 from shared.engine.errors import SequenceStateError
 from shared.engine.kv_cache import SlidingWindowState
 from shared.engine.runner import ModelRunner
@@ -21,7 +22,7 @@ from shared.kvstore.store import KvStore
 from shared.logging import get_logger
 from shared.schema import ServiceError
 from shared.schema.inference import BlockLocations
-from shared.serving.pages import load_prefix
+from shared.serving.pages import LoadedPrefix, load_prefix
 from shared.swa_client import SwaClient
 
 log = get_logger(__name__)
@@ -80,9 +81,7 @@ class PrefixRestorer:
         num_blocks: int,
     ) -> Restored:
         started = time.perf_counter()
-        prefix = await load_prefix(
-            self.store, self.runner.pool, self.runner.allocator, locations, num_blocks
-        )
+        prefix = await self._load(locations, num_blocks)
         loaded = time.perf_counter()
         if prefix.num_blocks < num_blocks:
             log.warning("cached prefix cut short by a store miss", asked=num_blocks,
@@ -91,9 +90,13 @@ class PrefixRestorer:
             return Restored([], None, "none", 0, (loaded - started) * 1000, 0.0)
         boundary = prefix.num_blocks * self.runner.layout.block_size_tokens
         try:
-            window, mode, num_replayed = await self._window(
-                token_ids, blocks.hashes[prefix.num_blocks - 1], prefix.pages, boundary
-            )
+            with telemetry.span("prefill window") as span:
+                window, mode, num_replayed = await self._window(
+                    token_ids, blocks.hashes[prefix.num_blocks - 1], prefix.pages, boundary
+                )
+                if span.is_recording():
+                    span.set_attributes({"kvfabric.swa_restore": mode,
+                                         "kvfabric.num_replay_tokens": num_replayed})  # fmt: skip
         except BaseException:
             self.runner.allocator.free(prefix.pages)
             raise
@@ -102,6 +105,21 @@ class PrefixRestorer:
             prefix.pages, window, mode, num_replayed,
             (loaded - started) * 1000, (restored - loaded) * 1000,
         )  # fmt: skip
+
+    async def _load(self, locations: BlockLocations, num_blocks: int) -> LoadedPrefix:
+        """The first `num_blocks` cached blocks from the store (fewer after a miss)."""
+        if num_blocks == 0:
+            return LoadedPrefix([])
+        with telemetry.span("prefill load") as span:
+            prefix = await load_prefix(
+                self.store, self.runner.pool, self.runner.allocator, locations, num_blocks
+            )
+            if span.is_recording():
+                span.set_attributes({
+                    "kvfabric.tier": locations.tier, "kvfabric.num_blocks": prefix.num_blocks,
+                    "kvfabric.bytes": prefix.num_blocks * self.runner.layout.block_nbytes,
+                })  # fmt: skip
+        return prefix
 
     async def _window(
         self, token_ids: list[int], boundary_hash: int, pages: list[int], boundary: int

@@ -26,6 +26,7 @@ import numpy as np
 from services.prefill.handoff import put_window, tell_decode
 from services.prefill.jobs import JobState, PrefillJobsBase
 from services.prefill.restore import PrefixRestorer
+from shared import telemetry
 from shared.bus import Bus
 from shared.engine.runner import ModelRunner
 from shared.engine.sequence import Sequence
@@ -175,10 +176,15 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
 
     async def _persist(self, entry: ModelJob) -> None:
         seq, blocks = entry.seq, entry.blocks
-        self.counts["num_blocks_stored"] += await store_blocks(
+        num_stored = await store_blocks(
             self.publisher, self.runner.pool, seq.block_table, entry.token_ids, blocks,
             entry.num_cached_blocks, blocks.num_prefill_blocks,
         )  # fmt: skip
+        self.counts["num_blocks_stored"] += num_stored
+        span = telemetry.current_span()  # prefill store
+        if span.is_recording():
+            nbytes = num_stored * self.runner.layout.block_nbytes
+            span.set_attributes({"kvfabric.num_blocks": num_stored, "kvfabric.bytes": nbytes})
         # The window at the last boundary a pass crossed; none when the restored prefix ended
         # there already (the memcache has that one).
         window = seq.boundary_window

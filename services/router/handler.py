@@ -29,6 +29,7 @@ from services.router.policy import Rejection, RequestFacts, RoutePolicy
 from services.router.prefill_jobs import PrefillJobs
 from services.router.swa_map import SwaMap
 from shared import kv_index_client as index_client
+from shared import telemetry
 from shared.bus import Bus, Context, Endpoint
 from shared.cost_model import CostModel
 from shared.kv_index_client import PrefixMatch
@@ -52,6 +53,7 @@ from shared.schema import (
     num_packed_tokens,
 )
 from shared.subjects import DECODE, PREFILL, SWA_MEMCACHE
+from shared.telemetry import REQUEST_ID
 
 log = get_logger(__name__)
 
@@ -215,11 +217,18 @@ class Router:
 
     # -- router.generate -----------------------------------------------------------------
     async def generate(self, request: GenerateRequest, ctx: Context) -> RouteDecision:
-        try:
-            return await self._route(request)
-        except ServiceError as exc:
-            self.counters.num_rejected[exc.code.value] += 1
-            raise
+        with telemetry.span("router route") as span:
+            if span.is_recording():
+                span.set_attributes(
+                    {REQUEST_ID: request.request_id, "kvfabric.model": request.model}
+                )
+            try:
+                return await self._route(request)
+            except ServiceError as exc:
+                self.counters.num_rejected[exc.code.value] += 1
+                if span.is_recording():
+                    span.set_attribute("kvfabric.rejected", f"{exc.code.value}: {exc.message}")
+                raise
 
     async def _route(self, request: GenerateRequest) -> RouteDecision:
         # An unknown model first: the most useful answer to a request nothing here can serve.
@@ -240,6 +249,15 @@ class Router:
         self.counters.num_routed += 1
         self.counters.num_prompt_tokens += facts.num_prompt_tokens
         self.counters.num_hit_tokens += facts.num_cached_tokens
+        span = telemetry.current_span()
+        if span.is_recording():
+            span.set_attributes({
+                "kvfabric.num_prompt_tokens": facts.num_prompt_tokens,
+                "kvfabric.hit_tokens": facts.num_cached_tokens,
+                "kvfabric.prefill_worker_id": decision.prefill_worker_id,
+                "kvfabric.decode_worker_id": decision.decode_worker_id,
+                "kvfabric.has_swa_snapshot": decision.has_swa_snapshot,
+            })  # fmt: skip
         log.info(
             "routed", request_id=request.request_id, prefill_worker_id=decision.prefill_worker_id,
             decode_worker_id=decision.decode_worker_id, num_cached_tokens=facts.num_cached_tokens,
@@ -252,20 +270,27 @@ class Router:
         computing the whole prompt is always correct, only slower."""
         if not hashes:
             return None
-        try:
-            matches = await index_client.match(
-                self.bus,
-                hashes,
-                num_shards=self.config.kv_index_shards,
-                timeout_s=self.config.match_timeout_s,
-            )
-        except ServiceError as exc:
-            self.counters.num_cold_index += 1
-            log.warning(
-                "kv-index did not answer: routed cold", request_id=request_id,
-                code=exc.code.value, error=exc.message,
-            )  # fmt: skip
-            return None
+        with telemetry.span("router match") as span:
+            try:
+                matches = await index_client.match(
+                    self.bus,
+                    hashes,
+                    num_shards=self.config.kv_index_shards,
+                    timeout_s=self.config.match_timeout_s,
+                )
+            except ServiceError as exc:
+                self.counters.num_cold_index += 1
+                log.warning(
+                    "kv-index did not answer: routed cold", request_id=request_id,
+                    code=exc.code.value, error=exc.message,
+                )  # fmt: skip
+                if span.is_recording():
+                    span.set_attribute("kvfabric.routed_cold", f"{exc.code.value}: {exc.message}")
+                return None
+            if span.is_recording():
+                span.set_attribute("kvfabric.num_blocks", len(hashes) // 8)
+                for tier, match in matches.items():
+                    span.set_attribute(f"kvfabric.hit_blocks.{tier}", match.num_blocks)
         if not matches:
             return None
         return max(matches.values(), key=lambda m: (m.num_blocks, m.tier == "ssd"))

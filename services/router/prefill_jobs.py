@@ -16,14 +16,17 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 
 import msgspec
+from opentelemetry.trace import StatusCode
 
 from services.router.counters import RouterCounters
 from services.router.load import InflightDelta, LoadTable
 from services.router.policy import Rejection, RequestFacts, RoutePolicy
+from shared import telemetry
 from shared.bus import Bus
 from shared.logging import get_logger
 from shared.schema import Cancelled, NoResponders, ServiceError, Unavailable
 from shared.schema.inference import CancelRequest, PrefillDone, PrefillJob
+from shared.telemetry import REQUEST_ID
 
 log = get_logger(__name__)
 
@@ -99,30 +102,37 @@ class PrefillJobs:
         self, job: PrefillJob, facts: RequestFacts, swa_node_ids: frozenset[str]
     ) -> None:
         request_id = job.request.request_id
-        try:
-            while True:
-                worker_id = job.decision.prefill_worker_id
-                try:
-                    await self._attempt(job)
-                    return
-                except Cancelled as exc:
-                    log.info("prefill job cancelled", request_id=request_id, error=exc.message)
-                    return
-                except (NoResponders, PrefillWorkerGone) as exc:
-                    log.warning(
-                        "prefill worker gone", request_id=request_id, prefill_worker_id=worker_id,
-                        attempt=job.attempt, error=exc.message,
-                    )  # fmt: skip
-                    self.table.remove(worker_id)
-                    retried = await self._retried(job, facts, swa_node_ids)
-                except ServiceError as exc:
-                    retried = exc
-                if isinstance(retried, ServiceError):
-                    await self._fail(job, retried)
-                    return
-                job = retried
-        except Exception:
-            log.exception("prefill job crashed", request_id=request_id)
+        with telemetry.span("router prefill job") as span:
+            try:
+                while True:
+                    worker_id = job.decision.prefill_worker_id
+                    if span.is_recording():
+                        span.set_attributes({
+                            REQUEST_ID: request_id, "kvfabric.attempt": job.attempt,
+                            "kvfabric.prefill_worker_id": worker_id,
+                        })  # fmt: skip
+                    try:
+                        await self._attempt(job)
+                        return
+                    except Cancelled as exc:
+                        log.info("prefill job cancelled", request_id=request_id,
+                                 error=exc.message)  # fmt: skip
+                        return
+                    except (NoResponders, PrefillWorkerGone) as exc:
+                        log.warning(
+                            "prefill worker gone", request_id=request_id,
+                            prefill_worker_id=worker_id, attempt=job.attempt, error=exc.message,
+                        )  # fmt: skip
+                        self.table.remove(worker_id)
+                        retried = await self._retried(job, facts, swa_node_ids)
+                    except ServiceError as exc:
+                        retried = exc
+                    if isinstance(retried, ServiceError):
+                        await self._fail(job, retried)
+                        return
+                    job = retried
+            except Exception:
+                log.exception("prefill job crashed", request_id=request_id)
 
     async def _attempt(self, job: PrefillJob) -> None:
         """Send `job`; return at `PrefillDone`, raise the worker's error or `PrefillWorkerGone`."""
@@ -184,6 +194,9 @@ class PrefillJobs:
     async def _fail(self, job: PrefillJob, error: ServiceError) -> None:
         request_id = job.request.request_id
         self.counters.num_failed += 1
+        span = telemetry.current_span()
+        if span.is_recording():
+            span.set_status(StatusCode.ERROR, f"{error.code.value}: {error.message}")
         log.error(
             "prefill failed: cancelling the request", request_id=request_id,
             prefill_worker_id=job.decision.prefill_worker_id, attempt=job.attempt,

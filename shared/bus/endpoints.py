@@ -129,7 +129,7 @@ class EndpointServer:
             headers=headers,
         )
         try:
-            with telemetry.server_span(endpoint.name, endpoint.subject, headers):
+            with telemetry.server_span(endpoint.name, endpoint.subject, headers, ctx.request_id):
                 bind_request(ctx.request_id, telemetry.current_trace_id())
                 if raw_deadline is not None and deadline_ms is None:
                     raise BadRequest(

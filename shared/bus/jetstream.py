@@ -82,12 +82,20 @@ class JetStream:
         return info.state.first_seq, info.state.last_seq
 
     async def publish(
-        self, subject: str, message: Any, *, msg_id: str | None = None, timeout_s: float = 5.0
+        self,
+        subject: str,
+        message: Any,
+        *,
+        msg_id: str | None = None,
+        timeout_s: float = 5.0,
+        headers: dict[str, str] | None = None,
     ) -> int:
         """Publish a struct (or raw bytes) with a storage acknowledgement; `msg_id`
-        deduplicates (Nats-Msg-Id). `NoStream` when no stream stores the subject,
-        `Unavailable` when no acknowledgement comes."""
-        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        deduplicates (Nats-Msg-Id); `headers` travel with the message (a request's trace
+        context). `NoStream` when no stream stores the subject, `Unavailable` when no
+        acknowledgement comes."""
+        if msg_id:
+            headers = {**(headers or {}), "Nats-Msg-Id": msg_id}
         data = message if isinstance(message, bytes) else encode(message)
         try:
             ack = await self._nc.jetstream().publish(
@@ -244,6 +252,11 @@ class PulledMessage:
         self._msg = msg
         self.subject: str = msg.subject
         self.data: bytes = msg.data
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The message's headers (the producer's trace context among them); {} without any."""
+        return self._msg.headers or {}
 
     @property
     def stream_seq(self) -> int:
