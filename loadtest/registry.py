@@ -16,9 +16,15 @@ class Benchmark:
     module: str
     compares: str
     in_suite: bool = True  # False: installs another stack (a peer), kept out of CI
+    has_peer_option: bool = False  # run(peer=False) measures ours alone (what CI runs)
 
-    def run(self, quick: bool = False) -> BenchResult:
-        return importlib.import_module(self.module).run(quick=quick)
+    def run(self, quick: bool = False, *, peer: bool = True) -> BenchResult:
+        module = importlib.import_module(self.module)
+        if self.has_peer_option:
+            return module.run(quick=quick, peer=peer)
+        if not peer:
+            raise ValueError(f"{self.name} has no peer to leave out")
+        return module.run(quick=quick)
 
 
 BENCHMARKS = {
@@ -30,6 +36,9 @@ BENCHMARKS = {
                   "decode and prefill tokens/s against transformers on the same weights"),
         Benchmark("kv", "loadtest.bench_kv",
                   "store GB/s against raw file I/O; NIXL transfers against memcpy"),
+        Benchmark("kv-index", "loadtest.bench_kv_index",
+                  "match latency, ingest and memory against NVIDIA Dynamo's indexer "
+                  "(its own venv, built on demand)", has_peer_option=True),
         Benchmark("prefix", "loadtest.bench_prefix_reuse",
                   "prefill time and TTFT after a cached prefix against the ideal 1/(1-h)"),
         Benchmark("spec", "loadtest.bench_spec_decode",

@@ -24,6 +24,9 @@ def bench_command(
         None, "--json", help="write the result here (with `all`: a directory)"
     ),
     peers: bool = typer.Option(False, "--peers", help="`all` runs the peer benchmarks too"),
+    no_peer: bool = typer.Option(
+        False, "--no-peer", help="ours alone, where a benchmark can leave its peer out (kv-index)"
+    ),
 ) -> None:
     """Run a benchmark (or `list` them, or run `all`)."""
     if name == "list":
@@ -33,26 +36,31 @@ def bench_command(
             typer.echo(f"{bench.name:<{width}}  {bench.compares}{peer}")
         return
     if name == "all":
-        _run_all(quick, json_path, peers)
+        _run_all(quick, json_path, peers, not no_peer)
         return
     try:
         bench = get(name)
     except KeyError as exc:
         raise typer.BadParameter(str(exc.args[0]), param_hint="NAME") from None
-    _run_one(bench, quick, json_path)
+    if no_peer and not bench.has_peer_option:
+        raise typer.BadParameter(f"{name} has no peer to leave out", param_hint="--no-peer")
+    _run_one(bench, quick, json_path, not no_peer)
 
 
-def _run_one(bench: Benchmark, quick: bool, json_path: Path | None) -> None:
+def _run_one(bench: Benchmark, quick: bool, json_path: Path | None, peer: bool) -> None:
     typer.echo(f"== {bench.name}: {bench.compares}{' (quick)' if quick else ''} ==")
-    result = bench.run(quick=quick)
-    result.command = f"kvfabric bench {bench.name}{' --quick' if quick else ''}"
+    result = bench.run(quick=quick, peer=peer or not bench.has_peer_option)
+    result.command = (
+        f"kvfabric bench {bench.name}{' --quick' if quick else ''}"
+        f"{' --no-peer' if bench.has_peer_option and not peer else ''}"
+    )
     result.print()
     if json_path is not None:
         result.write_json(json_path)
         typer.echo(f"wrote {json_path}")
 
 
-def _run_all(quick: bool, json_dir: Path | None, peers: bool) -> None:
+def _run_all(quick: bool, json_dir: Path | None, peers: bool, peer: bool) -> None:
     """Every benchmark in turn; a failing one is reported and the others still run."""
     failed = []
     for bench in BENCHMARKS.values():
@@ -60,7 +68,7 @@ def _run_all(quick: bool, json_dir: Path | None, peers: bool) -> None:
             continue
         started = time.monotonic()
         try:
-            _run_one(bench, quick, json_dir / f"{bench.name}.json" if json_dir else None)
+            _run_one(bench, quick, json_dir / f"{bench.name}.json" if json_dir else None, peer)
         except Exception as exc:  # the next benchmark still runs; the exit code says so
             failed.append(bench.name)
             typer.echo(f"{bench.name} FAILED after {time.monotonic() - started:.0f} s: {exc!r}")

@@ -37,6 +37,8 @@ OPTION_OF_FIELD = {
     "retention_days": "--retention-days",
     "ssd_reads_per_hit_token": "--ssd-reads-per-hit-token",
     "block_size_tokens": "--block-size",
+    "index_bytes_per_block": "--index-bytes-per-block",
+    "num_index_shards": "--index-shards",
     "gpus_per_prefill_server": "--gpus-per-prefill-server",
     "decode_super_node_gpus": "--super-node-gpus",
     "usd_per_cny": "--usd-per-cny",
@@ -97,6 +99,13 @@ def plan_command(
         help="SSD reads of each hit token's KV (2: decode loads the prefix too)",
     ),
     block_size: int = typer.Option(DEFAULTS.block_size_tokens, help="tokens per KV block"),
+    index_bytes_per_block: float = typer.Option(
+        DEFAULTS.index_bytes_per_block,
+        help="kv-index RAM per indexed block (the default: measured at 10M blocks)",
+    ),
+    index_shards: int = typer.Option(
+        DEFAULTS.num_index_shards, help="kv-index shards the blocks are split over by hash"
+    ),
     gpus_per_prefill_server: int = typer.Option(
         DEFAULTS.gpus_per_prefill_server, help="GPUs per prefill server"
     ),
@@ -127,6 +136,8 @@ def plan_command(
             retention_days=retention_days,
             ssd_reads_per_hit_token=ssd_reads_per_hit_token,
             block_size_tokens=block_size,
+            index_bytes_per_block=index_bytes_per_block,
+            num_index_shards=index_shards,
             gpus_per_prefill_server=gpus_per_prefill_server,
             decode_super_node_gpus=tuple(super_node_gpus),
             usd_per_cny=usd_per_cny,
@@ -191,6 +202,8 @@ def _groups(result: Plan) -> dict[str, list[tuple[str, str]]]:
             ("retention", f"{i.retention_days:g} days"),
             ("SSD reads per hit token", str(i.ssd_reads_per_hit_token)),
             ("block size", f"{i.block_size_tokens} tokens"),
+            ("kv-index bytes per block", f"{i.index_bytes_per_block:g}"),
+            ("kv-index shards", f"{i.num_index_shards:,}"),
             ("GPUs per prefill server", str(i.gpus_per_prefill_server)),
             ("decode super-node sizes", ", ".join(map(str, i.decode_super_node_gpus))),
             ("USD per CNY", f"{i.usd_per_cny:g}"),
@@ -250,6 +263,18 @@ def _groups(result: Plan) -> dict[str, list[tuple[str, str]]]:
             ("blocks stored/s", _num(c.blocks_stored_per_s)),
             ("blocks removed/s (steady state)", _num(c.blocks_removed_per_s)),
             ("KV events/s (block entries)", _num(c.kv_events_per_s)),
+            (
+                "kv-index blocks: a day / retained",
+                f"{_si(c.index_blocks_per_day)} / {_si(c.index_blocks)}",
+            ),
+            ("kv-index RAM per day of retention", _bytes(c.index_bytes_per_day_of_retention)),
+            ("kv-index RAM for the retention", _bytes(c.index_bytes) + " (one replica)"),
+            (
+                "kv-index RAM per shard",
+                f"{_bytes(c.index_bytes_per_shard)} "
+                f"({_si(c.index_blocks_per_shard)} blocks; each replica)",
+            ),
+            ("kv-index shards at least", f"{c.index_min_shards:,} (32-bit rows per shard)"),
         ],
     }
 

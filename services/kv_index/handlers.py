@@ -60,7 +60,7 @@ class KvIndexService:
     # -- requests ------------------------------------------------------------------------
     async def handle_match(self, request: MatchRequest, ctx: Context) -> MatchReply:
         try:
-            hashes = unpack_block_hashes(request.block_hashes).tolist()
+            hashes = unpack_block_hashes(request.block_hashes)  # uint64, used without a copy
         except ValueError as exc:
             raise BadRequest(str(exc)) from exc
         with telemetry.span("kv-index match") as span:

@@ -13,13 +13,13 @@ Pure and synchronous (no NATS, no asyncio): handlers.py feeds it events and ques
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
 
-from services.kv_index.table import TierTable
+from services.kv_index.table import DAY_S, TierTable
 from shared.schema import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -29,8 +29,6 @@ from shared.schema import (
 )
 from shared.schema.inference import BlockLocations
 from shared.schema.tokens import unpack_block_hashes
-
-DAY_S = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +87,7 @@ class KvIndex:
             raise ValueError("watermarks must satisfy 0 < low < high <= 1")
         self._writer_index = {w: i for i, w in enumerate(self.writer_ids)}
         for tier, capacity in self.capacity_bytes.items():
-            self.tables.setdefault(tier, TierTable(tier, capacity))
+            self.tables.setdefault(tier, TierTable(tier, capacity, self.ttl_s))
 
     def owns(self, block_hash: int) -> bool:
         return block_hash % self.num_shards == self.shard_id
@@ -104,7 +102,7 @@ class KvIndex:
     def _table(self, tier: str) -> TierTable:
         table = self.tables.get(tier)
         if table is None:  # a tier nobody configured: indexed, never evicted by capacity
-            table = self.tables[tier] = TierTable(tier, capacity_bytes=1 << 62)
+            table = self.tables[tier] = TierTable(tier, 1 << 62, self.ttl_s)
         return table
 
     # -- events ----------------------------------------------------------------------------
@@ -122,62 +120,53 @@ class KvIndex:
         writer = self._writer(batch.writer_id)
         for event in batch.events:
             if isinstance(event, BlocksStored):
-                table = self._table(event.tier)
-                for block in event.blocks:
-                    if self.owns(block.block_hash):
-                        table.put(block.block_hash, writer, block.file_id, block.slot,
-                                  block.generation, block.num_bytes, now)  # fmt: skip
-                        self.counters.num_blocks_stored += 1
+                self.counters.num_blocks_stored += self._table(event.tier).put_blocks(
+                    event.blocks, writer, now, self.num_shards, self.shard_id
+                )
             elif isinstance(event, BlocksRemoved):
                 table = self._table(event.tier)
-                for block_hash in unpack_block_hashes(event.block_hashes).tolist():
-                    row = table.rows.get(block_hash)
-                    # Only the writer that holds the slot may retire it.
-                    if row is not None and int(table.cols["writer"][row]) == writer:
-                        table.remove(block_hash)
-                        self.counters.num_blocks_removed += 1
+                rows = table.find_many(unpack_block_hashes(event.block_hashes))
+                rows = np.unique(rows[rows >= 0])
+                # Only the writer that holds the slot may retire it.
+                rows = rows[table.writers(rows) == writer]
+                table.remove_rows(rows)
+                self.counters.num_blocks_removed += len(rows)
             elif isinstance(event, AllBlocksCleared):
                 table = self._table(event.tier)
-                rows = table.live_rows()
-                table.remove_rows(rows[table.cols["writer"][rows] == writer])
+                table.remove_rows(table.rows_of_writer(writer))
         return gap
 
     def adopt(self, tier: str, writer_id: str, blocks: tuple[StoredBlock, ...], now: float) -> int:
         """Index blocks found in a writer's slot headers (a rebuild); returns how many."""
         table, writer = self._table(tier), self._writer(writer_id)
-        num_indexed = 0
-        for block in blocks:
-            if self.owns(block.block_hash):
-                table.put(block.block_hash, writer, block.file_id, block.slot, block.generation,
-                          block.num_bytes, now)  # fmt: skip
-                num_indexed += 1
-        return num_indexed
+        return table.put_blocks(blocks, writer, now, self.num_shards, self.shard_id)
 
     # -- questions -------------------------------------------------------------------------
-    def match(self, block_hashes: list[int], now: float, refresh: bool = True) -> list[TierResult]:
+    def match(
+        self, block_hashes: Sequence[int] | np.ndarray, now: float, refresh: bool = True
+    ) -> list[TierResult]:
+        """Per tier, this shard's part of the longest cached prefix of `block_hashes` (ints,
+        or a uint64 array such as the request's packed hashes, used without a copy)."""
+        hashes = np.ascontiguousarray(block_hashes, dtype=np.uint64)
         if self.num_shards == 1:
-            positions = None
+            positions, keys = None, hashes
         else:
-            owned = np.asarray(block_hashes, np.uint64) % self.num_shards == self.shard_id
-            positions = np.flatnonzero(owned).tolist()
+            positions = np.flatnonzero(hashes % np.uint64(self.num_shards) == self.shard_id)
+            keys = hashes[positions]
         results = []
         for tier, table in self.tables.items():
-            first_miss, hits, rows = table.lookup(block_hashes, positions)
-            if refresh:
-                table.touch(rows, now)
-            columns = {name: column[rows] for name, column in table.cols.items()}
+            num_hits, used, columns = table.answer(keys, now, refresh)
+            if positions is None:
+                first_miss, hits = num_hits, _positions(num_hits)
+            else:
+                missed = num_hits < len(positions)
+                first_miss = int(positions[num_hits]) if missed else len(hashes)
+                hits = positions[:num_hits].tolist()
             # Name only the writers these blocks need, not every writer the index knows.
-            used, columns["writer"] = np.unique(columns["writer"], return_inverse=True)
-            writer_ids = tuple(self.writer_ids[w] for w in used.tolist())
-            results.append(
-                TierResult(
-                    tier,
-                    len(block_hashes) if first_miss is None else first_miss,
-                    hits,
-                    BlockLocations.from_columns(tier, writer_ids, columns),
-                )
-            )
-            self.counters.num_blocks_matched += len(hits)
+            writer_ids = tuple(self.writer_ids[w] for w in used)
+            locations = BlockLocations(tier=tier, writer_ids=writer_ids, **columns)
+            results.append(TierResult(tier, first_miss, hits, locations))
+            self.counters.num_blocks_matched += num_hits
         self.counters.num_matches += 1
         return results
 
@@ -185,8 +174,7 @@ class KvIndex:
     def evict(self, now: float) -> list[Removal]:
         removals = []
         for table in self.tables.values():
-            live = table.live_rows()
-            expired = live[table.cols["last_access"][live] < now - self.ttl_s]
+            expired = table.expired_rows(now, self.ttl_s)
             removals += self._drop(table, expired)
             self.counters.num_evicted_ttl += len(expired)
             if table.used_bytes > self.high_watermark * table.capacity_bytes:
@@ -209,9 +197,7 @@ class KvIndex:
             return []
         by_writer: dict[int, list[int]] = {}
         for writer, block_hash in zip(
-            table.cols["writer"][rows].tolist(),
-            table.cols["block_hash"][rows].tolist(),
-            strict=True,
+            table.writers(rows).tolist(), table.hash[rows].tolist(), strict=True
         ):
             by_writer.setdefault(writer, []).append(block_hash)
         table.remove_rows(rows)
@@ -244,8 +230,22 @@ class KvIndex:
         self._writer_index = {w: i for i, w in enumerate(self.writer_ids)}
         self.writer_seq = dict(state["writer_seq"])
         self.tables = {
-            tier: TierTable.from_columns(tier, self.capacity_bytes.get(tier, 1 << 62), columns)
+            tier: TierTable.from_columns(
+                tier, self.capacity_bytes.get(tier, 1 << 62), columns, self.ttl_s
+            )
             for tier, columns in state["tiers"].items()
         }
         for tier, capacity in self.capacity_bytes.items():
-            self.tables.setdefault(tier, TierTable(tier, capacity))
+            self.tables.setdefault(tier, TierTable(tier, capacity, self.ttl_s))
+
+
+_POSITIONS: list[int] = []
+
+
+def _positions(count: int) -> list[int]:
+    """[0, 1, ... count - 1], sliced from a list kept for the purpose: list(range(1200))
+    makes 1,200 int objects (~5 us, the largest cost of a match); a slice shares them."""
+    global _POSITIONS
+    if count > len(_POSITIONS):
+        _POSITIONS = list(range(max(count, 2 * len(_POSITIONS))))
+    return _POSITIONS[:count]

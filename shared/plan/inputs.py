@@ -18,6 +18,11 @@ Three defaults are derived rather than published, and say how:
   eviction high-watermark.
 - GPU cost: an assumption, not a quote. CNY 14 per GPU-hour is ~USD 2, the H800 rental
   price DeepSeek assumed in its own published inference-system cost analysis (Feb 2025).
+
+The kv-index's memory is sized from a measured figure: bytes per indexed block is what
+loadtest/bench_kv_index.py measures at 10M blocks (tracemalloc, the C row index), and the
+index holds every block of the retention (what the SSD tier holds). The shard count is an
+assumption; the plan also says how few shards the index's 32-bit row numbers allow.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ REFERENCE_INPUT_TOKENS_PER_REQUEST = 77_000.0
 REFERENCE_PREFILL_TOKENS_PER_S_PER_GPU = 1_500_000.0
 REFERENCE_DECODE_TOKENS_PER_S_PER_GPU = 14_000.0
 REFERENCE_HIT_RATE = 0.96
+# kv-index memory per indexed block, measured by loadtest/bench_kv_index.py at 10M blocks.
+MEASURED_INDEX_BYTES_PER_BLOCK = 30.0
 # The output per request at which prefill and decode GPUs balance 1:1 (module docstring).
 REFERENCE_OUTPUT_TOKENS_PER_REQUEST = (
     REFERENCE_INPUT_TOKENS_PER_REQUEST
@@ -73,6 +80,8 @@ class PlanInputs:
     # decode load the prefix as well; where host DRAM does not absorb that read, it is 2.
     ssd_reads_per_hit_token: int = 1
     block_size_tokens: int = 64
+    index_bytes_per_block: float = MEASURED_INDEX_BYTES_PER_BLOCK  # kv-index RAM per block
+    num_index_shards: int = 64  # kv-index shards (hash-partitioned), each replica a full copy
     gpus_per_prefill_server: int = 8
     decode_super_node_gpus: tuple[int, ...] = (64, 128)
     usd_per_cny: float = 0.145  # ~6.9 CNY per USD: the rate at which CNY 260.64 is ~USD 38
@@ -118,6 +127,8 @@ _POSITIVE = (
     "retention_days",
     "ssd_reads_per_hit_token",
     "block_size_tokens",
+    "index_bytes_per_block",
+    "num_index_shards",
     "gpus_per_prefill_server",
     "usd_per_cny",
 )

@@ -80,12 +80,24 @@ class Storage:
     ssd_read_bytes_per_s_per_prefill_gpu: int  # a prefill GPU's own loads, at its rate
 
 
+# A kv-index tier table numbers its rows in 32 bits (services/kv_index/table.py).
+MAX_INDEX_ROWS_PER_SHARD = (1 << 32) - 3
+
+
 @dataclass(frozen=True)
 class ControlPlane:
     requests_per_s: float
     blocks_stored_per_s: float  # new KV tokens/s / block size
     blocks_removed_per_s: float  # at steady state every stored block is evicted in time
     kv_events_per_s: float  # block entries in BlocksStored + BlocksRemoved
+    # kv-index: every block of the retention, at the index's bytes per block.
+    index_blocks_per_day: float  # new KV blocks a day (misses and outputs)
+    index_blocks: float  # held over the retention
+    index_bytes_per_day_of_retention: int
+    index_bytes: int  # all shards, one replica each
+    index_blocks_per_shard: float
+    index_bytes_per_shard: int  # what each replica of a shard holds
+    index_min_shards: int  # the fewest shards whose blocks fit a table's 32-bit row numbers
 
 
 @dataclass(frozen=True)
@@ -206,11 +218,22 @@ def _storage(inputs: PlanInputs, traffic: Traffic, fleet: Fleet) -> Storage:
 def _control_plane(inputs: PlanInputs, traffic: Traffic) -> ControlPlane:
     new_tokens_per_s = traffic.miss_tokens_per_s + traffic.output_tokens_per_s
     stored = new_tokens_per_s / inputs.block_size_tokens
+    new_tokens_per_day = traffic.miss_tokens_per_day + traffic.output_tokens_per_day
+    blocks_per_day = new_tokens_per_day / inputs.block_size_tokens
+    blocks = blocks_per_day * inputs.retention_days
+    index_bytes = math.ceil(blocks * inputs.index_bytes_per_block)
     return ControlPlane(
         requests_per_s=traffic.requests_per_s,
         blocks_stored_per_s=stored,
         blocks_removed_per_s=stored,
         kv_events_per_s=2 * stored,
+        index_blocks_per_day=blocks_per_day,
+        index_blocks=blocks,
+        index_bytes_per_day_of_retention=math.ceil(blocks_per_day * inputs.index_bytes_per_block),
+        index_bytes=index_bytes,
+        index_blocks_per_shard=blocks / inputs.num_index_shards,
+        index_bytes_per_shard=-(-index_bytes // inputs.num_index_shards),
+        index_min_shards=max(1, math.ceil(blocks / MAX_INDEX_ROWS_PER_SHARD)),
     )
 
 

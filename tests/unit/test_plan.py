@@ -245,3 +245,69 @@ def test_cli_bad_input_is_a_usage_error_naming_the_option(args: list[str], optio
     result = runner.invoke(app, ["plan", *args])
     assert result.exit_code == 2
     assert f"Invalid value for {option}" in result.output
+
+
+def test_index_memory_at_the_reference_scale() -> None:
+    """~7.6T new tokens a day are ~118B 64-token blocks: the kv-index holds every one of the
+    retention, at the measured bytes per block, split over its shards."""
+    control, inputs = REFERENCE.control_plane, REFERENCE.inputs
+    new_tokens = REFERENCE.storage.new_kv_tokens_per_day
+    assert new_tokens == pytest.approx(7.58e12, rel=0.01)
+    assert control.index_blocks_per_day == pytest.approx(118e9, rel=0.01)
+    assert control.index_blocks_per_day == new_tokens / 64
+    per_day = control.index_bytes_per_day_of_retention
+    assert per_day == math.ceil(control.index_blocks_per_day * inputs.index_bytes_per_block)
+    assert control.index_blocks == pytest.approx(
+        inputs.retention_days * control.index_blocks_per_day
+    )
+    assert control.index_bytes == pytest.approx(inputs.retention_days * per_day, abs=1)
+    assert inputs.index_bytes_per_block <= 32  # the default is the measured figure
+    assert control.index_bytes_per_shard * inputs.num_index_shards >= control.index_bytes
+    assert control.index_bytes_per_shard == -(-control.index_bytes // inputs.num_index_shards)
+    assert control.index_blocks_per_shard == control.index_blocks / inputs.num_index_shards
+    # 237B blocks in 32-bit row numbers (at most 2**32 - 3 a shard): 56 shards at the least.
+    assert control.index_min_shards == 56
+    assert control.index_blocks_per_shard <= (1 << 32) - 3  # the default 64 shards fit
+
+
+def test_index_memory_moves_with_its_inputs() -> None:
+    base = REFERENCE.control_plane
+    fat = plan(PlanInputs(index_bytes_per_block=2 * REFERENCE.inputs.index_bytes_per_block))
+    assert fat.control_plane.index_bytes == pytest.approx(2 * base.index_bytes, abs=2)
+    longer = plan(PlanInputs(retention_days=4)).control_plane
+    assert longer.index_bytes_per_day_of_retention == base.index_bytes_per_day_of_retention
+    assert longer.index_bytes == pytest.approx(2 * base.index_bytes, abs=2)
+    assert longer.index_min_shards == 111  # 473.5B blocks / (2**32 - 3) = 110.2
+    more_shards = plan(PlanInputs(num_index_shards=128)).control_plane
+    assert more_shards.index_bytes == base.index_bytes
+    assert more_shards.index_bytes_per_shard == pytest.approx(base.index_bytes_per_shard / 2, abs=1)
+    small_blocks = plan(PlanInputs(block_size_tokens=16)).control_plane
+    assert small_blocks.index_blocks == pytest.approx(4 * base.index_blocks)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"index_bytes_per_block": 0.0}, "index_bytes_per_block"),
+        ({"index_bytes_per_block": math.inf}, "index_bytes_per_block"),
+        ({"num_index_shards": 0}, "num_index_shards"),
+        ({"num_index_shards": 2.5}, "num_index_shards"),
+    ],
+)
+def test_bad_index_inputs_name_their_field(change: dict, field: str) -> None:
+    with pytest.raises(PlanError) as caught:
+        PlanInputs(**change)
+    assert caught.value.field == field
+
+
+def test_cli_prints_the_index_memory_and_takes_its_options() -> None:
+    table = runner.invoke(app, ["plan", "--index-shards", "128", "--index-bytes-per-block", "40"])
+    assert table.exit_code == 0, table.output
+    expected = plan(PlanInputs(num_index_shards=128, index_bytes_per_block=40.0)).control_plane
+    for label in ("kv-index RAM per day of retention", "kv-index RAM per shard"):
+        assert label in table.output
+    assert "118.37B / 236.75B" in table.output  # blocks a day / retained
+    [line] = [ln for ln in table.output.splitlines() if "kv-index RAM per shard" in ln]
+    assert f"{expected.index_bytes_per_shard / 1024**3:,.2f} GiB" in line
+    bad = runner.invoke(app, ["plan", "--index-shards", "0"])
+    assert bad.exit_code == 2 and "Invalid value for --index-shards" in bad.output
