@@ -53,10 +53,11 @@ class ServiceConfig:
     # The share of requests traced once spans are exported: roots sampled by trace id,
     # every hop after them following the root's choice.
     trace_sample_ratio: float = 1.0
-    # `GET /health` on this port (0: any free one, named `health_url` in discovery); off when
-    # unset. Ingress answers /health on its API port whatever this says.
-    health_port: int | None = None
-    health_host: str = "127.0.0.1"
+    # The process's own HTTP port: `GET /metrics` (Prometheus text format) and `GET /health`
+    # (0: any free one; `metrics_url` and `health_url` in discovery metadata); off when unset.
+    # `kvfabric up` gives every process one. Ingress also answers /health on its API port.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def validate(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
@@ -74,8 +75,8 @@ class ServiceConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-        if self.health_port is not None and not 0 <= self.health_port < 65536:
-            raise ConfigError(f"health_port must be in [0, 65536), got {self.health_port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics_port must be in [0, 65536), got {self.metrics_port}")
         if not 0.0 <= self.trace_sample_ratio <= 1.0:
             raise ConfigError(
                 f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}"

@@ -3,8 +3,11 @@
 Each instance answers `$SRV.PING|INFO|STATS`, `$SRV.<VERB>.<service>` and
 `$SRV.<VERB>.<service>.<instance_id>` with the micro JSON documents
 (`io.nats.micro.v1.*_response`). Its metadata carries the subject root, so clusters (and
-tests) sharing one server tell their instances apart; STATS adds the instance's current
-`LoadReport` under `load`.
+tests) sharing one server tell their instances apart, and the URLs of its HTTP port
+(`metrics_url`, `health_url`) when it has one; it is read at each reply, so what a service
+adds after start shows. STATS adds the instance's current `LoadReport` under `load`, its
+metrics under `metrics` (`shared.metrics.Metrics.snapshot`: the registry /metrics serves)
+and, while it holds itself not ready, why under `not_ready`.
 """
 
 from __future__ import annotations
@@ -38,14 +41,16 @@ class DiscoveryResponder:
         description: str,
         metadata: dict[str, str],
         load_report: Callable[[], LoadReport],
-        counters: Callable[[], dict[str, Any]] = dict,
+        metrics: Callable[[], dict[str, float]] = dict,
+        not_ready: Callable[[], str | None] = lambda: None,
     ) -> None:
         self._bus = bus
         self._version = version
         self._description = description
-        self._metadata = {"root": bus.subjects.root, **metadata}
+        self._metadata = metadata  # the service's own dict: read at each reply
         self._load_report = load_report
-        self._counters = counters
+        self._metrics = metrics
+        self._not_ready = not_ready
         self._started = datetime.now(UTC)
         self._subscriptions: list[Any] = []
 
@@ -55,7 +60,7 @@ class DiscoveryResponder:
             "name": self._bus.service,
             "id": self._bus.instance_id,
             "version": self._version,
-            "metadata": self._metadata,
+            "metadata": {"root": self._bus.subjects.root, **self._metadata},
         }
 
     def ping(self) -> dict[str, Any]:
@@ -85,12 +90,16 @@ class DiscoveryResponder:
             }
             for s in self._bus.endpoint_stats()
         ]
-        return self._identity(STATS_TYPE) | {
+        doc = self._identity(STATS_TYPE) | {
             "started": self._started.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z",
             "endpoints": endpoints,
             "load": msgspec.to_builtins(self._load_report()),
-            "counters": self._counters(),
+            "metrics": self._metrics(),
         }
+        not_ready = self._not_ready()
+        if not_ready:
+            doc["not_ready"] = not_ready
+        return doc
 
     async def start(self) -> None:
         documents = {"PING": self.ping, "INFO": self.info, "STATS": self.stats}
@@ -123,8 +132,9 @@ class Instance:
     version: str
     metadata: dict[str, str]
     load: dict[str, Any] = field(default_factory=dict)
-    counters: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # Metrics.snapshot()
     endpoints: list[dict[str, Any]] = field(default_factory=list)
+    not_ready: str | None = None  # why it holds itself not ready (state STARTING)
 
 
 async def discover(
@@ -148,8 +158,9 @@ async def discover(
                 version=doc.get("version", ""),
                 metadata=metadata,
                 load=doc.get("load") or {},
-                counters=doc.get("counters") or {},
+                metrics=doc.get("metrics") or {},
                 endpoints=doc.get("endpoints") or [],
+                not_ready=doc.get("not_ready"),
             )
         )
     return sorted(instances, key=lambda i: (i.service, i.instance_id))

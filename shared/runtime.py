@@ -1,8 +1,8 @@
 """The lifecycle every service process shares (its main.py only wires its endpoints):
 
-start: config logged once -> logging and tracing -> connect -> (`/health` when a
-`health_port` is set) -> `setup` (endpoints, HTTP) -> discovery and heartbeats -> serve until
-SIGTERM/SIGINT.
+start: config logged once -> logging and tracing -> connect -> (`/metrics` and `/health`
+when a `metrics_port` is set) -> `setup` (endpoints, HTTP, the service's metrics) -> the
+endpoints' metrics -> discovery and heartbeats -> serve until SIGTERM/SIGINT.
 stop: heartbeat says draining -> stop announcing (heartbeats, discovery) -> stop taking work
 and finish in-flight requests within `shutdown_grace_s` -> the service's cleanup hooks ->
 drain the connection. Every step is safe to repeat.
@@ -10,6 +10,11 @@ drain the connection. Every step is safe to repeat.
 Ready: an instance is SERVING once set up, unless its setup said it is not ready yet
 (`hold_ready(reason)`: kv-index still replaying its event log); it then reports STARTING, in
 its heartbeats, in discovery (with the reason) and on `/health` (503), until `mark_ready()`.
+
+Metrics: `runtime.metrics` is the process's one registry (shared/metrics.py). The service
+declares its own in `setup`; the runtime adds every endpoint's requests, errors by code and
+processing time, and the requests in flight. /metrics, discovery's STATS and `kvfabric
+status --json` all read it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from shared.bus import Bus, now_ms
 from shared.config import ServiceConfig
 from shared.discovery import DiscoveryResponder
 from shared.logging import configure_logging, get_logger
-from shared.schema import InstanceState, LoadReport, ServiceError
+from shared.metrics import CONTENT_TYPE, Metrics
+from shared.schema import ErrorCode, InstanceState, LoadReport, ServiceError
 
 VERSION = "0.1.0"
 log = get_logger(__name__)
@@ -42,8 +48,7 @@ class ServiceRuntime:
         self.state = InstanceState.STARTING
         # A service sets this to report its own queue and KV figures in heartbeats.
         self.load_fields: Callable[[], dict[str, Any]] = dict
-        # ...and its own counters, shown by discovery (STATS) and `kvfabric status --json`.
-        self.counters: Callable[[], dict[str, Any]] = dict
+        self.metrics = Metrics(service, self.instance_id)
         self._bus: Bus | None = None
         self._discovery: DiscoveryResponder | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -54,7 +59,7 @@ class ServiceRuntime:
         self._is_set_up = False
         self._is_shut_down = False
         self.not_ready_reason: str | None = None
-        self._health: web.AppRunner | None = None
+        self._http: web.AppRunner | None = None
 
     @property
     def bus(self) -> Bus:
@@ -108,18 +113,59 @@ class ServiceRuntime:
             body["not_ready"] = self.not_ready_reason
         return (200 if is_ok else 503), body
 
-    async def _serve_health(self, host: str, port: int) -> None:
+    async def _serve_http(self, host: str, port: int) -> None:
+        """`/health` and `/metrics` on the process's own port (`metrics_port`)."""
+
         async def health(_: web.Request) -> web.Response:
             status, body = self.health()
             return web.json_response(body, status=status)
 
+        async def metrics(_: web.Request) -> web.Response:
+            response = web.Response(body=self.metrics.exposition())
+            response.headers["Content-Type"] = CONTENT_TYPE
+            return response
+
         app = web.Application()
         app.router.add_get("/health", health)
-        self._health = web.AppRunner(app, access_log=None)
-        await self._health.setup()
-        await web.TCPSite(self._health, host, port).start()
-        bound_host, bound_port = self._health.addresses[0][:2]
+        app.router.add_get("/metrics", metrics)
+        self._http = web.AppRunner(app, access_log=None)
+        await self._http.setup()
+        await web.TCPSite(self._http, host, port).start()
+        bound_host, bound_port = self._http.addresses[0][:2]
         self.metadata["health_url"] = f"http://{bound_host}:{bound_port}/health"
+        self.metadata["metrics_url"] = f"http://{bound_host}:{bound_port}/metrics"
+
+    def _declare_endpoint_metrics(self) -> None:
+        """Every endpoint `setup` served: requests, errors by code, processing time (the
+        bus's own counts, read when scraped); and the requests in flight."""
+        bus = self.bus
+        self.metrics.gauge_from(
+            "kvfabric_inflight_requests", "Requests being handled now, every endpoint's.",
+            lambda: bus.num_inflight,
+        )  # fmt: skip
+        names = tuple(s.name for s in bus.endpoint_stats())
+        if not names:
+            return  # a service that serves no endpoint (ingress: HTTP only)
+
+        def served() -> list[Any]:
+            return [s for s in bus.endpoint_stats() if s.name in names]
+
+        labels = {"endpoint": names}
+        self.metrics.counter_from(
+            "kvfabric_endpoint_requests_total", "Requests each endpoint received.",
+            lambda: {s.name: s.num_requests for s in served()}, labels=labels,
+        )  # fmt: skip
+        self.metrics.counter_from(
+            "kvfabric_endpoint_errors_total", "Error replies of each endpoint, by error code.",
+            lambda: {(s.name, code): n for s in served()
+                     for code, n in s.num_errors_by_code.items()},
+            labels={"endpoint": names, "code": ErrorCode},
+        )  # fmt: skip
+        self.metrics.counter_from(
+            "kvfabric_endpoint_processing_seconds_total",
+            "Time each endpoint's handlers ran, summed over its requests.",
+            lambda: {s.name: s.processing_time_ns / 1e9 for s in served()}, labels=labels,
+        )  # fmt: skip
 
     def load_report(self) -> LoadReport:
         self._num_heartbeats += 1
@@ -154,16 +200,18 @@ class ServiceRuntime:
                 root=self.config.root,
                 connect_timeout_s=self.config.connect_timeout_s,
             )
-            if self.config.health_port is not None:
-                await self._serve_health(self.config.health_host, self.config.health_port)
+            if self.config.metrics_port is not None:
+                await self._serve_http(self.config.metrics_host, self.config.metrics_port)
             await setup(self)
+            self._declare_endpoint_metrics()
             self._discovery = DiscoveryResponder(
                 self._bus,
                 version=VERSION,
                 description=self.description,
                 metadata=self.metadata,
                 load_report=self.load_report,
-                counters=self._discovery_counters,
+                metrics=self.metrics.snapshot,
+                not_ready=lambda: self.not_ready_reason,
             )
             await self._discovery.start()
             self._is_set_up = True
@@ -176,12 +224,6 @@ class ServiceRuntime:
             log.info("stopping")
         finally:
             await self.shutdown()
-
-    def _discovery_counters(self) -> dict[str, Any]:
-        counters = self.counters()
-        if self.not_ready_reason:
-            counters = counters | {"not_ready": self.not_ready_reason}
-        return counters
 
     async def publish_load_report(self) -> None:
         """A heartbeat now, between the periodic ones: a worker whose load just dropped (a
@@ -220,8 +262,8 @@ class ServiceRuntime:
                 log.exception(
                     "cleanup failed", cleanup=getattr(cleanup, "__qualname__", str(cleanup))
                 )
-        if self._health is not None:
-            await self._health.cleanup()
+        if self._http is not None:
+            await self._http.cleanup()
         if self._bus is not None:
             await self._bus.close()
         telemetry.shutdown_tracing()

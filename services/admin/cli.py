@@ -78,6 +78,11 @@ def up(
         8000, help="ingress HTTP port; replicas take the next ports (0: any)"
     ),
     http_host: str = typer.Option("127.0.0.1", help="ingress HTTP bind address"),
+    metrics_port: int = typer.Option(
+        0,
+        help="every process's /metrics and /health: this port and the next ones, one per "
+        "process (0: any free port); `kvfabric status` lists them",
+    ),
     replicas: str = typer.Option("", help="instances per service, e.g. prefill=2,decode=2"),
     state_dir: Path = typer.Option(Path(".kvfabric"), help="JetStream data and service logs"),
     root: str = typer.Option(DEFAULT_ROOT, help="subject root"),
@@ -119,6 +124,10 @@ def up(
         log_level,
         shutdown_grace_s,
     )
+    if not 0 <= metrics_port < 65536:
+        raise typer.BadParameter(f"must be in [0, 65536), got {metrics_port}",
+                                 param_hint="--metrics-port")  # fmt: skip
+    spec.metrics_port = metrics_port
     spec.models = _models(models_, engine)
     spec.extra_args = _engine_args(engine)
     spec.dev_api_key = dev_api_key
@@ -178,7 +187,8 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
     timeout_s: float = typer.Option(0.5, help="how long to collect discovery replies"),
 ) -> None:
-    """List every live instance with its load (from NATS discovery)."""
+    """List every live instance with its load and metrics URL (from NATS discovery); --json
+    adds each one's metrics."""
 
     async def collect() -> list:
         bus = await Bus.connect(nats_url, service="admin", root=root, connect_timeout_s=3.0)
@@ -295,6 +305,9 @@ async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
         instances = ready.result()
         echo(f"HTTP API      {', '.join(cluster.http_urls)}  (/v1/chat/completions, "
              "/v1/responses, /v1/messages; GET /health)")  # fmt: skip
+        width = max(map(len, cluster.metrics_urls), default=0)
+        for instance_id, url in cluster.metrics_urls.items():
+            echo(f"metrics       {instance_id.ljust(width)}  {url}")
         if spec.dev_api_key:
             echo("API key       the --dev-api-key given (account 'dev')")
         else:

@@ -1,7 +1,9 @@
 """The embedded one-machine cluster behind `kvfabric up`: a nats-server (unless an existing one
 is given), then one process per service instance, started in dependency order and stopped in
-the reverse order. Children, the nats-server among them, die with the launcher even if it is
-killed (PR_SET_PDEATHSIG), so no orphan outlives it.
+the reverse order. Each process serves `/metrics` and `/health` on a port of its own
+(`--metrics-port`: consecutive from `metrics_port`, or any free one), named in discovery.
+Children, the nats-server among them, die with the launcher even if it is killed
+(PR_SET_PDEATHSIG), so no orphan outlives it.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ class ClusterSpec:
     root: str = DEFAULT_ROOT
     http_host: str = "127.0.0.1"
     http_port: int = 8000  # replicas take the following ports; 0: any free port
+    # Every process's /metrics and /health: this port and the following ones, one per
+    # process in start order; 0: any free port (discovery names each: `metrics_url`).
+    metrics_port: int = 0
     replicas: dict[str, int] = field(default_factory=dict)
     log_level: str = "info"
     shutdown_grace_s: float = 10.0
@@ -144,6 +149,7 @@ class Cluster:
         self.children: list[Child] = []
         self.nats_url = spec.nats_url or ""
         self.http_urls: list[str] = []
+        self.metrics_urls: dict[str, str] = {}  # instance id -> its /metrics, once ready
 
     def start(self) -> None:
         self.spec.state_dir.mkdir(parents=True, exist_ok=True)
@@ -172,6 +178,8 @@ class Cluster:
             args += ["--otlp-endpoint", self.spec.otlp_endpoint]
         if self.spec.trace_dir is not None or self.spec.otlp_endpoint:
             args += ["--trace-sample-ratio", str(self.spec.trace_sample_ratio)]
+        base = self.spec.metrics_port
+        args += ["--metrics-port", str(base + len(self.children) if base else 0)]
         if service == INGRESS:
             port = self.spec.http_port + index if self.spec.http_port else 0
             args += ["--http-host", self.spec.http_host, "--http-port", str(port)]
@@ -227,6 +235,11 @@ class Cluster:
                     for i in instances
                     if i.service == INGRESS and "http_url" in i.metadata
                 ]
+                self.metrics_urls = {
+                    i.instance_id: i.metadata["metrics_url"]
+                    for i in instances
+                    if i.instance_id in expected and "metrics_url" in i.metadata
+                }
                 return instances
             if time.monotonic() > deadline:
                 missing = sorted(expected - {i.instance_id for i in instances})

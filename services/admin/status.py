@@ -1,4 +1,6 @@
-"""`kvfabric status`: every live instance under a root, with its load, from discovery."""
+"""`kvfabric status`: every live instance under a root, with its load and where its metrics
+are served (`metrics_url` in its discovery metadata), from discovery. `--json` adds each
+instance's metrics snapshot (the registry its /metrics serves)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ COLUMNS = (
     "KV FREE/TOTAL",
     "NODE",
     "URL",
+    "METRICS",
 )
 
 
@@ -35,6 +38,7 @@ def render(instances: list[Instance]) -> str:
                 kv,
                 i.metadata.get("node_id", ""),
                 i.metadata.get("http_url", ""),
+                i.metadata.get("metrics_url", ""),
             )
         )
     widths = [max(len(row[c]) for row in rows) for c in range(len(COLUMNS))]

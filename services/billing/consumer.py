@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 from opentelemetry.trace import StatusCode
 
-from services.billing.ledger import Ledger, LedgerRow
+from services.billing.ledger import SOURCES, Ledger, LedgerRow, RecordResult
 from services.billing.pricing import PriceBook, price
 from shared import telemetry
 from shared.bus import Bus, PulledMessage
@@ -42,15 +41,27 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 DEAD_LETTER_MAX_AGE_S = 30 * 86400.0
 
 
+REVENUE_KINDS = ("hit", "miss", "output")
+
+
 @dataclass
 class Counts:
+    """The consumer's own tally: plain integers, a few adds per batch (billing's metrics,
+    metrics.py, read them when scraped; a caller waiting for records reads them too)."""
+
     num_batches: int = 0
     num_ledgered: int = 0  # rows the ledger took (new, or decode replacing the caller's)
     num_duplicates: int = 0  # redeliveries and repeats, already there
     num_dead_letters: int = 0
     num_ledger_failures: int = 0
-    last_batch_ms: float = 0.0
-    by_source: dict[str, int] = field(default_factory=dict)
+    commit_time_ns: int = 0  # committing and acknowledging batches, summed
+    num_ledgered_by_source: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(SOURCES, 0)
+    )
+    # The money of request ids new to the ledger, pico-CNY by kind.
+    revenue_pico_cny: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(REVENUE_KINDS, 0)
+    )
 
 
 class UsageConsumer:
@@ -122,7 +133,7 @@ class UsageConsumer:
         return rows, taken
 
     async def _commit(self, rows: list[LedgerRow], taken: list[PulledMessage]) -> None:
-        started = time.perf_counter()
+        started = time.perf_counter_ns()
         started_ns = time.time_ns()
         if rows:
             try:
@@ -136,14 +147,20 @@ class UsageConsumer:
                     await msg.nak(self.retry_delay_s)
                 return
             _trace_records(rows, taken, started_ns, None)
-            self.counts.num_ledgered += result.num_inserted + result.num_replaced
-            self.counts.num_duplicates += result.num_duplicates
-            for source, num_rows in Counter(row.source for row in rows).items():
-                self.counts.by_source[source] = self.counts.by_source.get(source, 0) + num_rows
+            self._tally(result)
         for msg in taken:  # only now: the rows are committed
             await msg.ack()
         self.counts.num_batches += 1
-        self.counts.last_batch_ms = (time.perf_counter() - started) * 1000
+        self.counts.commit_time_ns += time.perf_counter_ns() - started
+
+    def _tally(self, result: RecordResult) -> None:
+        counts = self.counts
+        counts.num_ledgered += result.num_inserted + result.num_replaced
+        counts.num_duplicates += result.num_duplicates
+        for source, num_rows in zip(SOURCES, result.num_ledgered_by_source, strict=True):
+            counts.num_ledgered_by_source[source] += num_rows
+        for kind, pico_cny in zip(REVENUE_KINDS, result.inserted_pico_cny, strict=True):
+            counts.revenue_pico_cny[kind] += pico_cny
 
     def _row(self, msg: PulledMessage) -> LedgerRow | str:
         """The priced row, or why the message cannot be one (it is dead-lettered)."""

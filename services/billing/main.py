@@ -6,16 +6,16 @@ price book (`--pricing-file`, else the reference deployment's off-peak prices), 
 usage consumer (consumer.py: a durable JetStream pull consumer every billing replica shares,
 batches priced and committed before they are acknowledged, malformed records dead-lettered).
 It also turns the workers' heartbeats into device-hours (uptime.py), the denominator of
-revenue per GPU-hour. Its counters (records ledgered, duplicates, dead letters) are in
-discovery's STATS.
+revenue per GPU-hour. Its metrics (records ledgered by source, duplicates, dead letters,
+revenue by kind: metrics.py) are on /metrics and in discovery's STATS.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import sys
 
+from services.billing import metrics
 from services.billing.config import BillingConfig
 from services.billing.consumer import GIL_SWITCH_INTERVAL_S, UsageConsumer
 from services.billing.ledger import open_ledger
@@ -61,7 +61,7 @@ async def setup(runtime: ServiceRuntime) -> None:
             raise
 
     runtime.every(DEVICE_FLUSH_S, flush_spans)
-    runtime.counters = lambda: dataclasses.asdict(consumer.counts)
+    metrics.observe(runtime.metrics, consumer.counts)
     runtime.metadata["ledger"] = config.ledger_url.split("://", 1)[0]
 
     async def stop() -> None:  # the batch in hand is committed and acked first

@@ -12,19 +12,22 @@ Each ending runs as its own task so the batch loop keeps stepping the other sequ
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+import time
 from collections.abc import Awaitable, Callable
 
 from opentelemetry.trace import StatusCode
 
+from services.decode.metrics import DecodeMetrics
 from services.decode.state import DecodeRequest, Finished
 from shared import telemetry
 from shared.bus import Bus
 from shared.kvstore.store import KvStore
 from shared.kvstore.writer import KvEventPublisher
 from shared.logging import get_logger
+from shared.metrics import Metrics, tier_label
 from shared.schema import ServiceError, TokenChunk, UsageStatus, pack_token_ids
 from shared.serving.kv_io import store_payloads
+from shared.subjects import DECODE
 from shared.swa_client import SwaClient
 from shared.usage_outbox import UsageOutbox
 
@@ -41,6 +44,7 @@ class Finisher:
         outbox: UsageOutbox,
         *,
         report_load: Callable[[], Awaitable[None]] | None = None,
+        metrics: Metrics | None = None,  # the process's (a test's own when None)
     ) -> None:
         self.bus = bus
         self.store = store
@@ -51,14 +55,9 @@ class Finisher:
         # caller's next request (an agent's next turn follows at once) must not be routed on
         # a report that still counts them (it was refused OVERLOADED before this).
         self.report_load = report_load
-        self.counts: Counter[str] = Counter()
+        # The worker's metrics (its jobs count into the same): one set per decode worker.
+        self.counts = DecodeMetrics(metrics or Metrics(DECODE, bus.instance_id))
         self._tasks: set[asyncio.Task[None]] = set()
-
-    def counters(self) -> dict[str, int]:
-        outbox = {
-            f"usage_outbox_{k.removeprefix('num_')}": v for k, v in self.outbox.counters().items()
-        }
-        return dict(self.counts) | outbox | {"usage_outbox_pending": self.outbox.num_pending}
 
     async def send(self, state: DecodeRequest, token_ids: list[int], text: str) -> None:
         chunk = TokenChunk(
@@ -117,10 +116,8 @@ class Finisher:
                 log.exception("load report before the final chunk failed")
         try:
             if error is not None:
-                self.counts["num_failed"] += 1
                 await state.stream.fail(error)
             else:
-                self.counts[f"num_finished.{reason}"] += 1
                 chunk = TokenChunk(
                     request_id=state.request_id, seq=state.stream.num_sent,
                     token_ids=pack_token_ids(token_ids), text=text + state.detokenizer.flush(),
@@ -130,6 +127,7 @@ class Finisher:
                 await state.stream.send(chunk, final=True)
         except Exception:
             log.exception("ending the stream failed", request_id=state.request_id)
+        self._count(state, "error" if error is not None else reason)
         if error is not None:
             status, reason = UsageStatus.FAILED, "error"
         elif reason == "cancelled":
@@ -147,7 +145,7 @@ class Finisher:
         num_stored = await store_payloads(
             self.publisher, finished.token_ids, blocks, first, payloads
         )
-        self.counts["num_blocks_stored"] += num_stored
+        self.counts.blocks_stored.inc(num_stored)
         span = telemetry.current_span()  # decode finish
         if span.is_recording():
             nbytes = num_stored * len(payloads[0])  # every block is the same size
@@ -157,7 +155,7 @@ class Finisher:
         try:
             boundary_hash = blocks.extend(finished.token_ids, end_block)[-1]
             if await self.swa.put(boundary_hash, finished.boundary_snapshot):
-                self.counts["num_snapshots_put"] += 1
+                self.counts.snapshots_put.inc()
         except ServiceError as exc:
             log.warning("sliding-window snapshot not kept", error=str(exc))
 
@@ -172,10 +170,21 @@ class Finisher:
         try:
             await self.outbox.add(record)
         except Exception:  # the disk itself failed: the one way left to lose it, said loudly
-            self.counts["num_usage_unrecorded"] += 1
+            self.counts.usage_lost.inc()
             log.exception("usage record not kept", request_id=state.request_id, record=str(record))
             return
-        self.counts["num_usage_records"] += 1
+        self.counts.usage_kept.inc()
+
+    def _count(self, state: DecodeRequest, outcome: str) -> None:
+        """The request's end, once its stream has ended: how, how long, its tokens."""
+        counts = self.counts
+        counts.ended[outcome].inc()
+        counts.request_seconds.observe(time.perf_counter() - state.accepted_s)
+        counts.prompt_tokens.inc(state.num_prompt_tokens)
+        counts.output_tokens.inc(len(state.output_ids))
+        if state.num_cached_tokens:
+            tier = tier_label(state.job.cached_blocks.tier)
+            counts.hit_tokens.labels(tier).inc(state.num_cached_tokens)
 
 
 def _end_generate_span(

@@ -95,6 +95,7 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
         self.engine = engine
         self.tokenizer = tokenizer
         self.finisher = finisher
+        self.counts = finisher.counts  # the worker's metrics, its endings' among them
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.block_size = block_size_tokens
@@ -278,6 +279,8 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
 
     async def _emit(self, state: DecodeRequest, out: OutputT) -> None:
         token_ids = list(out.new_token_ids)
+        if token_ids:
+            self._time_tokens(state, len(token_ids))
         text = state.record_output(token_ids)
         stopped_by_string = state.detokenizer.stopped and not out.finished
         if not out.finished and not stopped_by_string:
@@ -290,6 +293,15 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
         self.requests.pop(state.request_id, None)
         finished = self._take_finished(state, out, stopped_by_string)
         await self.finisher.end(state, finished, state.error, token_ids, text)
+
+    def _time_tokens(self, state: DecodeRequest, num_tokens: int) -> None:
+        """Time to first token, then the gap per token between the sequence's steps."""
+        now = time.perf_counter()
+        if state.last_token_s is None:
+            self.counts.ttft_seconds.observe(now - state.accepted_s)
+        else:
+            self.counts.itl_seconds.observe((now - state.last_token_s) / num_tokens)
+        state.last_token_s = now
 
     @abstractmethod
     def _take_finished(

@@ -5,8 +5,8 @@ Serves `<root>.decode.run[.<id>]` (`DecodeJob` -> `JobAccepted`), `<root>.decode
 (`SuffixReady` -> `JobAccepted` after the NIXL pull) and its NIXL metadata; listens for
 `CancelRequest`s; streams `TokenChunk`s to each request's inbox; publishes a `UsageRecord`
 per request to JetStream. Speculative decoding with prompt-lookup drafts is on by default
-(`--spec-decode false` turns it off); its acceptance rate and tokens per forward pass are in
-the counters (`kvfabric status --json`).
+(`--spec-decode false` turns it off); its drafts proposed and accepted and tokens per step are
+in the metrics (metrics.py: /metrics, `kvfabric status --json`).
 
 `--engine mock` serves the same subjects from `mock_worker.py` over shared.mock_engine's
 MockEngine: simulated step times, fake tokens, real streams, store writes, KV events and
@@ -29,6 +29,7 @@ from shared.kvstore.store import KvStore
 from shared.mock_engine import MockEngine, MockEngineConfig
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, DecodeJob, SuffixReady
+from shared.serving.metrics import observe_outbox
 from shared.serving.wiring import open_mock_kv, open_model_kv, start_worker
 from shared.subjects import DECODE
 from shared.usage import adopt_orphans, ensure_usage_stream, open_usage_outbox
@@ -77,7 +78,8 @@ async def setup(runtime: ServiceRuntime) -> None:
     worker = DecodeWorker(
         bus, engine, tokenizer, kv.agent, kv.staging,
         Finisher(
-            bus, kv.store, kv.publisher, kv.swa, outbox, report_load=runtime.publish_load_report
+            bus, kv.store, kv.publisher, kv.swa, outbox, report_load=runtime.publish_load_report,
+            metrics=runtime.metrics,
         ),
         model_name=config.model_name,
         retry_after_s=config.retry_after_s, pull_timeout_s=config.pull_timeout_s,
@@ -101,8 +103,9 @@ async def setup_mock(runtime: ServiceRuntime, config: DecodeConfig) -> None:
     )  # fmt: skip
     # Mock sequences have no window: no swa-memcache.
     finisher = Finisher(
-        bus, store, publisher, None, outbox, report_load=runtime.publish_load_report
-    )
+        bus, store, publisher, None, outbox, report_load=runtime.publish_load_report,
+        metrics=runtime.metrics,
+    )  # fmt: skip
     await serve(runtime, MockDecodeWorker(bus, engine, tokenizer, finisher, config, model), store)
 
 
@@ -113,6 +116,7 @@ async def open_outbox(runtime: ServiceRuntime, config: DecodeConfig) -> UsageOut
     outbox = await open_usage_outbox(
         runtime.bus, DECODE, config.usage_outbox_dir, runtime.instance_id
     )
+    observe_outbox(runtime.metrics, outbox)
 
     async def close() -> None:
         await outbox.close(timeout_s=config.shutdown_grace_s)

@@ -61,13 +61,14 @@ class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
         # request id -> pages reserved in the engine at admission, until the request joins it
         self._reserved: dict[str, int] = {}
         self._payload = bytes(config.mock_block_nbytes)
+        self.counts.metrics.gauge_from(
+            "kvfabric_decode_mock_clock_seconds", "The mock engine's simulated time so far.",
+            lambda: engine.clock_s,
+        )  # fmt: skip
 
     def kv_pages(self) -> tuple[int, int]:
         """The engine's count: reservations of admitted requests and running sequences."""
         return self.engine.config.num_kv_pages, self.engine.num_kv_pages_free
-
-    def counters(self) -> dict[str, float]:
-        return self.finisher.counters() | {"simulated_clock_s": round(self.engine.clock_s, 3)}
 
     # -- DecodeJob, SuffixReady -----------------------------------------------------------
     def _pages_to_admit(self, num_prompt_tokens: int, sampling: SamplingParams) -> int:

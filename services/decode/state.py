@@ -61,6 +61,7 @@ class DecodeRequest:
     seq_id: int | None = None
     output_ids: list[int] = field(default_factory=list)
     first_token_s: float | None = None
+    last_token_s: float | None = None  # when its latest tokens were emitted (metrics' ITL)
     cancel_reason: str | None = None
     error: Exception | None = None  # set: the stream ends with this error
     num_draft_tokens: int = 0

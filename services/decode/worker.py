@@ -70,18 +70,10 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         self._prefix_loads: dict[str, asyncio.Task[LoadedPrefix]] = {}
         self._engine_lock = asyncio.Lock()  # engine state changes only between steps
         self.engine.on_finish = self._on_finish
+        self.counts.observe_engine(engine)
 
     def kv_pages(self) -> tuple[int, int]:
         return self.runner.allocator.num_blocks, self.runner.allocator.num_free_blocks
-
-    def counters(self) -> dict[str, float]:
-        spec = self.engine.spec_stats
-        return self.finisher.counters() | {
-            "num_preemptions": self.engine.num_preemptions,
-            "spec_acceptance_rate": round(spec.acceptance_rate, 4),
-            "spec_tokens_per_forward": round(spec.tokens_per_forward, 4),
-            "spec_num_draft_tokens": spec.num_draft_tokens,
-        }
 
     # -- DecodeJob -----------------------------------------------------------------------
     def _pages_to_admit(self, num_prompt_tokens: int, sampling: SamplingParams) -> int:
@@ -180,6 +172,8 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
                 timeout_s=self.pull_timeout_s,
             )  # fmt: skip
             pull_ms = (time.perf_counter() - started) * 1000
+            self.counts.transfer_bytes.inc(nbytes)
+            self.counts.transfer_seconds.observe(pull_ms / 1000)
             pages = self.runner.allocator.allocate(ready.num_blocks)
             unstage_pages(self.buffer, extent.offset, self.runner.pool, pages)
             start = extent.offset + ready.num_blocks * ready.block_nbytes

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.ingress import anthropic_messages, openai_chat, openai_responses, sse
 from services.ingress.errors import ApiError
+from services.ingress.metrics import CountRequests
 from services.ingress.pipeline import Completion, Generation, Pipeline, Prepared
 from services.ingress.tracing import TraceRequests
 from shared.api_keys import KeyStore
@@ -93,6 +94,7 @@ def build_app(services: Services) -> FastAPI:
         return error_response(ApiError("invalid_request", message, param=where), request.url.path)
 
     app.add_middleware(BodyLimit, max_body_bytes=services.max_body_bytes)
+    app.add_middleware(CountRequests, counts=pipeline.counts)  # refusals of the limit too
     app.add_middleware(TraceRequests)  # outermost: its span covers the body limit too
 
     async def caller(request: Request) -> Caller:

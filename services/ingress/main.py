@@ -5,8 +5,10 @@ Wiring only: the served-model table (from discovery), the pipeline (tokenize, se
 router, read the stream), the stored-responses and API-key buckets in JetStream, a usage
 outbox for streams whose decode worker dies, and uvicorn serving the FastAPI app on this
 process's event loop. The bound URL is published as `http_url` in discovery metadata, which
-is how `kvfabric up` learns where the API is served. Stateless: run as many replicas as
-wanted behind any HTTP load balancer.
+is how `kvfabric up` learns where the API is served. Its metrics (metrics.py: requests by
+protocol and status, latency, time to first token) are served with every process's on the
+runtime's own port (`--metrics-port`, `metrics_url`), not on the public API port. Stateless:
+run as many replicas as wanted behind any HTTP load balancer.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from services.ingress.openai_responses import ResponseStore
 from services.ingress.pipeline import Pipeline
 from shared.api_keys import KeyStore
 from shared.runtime import ServiceRuntime, service_main
+from shared.serving.metrics import observe_outbox
 from shared.subjects import INGRESS
 from shared.usage import open_usage_outbox
 
@@ -36,8 +39,9 @@ async def setup(runtime: ServiceRuntime) -> None:
     config.usage_outbox_dir.mkdir(parents=True, exist_ok=True)
     outbox = await open_usage_outbox(bus, INGRESS, config.usage_outbox_dir, runtime.instance_id)
     runtime.on_stop(lambda: outbox.close(timeout_s=config.shutdown_grace_s))
+    observe_outbox(runtime.metrics, outbox)
     pipeline = Pipeline(bus, models, outbox=outbox, default_max_tokens=config.default_max_tokens,
-                        keepalive_s=config.keepalive_s)  # fmt: skip
+                        keepalive_s=config.keepalive_s, metrics=runtime.metrics)  # fmt: skip
     responses = ResponseStore(bus, config.responses_ttl_s)
     await responses.start()
     keys = KeyStore(bus) if config.require_api_key else None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,11 +27,13 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.ingress.errors import ApiError, from_service_error, invalid
+from services.ingress.metrics import IngressMetrics
 from services.ingress.models import ModelTable, ServedModel
 from shared import telemetry
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
 from shared.logging import bind_request, get_logger
+from shared.metrics import Metrics
 from shared.schema import (
     GenerateRequest,
     RouteDecision,
@@ -38,6 +41,7 @@ from shared.schema import (
     TokenChunk,
     num_packed_tokens,
 )
+from shared.subjects import INGRESS
 from shared.telemetry import REQUEST_ID
 from shared.tokenizer import PromptError
 from shared.tokenizer.chat import Chat, Message, ToolCall
@@ -118,6 +122,7 @@ class Prepared:
     request: GenerateRequest
     forced_prefix: str
     parse_tools: bool
+    arrival_s: float  # perf_counter when prepare() began (before tokenization), for TTFT
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -133,12 +138,14 @@ class Pipeline:
         outbox: UsageOutbox | None = None,
         default_max_tokens: int = 1024,
         keepalive_s: float = 10.0,
+        metrics: Metrics | None = None,  # the process's (a test's own when None)
     ) -> None:
         self.bus = bus
         self.models = models
         self.outbox = outbox
         self.default_max_tokens = default_max_tokens
         self.keepalive_s = keepalive_s
+        self.counts = IngressMetrics(metrics or Metrics(INGRESS, bus.instance_id))
 
     async def model(self, name: str) -> ServedModel:
         model = await self.models.get(name)
@@ -156,6 +163,7 @@ class Pipeline:
             raise invalid(str(exc)) from exc
 
     async def prepare(self, completion: Completion) -> Prepared:
+        arrival_s = time.perf_counter()
         model = await self.model(completion.model)
         chat = completion.chat
         with telemetry.span("ingress tokenize") as span:
@@ -204,7 +212,7 @@ class Pipeline:
             bind_request(request.request_id, None)
             span.set_attributes({REQUEST_ID: request.request_id, "kvfabric.model": model.name,
                                  "kvfabric.num_prompt_tokens": num_prompt})  # fmt: skip
-        return Prepared(completion, model, request, forced, parse_tools)
+        return Prepared(completion, model, request, forced, parse_tools, arrival_s)
 
     def fork(self, prepared: Prepared, index: int) -> Prepared:
         """Choice `index` of an n-choice request: its own request id (and seed, if one was
@@ -247,6 +255,7 @@ class Generation:
         self._parser: ToolCallParser | None = None
         self._arguments: dict[int, str] = {}  # call index -> the JSON prefix streamed
         self._result: GenerateResult | None = None
+        self._last_chunk_s: float | None = None  # when its latest tokens came (TTFT, ITL)
         self.num_cached_estimate = 0  # the router's, until decode's count comes at the end
         if prepared.parse_tools:
             names = [t.name for t in prepared.completion.chat.tools]
@@ -318,6 +327,14 @@ class Generation:
 
     # -- internals -----------------------------------------------------------------------
     def _take(self, chunk: TokenChunk) -> None:
+        num_tokens = num_packed_tokens(chunk.token_ids)
+        if num_tokens:
+            now, counts = time.perf_counter(), self.pipeline.counts
+            if self._last_chunk_s is None:
+                counts.ttft_seconds.observe(now - self.prepared.arrival_s)
+            else:
+                counts.itl_seconds.observe((now - self._last_chunk_s) / num_tokens)
+            self._last_chunk_s = now
         if chunk.text:
             if self._parser is not None:
                 self._parsed(self._parser.feed(chunk.text))

@@ -13,10 +13,10 @@ Recovery: a snapshot (JetStream object store) every `snapshot_interval_s` and at
   then the event log from the snapshot's position; the log is bounded (`log_max_bytes`,
   `log_max_age_s`), so it never grows without bound. Start-up serves once the log is
   replayed; past `catch_up_timeout_s` it serves what it has and reports STARTING (discovery,
-  heartbeats, /health with --health-port) until it has caught up.
+  heartbeats, /health with --metrics-port) until it has caught up.
 A log entry that cannot be applied (malformed, or content the index rejects) is counted
-  (`num_bad_batches`), logged as an error with its writer and seq, and that writer is asked
-  to resync: nothing it held is silently lost.
+  (`kvfabric_kv_index_bad_batches_total`, metrics.py), logged as an error with its writer and
+  seq, and that writer is asked to resync: nothing it held is silently lost.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from services.kv_index import metrics
 from services.kv_index.config import KvIndexConfig
 from services.kv_index.handlers import KvIndexService
 from shared.bus import Endpoint
@@ -104,7 +105,7 @@ async def setup(runtime: ServiceRuntime) -> None:
     runtime.every(config.evict_interval_s, service.evict_once)
     runtime.every(config.snapshot_interval_s, service.save_snapshot)
     runtime.on_stop(service.save_snapshot)
-    runtime.counters = lambda: service.stats().counters
+    metrics.observe(runtime.metrics, service)
 
 
 def main(argv: list[str] | None = None) -> int:

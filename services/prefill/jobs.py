@@ -5,11 +5,12 @@ A `PrefillJob`'s handler waits on a future from its arrival until `PrefillDone` 
 typed error). In between, both workers validate it the same way, cut the same chunks under
 `max_batch_tokens` per forward pass, drop it the same way (cancelled, past its deadline, the
 bus stopping, a failed pass), hand it off the same way (handoff.py) and report the same load
-fields and counters -- one copy, so the mock's timings, errors and load reports cannot drift
-from the model's. What differs is what a worker overrides: what admitting a job costs
-(`_admit`: restoring the prefix), what a job holds (`_release`), how big its next chunk is
-(`_next_chunk`), what a forward pass is (`_forward`, `_advance`), what is staged for decode
-(`_send_suffix`), what is written to the store (`_persist`) and the KV pool (`kv_pages`).
+fields and metrics (metrics.py) -- one copy, so the mock's timings, errors and load reports
+cannot drift from the model's. What differs is what a worker overrides: what admitting a job
+costs (`_admit`: restoring the prefix), what a job holds (`_release`), how big its next chunk
+is (`_next_chunk`), what a forward pass is (`_forward`, `_advance`), what is staged for
+decode (`_send_suffix`), what is written to the store (`_persist`) and the KV pool
+(`kv_pages`).
 
 No torch here: the mock worker runs this without it.
 """
@@ -25,11 +26,13 @@ from typing import Generic, TypeVar
 import msgspec
 from opentelemetry.trace import INVALID_SPAN, Span, StatusCode
 
+from services.prefill.metrics import PrefillMetrics
 from shared import telemetry
 from shared.bus import Bus, Context
 from shared.kvstore.blocks import RequestBlocks
 from shared.kvstore.writer import KvEventPublisher
 from shared.logging import get_logger
+from shared.metrics import Metrics
 from shared.schema import (
     BadRequest,
     Cancelled,
@@ -42,6 +45,7 @@ from shared.schema import (
     ServiceError,
 )
 from shared.serving.checks import checked_prompt
+from shared.subjects import PREFILL
 from shared.swa_client import SwaClient
 
 log = get_logger(__name__)
@@ -101,6 +105,7 @@ class PrefillJobsBase(ABC, Generic[JobT]):
         block_size_tokens: int,
         max_batch_tokens: int,
         handoff_timeout_s: float,
+        metrics: Metrics | None = None,  # the process's (a test's own when None)
     ) -> None:
         self.bus = bus
         self.publisher = publisher
@@ -114,10 +119,8 @@ class PrefillJobsBase(ABC, Generic[JobT]):
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._finishing: set[asyncio.Task[None]] = set()
-        self.counts = {"num_jobs": 0, "num_done": 0, "num_failed": 0, "num_cancelled": 0,
-                       "num_tokens_computed": 0, "num_tokens_cached": 0,
-                       "num_blocks_stored": 0, "num_snapshots_put": 0,
-                       "num_persist_failed": 0}  # fmt: skip
+        self.metrics = metrics or Metrics(PREFILL, bus.instance_id)
+        self.counts = PrefillMetrics(self.metrics)
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -146,11 +149,6 @@ class PrefillJobsBase(ABC, Generic[JobT]):
             "num_devices": 1,
         }
 
-    def counters(self) -> dict[str, int | str]:
-        """The counts, and which swa-memcache this worker's snapshots go to ("": any)."""
-        memcache = self.swa.memcache_instance_id if self.swa is not None else None
-        return {**self.counts, "swa_memcache": memcache or ""}
-
     # -- requests ------------------------------------------------------------------------
     async def handle_job(self, job: PrefillJob, ctx: Context) -> PrefillDone:
         request = job.request
@@ -158,13 +156,15 @@ class PrefillJobsBase(ABC, Generic[JobT]):
         if request.request_id in self._jobs:
             raise BadRequest(f"request {request.request_id} is already being prefilled here")
         accepted_s = time.perf_counter()
-        self.counts["num_jobs"] += 1
+        self.counts.jobs_received.inc()
         num_cached_blocks = blocks.num_reusable_blocks(
             job.decision.num_cached_tokens // self.block_size
         )
         entry = await self._admit(job, token_ids, blocks, num_cached_blocks, accepted_s)
         entry.span = telemetry.current_span()
-        self.counts["num_tokens_cached"] += entry.num_cached_blocks * self.block_size
+        self.counts.cached_tokens.inc(entry.num_cached_blocks * self.block_size)
+        self.counts.restores.labels(entry.restored.swa_restore or "none").inc()
+        self.counts.replayed_tokens.inc(entry.restored.num_replay_tokens)
         self._enqueue(entry)
         try:
             return await asyncio.shield(entry.done)
@@ -203,7 +203,7 @@ class PrefillJobsBase(ABC, Generic[JobT]):
     async def on_cancel(self, cancel: CancelRequest) -> None:
         entry = self._jobs.get(cancel.request_id)
         if entry is not None and not entry.finishing:
-            self.counts["num_cancelled"] += 1
+            self.counts.cancelled.inc()
             self._drop(entry, Cancelled(f"cancelled: {cancel.reason}"))
 
     def _drop(self, entry: JobT, error: ServiceError | None) -> None:
@@ -232,6 +232,7 @@ class PrefillJobsBase(ABC, Generic[JobT]):
                 continue
             deadline_ms = entry.job.request.deadline_ms
             if deadline_ms is not None and now_ms > deadline_ms:
+                self.counts.expired.inc()
                 self._drop(entry, DeadlineExceeded("deadline passed while queued for prefill"))
                 continue
             num_tokens = self._next_chunk(entry, budget)
@@ -265,7 +266,7 @@ class PrefillJobsBase(ABC, Generic[JobT]):
             except Exception:
                 log.exception("prefill forward pass failed", num_jobs=len(batch))
                 for entry, _ in batch:
-                    self.counts["num_failed"] += 1
+                    self.counts.failed.inc()
                     self._drop(entry, InternalError("prefill forward pass failed"))
                 continue
             for entry, num_tokens in batch:
@@ -273,7 +274,7 @@ class PrefillJobsBase(ABC, Generic[JobT]):
                     continue  # cancelled while the pass ran
                 entry.first_chunk_s = entry.first_chunk_s or started
                 entry.compute_s += elapsed_s
-                self.counts["num_tokens_computed"] += num_tokens
+                self.counts.computed_tokens.inc(num_tokens)
                 self._advance(entry, num_tokens)
                 if entry.num_left == 0:
                     self._start_finish(entry)
@@ -291,13 +292,13 @@ class PrefillJobsBase(ABC, Generic[JobT]):
             try:
                 timings, transfer_ms = await self._send_suffix(entry)
             except ServiceError as exc:  # decode gone, cancelled or timed out: a typed answer
-                self.counts["num_failed"] += 1
+                self.counts.failed.inc()
                 log.warning("prefill handoff failed", request_id=entry.request_id, error=str(exc))
                 span.set_status(StatusCode.ERROR, str(exc))
                 self._drop(entry, exc)
                 return
             except Exception:
-                self.counts["num_failed"] += 1
+                self.counts.failed.inc()
                 log.exception("prefill handoff failed", request_id=entry.request_id)
                 span.set_status(StatusCode.ERROR, "prefill handoff failed")
                 self._drop(entry, InternalError("prefill handoff failed"))
@@ -309,12 +310,14 @@ class PrefillJobsBase(ABC, Generic[JobT]):
             try:
                 await self._persist(entry)
             except Exception:
-                self.counts["num_persist_failed"] += 1
+                self.counts.store_failures.inc()
                 log.exception("prefill blocks not stored", request_id=entry.request_id)
                 span.set_status(StatusCode.ERROR, "prefill blocks not stored")
         store_ms = (time.perf_counter() - started) * 1000
         self._drop(entry, None)
-        self.counts["num_done"] += 1
+        self.counts.done.inc()
+        self.counts.handoff_seconds.observe(transfer_ms / 1000)
+        self.counts.job_seconds.observe(time.perf_counter() - entry.accepted_s)
         if not entry.done.done():
             timings = msgspec.structs.replace(timings, transfer_ms=transfer_ms, store_ms=store_ms)
             entry.done.set_result(PrefillDone(request_id=entry.request_id, timings=timings))

@@ -60,6 +60,7 @@ async def setup(runtime: ServiceRuntime) -> None:
         model_name=config.model_name, max_batch_tokens=config.max_batch_tokens,
         max_model_len=max_model_len(runner, config),
         handoff_timeout_s=config.handoff_timeout_s, compute_lock=compute_lock,
+        metrics=runtime.metrics,
     )  # fmt: skip
     await serve(runtime, worker, kv.store, kv.agent.close)
 
@@ -69,7 +70,8 @@ async def setup_mock(runtime: ServiceRuntime, config: PrefillConfig) -> None:
     model, store, publisher = await open_mock_kv(runtime, config)
     # Placeholder snapshots are small: inline, no NIXL.
     swa = await node_swa_client(runtime, config, None)
-    await serve(runtime, MockPrefillWorker(bus, publisher, swa, config, model), store)
+    worker = MockPrefillWorker(bus, publisher, swa, config, model, metrics=runtime.metrics)
+    await serve(runtime, worker, store)
 
 
 async def serve(

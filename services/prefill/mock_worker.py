@@ -29,6 +29,7 @@ from shared.bus import Bus
 from shared.cost_model import CostModel
 from shared.kvstore.blocks import RequestBlocks
 from shared.kvstore.writer import KvEventPublisher
+from shared.metrics import Metrics
 from shared.mock_engine import MockModel, sleep_simulated
 from shared.schema import PrefillJob, PrefillTimings
 from shared.serving.kv_io import store_payloads
@@ -57,11 +58,13 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         config: PrefillConfig,
         model: MockModel,
         cost: CostModel | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         super().__init__(
             bus, publisher, swa, model_name=model.name, max_model_len=model.max_model_len,
             block_size_tokens=config.kv_block_size_tokens,
             max_batch_tokens=config.max_batch_tokens, handoff_timeout_s=config.handoff_timeout_s,
+            metrics=metrics,
         )  # fmt: skip
         self.config = config
         self.model = model
@@ -152,7 +155,7 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         num_stored = await store_payloads(
             self.publisher, entry.token_ids, entry.blocks, first_block, payloads
         )
-        self.counts["num_blocks_stored"] += num_stored
+        self.counts.blocks_stored.inc(num_stored)
         span = telemetry.current_span()  # prefill store
         if span.is_recording():
             span.set_attributes({"kvfabric.num_blocks": num_stored,
@@ -160,4 +163,4 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         if self.swa is None or not payloads:
             return  # the boundary lies in the restored prefix: its snapshot was put before
         if await put_window(self.swa, entry, bytes(MOCK_SNAPSHOT_NBYTES)):
-            self.counts["num_snapshots_put"] += 1
+            self.counts.snapshots_put.inc()

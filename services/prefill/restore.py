@@ -63,9 +63,6 @@ class PrefixRestorer:
         self.swa = swa
         self.policy = policy
         self.compute_lock = compute_lock  # model calls run one at a time, off the event loop
-        self.num_snapshot_hits = 0
-        self.num_snapshot_misses = 0
-        self.num_replayed_tokens = 0
 
     def num_replay_tokens(self) -> int:
         config = self.runner.config
@@ -136,16 +133,13 @@ class PrefixRestorer:
                     log.warning("unusable sliding-window snapshot", error=str(exc))
                 else:
                     if window.end_position == boundary and window.kv.dtype == self.runner.dtype:
-                        self.num_snapshot_hits += 1
                         return window, "snapshot", 0
-            self.num_snapshot_misses += 1
         num_replay = min(self.num_replay_tokens(), boundary)
         async with self.compute_lock:
             window = await asyncio.to_thread(
                 replay_window, self.runner.model, self.runner.pool, pages, token_ids,
                 boundary, num_replay, self.runner.dtype,
             )  # fmt: skip
-        self.num_replayed_tokens += num_replay
         mode = "exact" if num_replay >= exact_replay_tokens(config) else "bounded"
         return window, mode, num_replay
 

@@ -33,6 +33,7 @@ from shared.engine.sequence import Sequence
 from shared.engine.swa_restore import snapshot_to_bytes
 from shared.kvstore.blocks import RequestBlocks
 from shared.kvstore.writer import KvEventPublisher
+from shared.metrics import Metrics
 from shared.schema import BadRequest, PrefillJob, PrefillTimings
 from shared.serving.pages import stage_pages, store_blocks
 from shared.serving.staging import StagingSpace, StagingTooSmall
@@ -65,11 +66,13 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         max_model_len: int,
         handoff_timeout_s: float,
         compute_lock: asyncio.Lock,
+        metrics: Metrics | None = None,
     ) -> None:
         super().__init__(
             bus, publisher, swa, model_name=model_name, max_model_len=max_model_len,
             block_size_tokens=runner.layout.block_size_tokens,
             max_batch_tokens=max_batch_tokens, handoff_timeout_s=handoff_timeout_s,
+            metrics=metrics,
         )  # fmt: skip
         self.runner = runner
         self.restorer = restorer
@@ -81,13 +84,6 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
 
     def kv_pages(self) -> tuple[int, int]:
         return self.runner.allocator.num_blocks, self.runner.allocator.num_free_blocks
-
-    def counters(self) -> dict[str, int | str]:
-        return super().counters() | {
-            "num_snapshot_hits": self.restorer.num_snapshot_hits,
-            "num_snapshot_misses": self.restorer.num_snapshot_misses,
-            "num_replayed_tokens": self.restorer.num_replayed_tokens,
-        }
 
     # -- jobs ----------------------------------------------------------------------------
     async def _admit(
@@ -180,7 +176,7 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
             self.publisher, self.runner.pool, seq.block_table, entry.token_ids, blocks,
             entry.num_cached_blocks, blocks.num_prefill_blocks,
         )  # fmt: skip
-        self.counts["num_blocks_stored"] += num_stored
+        self.counts.blocks_stored.inc(num_stored)
         span = telemetry.current_span()  # prefill store
         if span.is_recording():
             nbytes = num_stored * self.runner.layout.block_nbytes
@@ -192,4 +188,4 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         if self.swa is None or window is None or window.end_position != boundary:
             return  # (no swa client: the model has no sliding layers)
         if await put_window(self.swa, entry, snapshot_to_bytes(window)):
-            self.counts["num_snapshots_put"] += 1
+            self.counts.snapshots_put.inc()

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from services.router.config import RouterConfig
-from services.router.counters import RouterCounters
 from services.router.load import InflightDelta, LoadTable
+from services.router.metrics import RouterMetrics
 from services.router.policy import Rejection, RequestFacts, RoutePolicy
 from services.router.prefill_jobs import PrefillJobs
 from services.router.swa_map import SwaMap
@@ -35,6 +35,7 @@ from shared.cost_model import CostModel
 from shared.kv_index_client import PrefixMatch
 from shared.kvstore.blocks import BlockLayoutError, RequestBlocks
 from shared.logging import get_logger
+from shared.metrics import Metrics, tier_label
 from shared.schema import (
     BadRequest,
     BlockLocations,
@@ -52,7 +53,7 @@ from shared.schema import (
     SwaResync,
     num_packed_tokens,
 )
-from shared.subjects import DECODE, PREFILL, SWA_MEMCACHE
+from shared.subjects import DECODE, PREFILL, ROUTER, SWA_MEMCACHE
 from shared.telemetry import REQUEST_ID
 
 log = get_logger(__name__)
@@ -95,15 +96,24 @@ def cached_prefix(match: PrefixMatch | None, num_blocks: int) -> BlockLocations:
 
 
 class Router:
-    def __init__(self, bus: Bus, config: RouterConfig, *, cost: CostModel | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        config: RouterConfig,
+        *,
+        cost: CostModel | None = None,
+        metrics: Metrics | None = None,  # the process's (a test's own when None)
+    ) -> None:
         self.bus = bus
         self.config = config
         self.table = LoadTable(bus.instance_id, heartbeat_timeout_s=config.heartbeat_timeout_s)
         self.policy = RoutePolicy(cost or CostModel(), config.policy_config())
-        self.counters = RouterCounters()
+        self.metrics = metrics or Metrics(ROUTER, bus.instance_id)
+        self.counts = RouterMetrics(self.metrics)
         self.swa_map = SwaMap()
+        self.counts.observe(self.swa_map, lambda: len(self.prefill_jobs))
         self.prefill_jobs = PrefillJobs(
-            bus, self.table, self.policy, self.counters, self.record_sent,
+            bus, self.table, self.policy, self.counts, self.record_sent,
             prefill_timeout_s=config.prefill_timeout_s,
         )  # fmt: skip
 
@@ -143,11 +153,6 @@ class Router:
 
     def load_fields(self) -> dict[str, int]:
         return {"num_running": len(self.prefill_jobs)}
-
-    def stats(self) -> dict[str, int]:
-        """The counters discovery shows: routing, and the snapshot map's."""
-        swa = {f"swa_map_{name}": value for name, value in vars(self.swa_map.counters).items()}
-        return self.counters.as_dict() | swa | {"swa_map_num_memcaches": len(self.swa_map)}
 
     # -- events --------------------------------------------------------------------------
     async def on_load_report(self, report: LoadReport) -> None:
@@ -225,7 +230,8 @@ class Router:
             try:
                 return await self._route(request)
             except ServiceError as exc:
-                self.counters.num_rejected[exc.code.value] += 1
+                self.counts.rejected.inc()
+                self.counts.rejections.labels(exc.code).inc()
                 if span.is_recording():
                     span.set_attribute("kvfabric.rejected", f"{exc.code.value}: {exc.message}")
                 raise
@@ -246,9 +252,10 @@ class Router:
             facts,
             swa_node_ids,
         )
-        self.counters.num_routed += 1
-        self.counters.num_prompt_tokens += facts.num_prompt_tokens
-        self.counters.num_hit_tokens += facts.num_cached_tokens
+        self.counts.routed.inc()
+        self.counts.prompt_tokens.inc(facts.num_prompt_tokens)
+        if facts.num_cached_tokens:
+            self.counts.hit_tokens.labels(tier_label(cached.tier)).inc(facts.num_cached_tokens)
         span = telemetry.current_span()
         if span.is_recording():
             span.set_attributes({
@@ -279,7 +286,7 @@ class Router:
                     timeout_s=self.config.match_timeout_s,
                 )
             except ServiceError as exc:
-                self.counters.num_cold_index += 1
+                self.counts.cold_index.inc()
                 log.warning(
                     "kv-index did not answer: routed cold", request_id=request_id,
                     code=exc.code.value, error=exc.message,

@@ -38,13 +38,12 @@ from shared.subjects import ROUTER
 async def setup(runtime: ServiceRuntime) -> None:
     config = runtime.config
     assert isinstance(config, RouterConfig)  # service_main built it from RouterConfig
-    router = Router(runtime.bus, config)
+    router = Router(runtime.bus, config, metrics=runtime.metrics)
     # One heartbeat period: every worker has reported once before the first request.
     await router.start(warmup_s=config.heartbeat_s)
     runtime.every(config.heartbeat_timeout_s / 2, router.prune)
     runtime.on_stop(router.stop)
     runtime.load_fields = router.load_fields
-    runtime.counters = router.stats
 
 
 def main(argv: list[str] | None = None) -> int:

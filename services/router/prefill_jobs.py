@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 import msgspec
 from opentelemetry.trace import StatusCode
 
-from services.router.counters import RouterCounters
 from services.router.load import InflightDelta, LoadTable
+from services.router.metrics import RouterMetrics
 from services.router.policy import Rejection, RequestFacts, RoutePolicy
 from shared import telemetry
 from shared.bus import Bus
@@ -49,7 +49,7 @@ class PrefillJobs:
         bus: Bus,
         table: LoadTable,
         policy: RoutePolicy,
-        counters: RouterCounters,
+        counts: RouterMetrics,
         record: Record,
         *,
         prefill_timeout_s: float,
@@ -58,7 +58,7 @@ class PrefillJobs:
         self.bus = bus
         self.table = table
         self.policy = policy
-        self.counters = counters
+        self.counts = counts
         self.record = record  # counts (and announces) work sent to a worker
         self.prefill_timeout_s = prefill_timeout_s
         self.liveness_poll_s = liveness_poll_s
@@ -184,7 +184,7 @@ class PrefillJobs:
             )
         prefill_delta, _ = self.policy.inflight_deltas(self.table.router_id, target, facts)
         await self.record((prefill_delta,))
-        self.counters.num_retries += 1
+        self.counts.prefill_retries.inc()
         log.info(
             "prefill job sent again", request_id=job.request.request_id,
             prefill_worker_id=target.prefill_worker_id, attempt=job.attempt + 1,
@@ -193,7 +193,7 @@ class PrefillJobs:
 
     async def _fail(self, job: PrefillJob, error: ServiceError) -> None:
         request_id = job.request.request_id
-        self.counters.num_failed += 1
+        self.counts.prefill_failures.inc()
         span = telemetry.current_span()
         if span.is_recording():
             span.set_status(StatusCode.ERROR, f"{error.code.value}: {error.message}")

@@ -9,10 +9,10 @@ get of a large snapshot pins it for `lease_s` and answers where it lies in our r
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from services.swa_memcache.cache import SnapshotCache, checksum
 from services.swa_memcache.config import SwaMemcacheConfig
+from services.swa_memcache.metrics import SwaMemcacheMetrics
 from shared.bus import Context
 from shared.logging import get_logger
 from shared.schema import BadRequest, unpack_block_hashes
@@ -36,16 +36,6 @@ log = get_logger(__name__)
 _ENVELOPE_BYTES = 4096
 
 
-@dataclass
-class NixlCounters:
-    num_pulled: int = 0  # large puts pulled from the caller and stored
-    num_pull_failures: int = 0  # timeout, dead caller, UCX error: nothing stored
-    num_checksum_mismatches: int = 0
-    num_leased_gets: int = 0
-    num_released: int = 0  # leases ended by the reader before they ran out
-    num_too_large_inline: int = 0  # a reader without NIXL asked for more than NATS carries
-
-
 class SwaHandlers:
     def __init__(
         self,
@@ -55,13 +45,14 @@ class SwaHandlers:
         instance_id: str,
         agent: KvTransferAgent | None,
         max_payload_bytes: int,
+        counts: SwaMemcacheMetrics,
     ) -> None:
         self.cache = cache
         self.config = config
         self.instance_id = instance_id
         self.agent = agent  # None: NIXL unavailable here, every snapshot rides inline
         self.max_inline_reply_bytes = max_payload_bytes - _ENVELOPE_BYTES
-        self.counters = NixlCounters()
+        self.counts = counts
 
     async def get(self, request: SwaGet, ctx: Context) -> SwaGetReply:
         now = time.monotonic()
@@ -74,12 +65,12 @@ class SwaHandlers:
             or self.agent is None
         ):
             if snapshot.nbytes > self.max_inline_reply_bytes:
-                self.counters.num_too_large_inline += 1
+                self.counts.too_large_inline.inc()
                 return SwaGetReply(found=False)
             return SwaGetReply(found=True, snapshot=self.cache.view(snapshot).tobytes())
         lease_id = self.cache.pin(snapshot, now, self.config.lease_s)
         self.agent.expect_traffic(self.config.lease_s)  # the reader pulls during the lease
-        self.counters.num_leased_gets += 1
+        self.counts.leased_gets.inc()
         location = SwaNixlRef(
             SWA_MEMCACHE, self.instance_id, snapshot.offset, snapshot.nbytes, snapshot.checksum
         )
@@ -89,7 +80,7 @@ class SwaHandlers:
 
     async def release(self, request: SwaRelease, ctx: Context) -> None:
         if self.cache.release(request.lease_id, time.monotonic()):
-            self.counters.num_released += 1
+            self.counts.released.inc()
 
     async def put(self, request: SwaPut, ctx: Context) -> SwaPutReply:
         source = request.source
@@ -108,22 +99,25 @@ class SwaHandlers:
         if region is None:
             return SwaPutReply(stored=False, reason=self._no_room(source.nbytes))
         try:
+            started = time.perf_counter()
             try:
                 await read_snapshot(
                     self.agent, source, region.offset, timeout_s=self.config.transfer_timeout_s
                 )
             except TransferError as exc:
-                self.counters.num_pull_failures += 1
+                self.counts.pull_failed.inc()
                 log.warning("snapshot pull failed", source=source.instance_id, error=exc.message)
                 return SwaPutReply(stored=False, reason=f"pull failed: {exc.message}")
             except ValueError as exc:  # the range lies outside the caller's region
                 raise BadRequest(str(exc)) from exc
+            self.counts.pull_seconds.observe(time.perf_counter() - started)
+            self.counts.pulled_bytes.inc(source.nbytes)
             if checksum(self.cache.view(region)) != source.checksum:
-                self.counters.num_checksum_mismatches += 1
+                self.counts.pull_mismatched.inc()
                 return SwaPutReply(stored=False, reason="checksum mismatch")
             self.cache.commit(request.block_hash, region, source.checksum, time.monotonic())
             region = None
-            self.counters.num_pulled += 1
+            self.counts.pulled.inc()
             return SwaPutReply(stored=True)
         finally:
             if region is not None:  # failed, or cancelled at the request's deadline

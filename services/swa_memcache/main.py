@@ -38,6 +38,7 @@ from services.swa_memcache.cache import SnapshotCache
 from services.swa_memcache.config import SwaMemcacheConfig
 from services.swa_memcache.events import SwaEventPublisher
 from services.swa_memcache.handlers import SwaHandlers
+from services.swa_memcache.metrics import SwaMemcacheMetrics
 from shared.bus import Endpoint
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime, service_main
@@ -58,12 +59,14 @@ async def setup(runtime: ServiceRuntime) -> None:
         agent = KvTransferAgent(bus, cache.buffer, service=SWA_MEMCACHE)
     except TransferError as exc:
         log.warning("NIXL unavailable: every snapshot rides inline", error=str(exc))
+    counts = SwaMemcacheMetrics(runtime.metrics)
     handlers = SwaHandlers(
         cache, config, instance_id=runtime.instance_id, agent=agent,
-        max_payload_bytes=bus.max_payload_bytes,
+        max_payload_bytes=bus.max_payload_bytes, counts=counts,
     )  # fmt: skip
 
     events = SwaEventPublisher(bus, cache, node_id=config.node_id)
+    counts.observe(cache, events)
     await events.start()
     runtime.on_stop(events.stop)
 
@@ -82,17 +85,6 @@ async def setup(runtime: ServiceRuntime) -> None:
 
         runtime.on_stop(close_agent)
     runtime.every(config.expire_interval_s, events.tracked(handlers.expire, confirm=True))
-    runtime.counters = lambda: (
-        vars(cache.counters)
-        | vars(handlers.counters)
-        | {
-            "num_entries": len(cache),
-            "num_pinned": cache.num_pinned,
-            "used_bytes": cache.used_bytes,
-            "num_event_batches": events.num_batches,
-            "num_resyncs": events.num_resyncs,
-        }
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -76,6 +76,7 @@ class EndpointStats:
     num_errors: int = 0
     processing_time_ns: int = 0
     last_error: str = ""
+    num_errors_by_code: dict[str, int] = field(default_factory=dict)  # ErrorCode value -> count
 
 
 class EndpointServer:
@@ -139,6 +140,8 @@ class EndpointServer:
         except ServiceError as exc:
             stats.num_errors += 1
             stats.last_error = f"{exc.code}: {exc.message}"
+            code = str(exc.code)
+            stats.num_errors_by_code[code] = stats.num_errors_by_code.get(code, 0) + 1
             log.warning(
                 "request failed", endpoint=endpoint.name, code=str(exc.code), error=exc.message
             )
@@ -146,6 +149,7 @@ class EndpointServer:
         except Exception:
             stats.num_errors += 1
             stats.last_error = "INTERNAL: internal error"
+            stats.num_errors_by_code["INTERNAL"] = stats.num_errors_by_code.get("INTERNAL", 0) + 1
             log.exception("request crashed", endpoint=endpoint.name)
             await self._reply_error(ctx, InternalError("internal error"))
         finally:

@@ -170,12 +170,15 @@ class KvStore:
             planned.append((i, block_hash, allocation))
         if not ops:
             return out
+        started_ns = time.perf_counter_ns()
         try:
             await self.backend.write(self._write_buffer, ops)
         except StoreIOError as exc:
             self._release([a for _, _, a in planned])
             self._on_write_error(exc, len(planned))
             return out
+        finally:
+            self._counters["write_time_ns"] += time.perf_counter_ns() - started_ns
         for i, block_hash, a in planned:
             out[i] = StoredBlock(
                 block_hash, a.file_id, a.slot, a.generation, self.geometry.payload_nbytes
@@ -219,7 +222,11 @@ class KvStore:
         copied there and those views returned; otherwise each is a new `bytes`."""
         if into is not None and len(into) != len(refs):
             raise ValueError(f"{len(into)} destination buffers for {len(refs)} blocks")
-        return await self._reader.read(refs, into)
+        started_ns = time.perf_counter_ns()
+        try:
+            return await self._reader.read(refs, into)
+        finally:
+            self._counters["read_time_ns"] += time.perf_counter_ns() - started_ns
 
     # -- the rest ------------------------------------------------------------------------
     def scan_headers(
@@ -237,7 +244,7 @@ class KvStore:
         counters = {
             "num_blocks_written": 0, "num_bytes_written": 0, "num_write_batches": 0,
             "num_blocks_read": 0, "num_hits": 0, "num_bytes_read": 0, "num_read_batches": 0,
-            "num_slots_freed": 0,
+            "num_slots_freed": 0, "read_time_ns": 0, "write_time_ns": 0,
         }  # fmt: skip
         counters |= {f"num_misses.{r}": 0 for r in MissReason}
         counters |= {f"num_skipped.{r}": 0 for r in SkipReason}

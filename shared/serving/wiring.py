@@ -5,13 +5,14 @@ A model worker's KV goes through the store (its blocks, logged for kv-index), on
 (its head for large swa-memcache puts, the rest staging the handoff between prefill and
 decode) and swa-memcache. A mock worker (`--engine mock`) has the store and its log only.
 Either way the worker's loop starts before its endpoints are served, its load goes into the
-heartbeats, and at shutdown it stops before what it used is closed (STYLE.md: shutdown).
+heartbeats and, with its store's figures, into the process's metrics (serving/metrics.py),
+and at shutdown it stops before what it used is closed (STYLE.md: shutdown).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,6 +27,7 @@ from shared.logging import get_logger
 from shared.mock_engine import MockModel, open_mock_store
 from shared.runtime import ServiceRuntime
 from shared.serving.kv_io import open_store
+from shared.serving.metrics import observe_load, observe_store
 from shared.serving.staging import StagingSpace
 from shared.subjects import SWA_MEMCACHE
 from shared.swa_client import SwaClient
@@ -45,8 +47,6 @@ class ServedWorker(Protocol):
     async def stop(self) -> None: ...
 
     def load_fields(self) -> dict[str, int | str]: ...
-
-    def counters(self) -> Mapping[str, float]: ...
 
 
 @dataclass(frozen=True)
@@ -98,12 +98,15 @@ async def node_swa_client(
     """A client of this node's swa-memcache: snapshots are node-local (DESIGN.md section 5),
     and the router sends an agent's next step to the node whose memcache holds its window.
     Workers and memcaches start together, so one that is not there yet is looked for again
-    every `MEMCACHE_LOOKUP_S` (off the request path); until then any instance serves."""
+    every `MEMCACHE_LOOKUP_S` (off the request path); until then any instance serves.
+    Discovery metadata names it (`swa_memcache`) once found."""
     bus = runtime.bus
     swa = SwaClient(
         bus, agent, memcache_instance_id=await node_memcache(bus, config.node_id), **staging
     )
-    if swa.memcache_instance_id is None:
+    if swa.memcache_instance_id is not None:
+        runtime.metadata["swa_memcache"] = swa.memcache_instance_id
+    else:
         log.warning("no swa-memcache on this node yet: snapshots go to any instance",
                     node_id=config.node_id)  # fmt: skip
 
@@ -111,6 +114,7 @@ async def node_swa_client(
             if swa.memcache_instance_id is None:
                 swa.memcache_instance_id = await node_memcache(bus, config.node_id)
                 if swa.memcache_instance_id is not None:
+                    runtime.metadata["swa_memcache"] = swa.memcache_instance_id
                     log.info("this node's swa-memcache found", node_id=config.node_id,
                              instance_id=swa.memcache_instance_id)  # fmt: skip
 
@@ -146,11 +150,12 @@ def start_worker(
     store: KvStore,
     *closers: Callable[[], None],
 ) -> None:
-    """Start the worker's loop and report its load and counters; at shutdown stop it (its
-    in-flight work ends), then close what it used: `closers`, then the store."""
+    """Start the worker's loop and report its load and its store's figures; at shutdown stop
+    it (its in-flight work ends), then close what it used: `closers`, then the store."""
     worker.start()
     runtime.load_fields = worker.load_fields
-    runtime.counters = lambda: {**worker.counters(), "store": store.stats()}
+    observe_load(runtime.metrics, worker.load_fields)
+    observe_store(runtime.metrics, store)
 
     async def close() -> None:
         await worker.stop()

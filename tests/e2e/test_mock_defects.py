@@ -48,9 +48,9 @@ def _prompt(seed: int) -> list[int]:
     return [rng.randrange(3, 4000) for _ in range(100)]
 
 
-async def _router_counters(bus) -> dict:  # noqa: ANN001
+async def _router_metrics(bus) -> dict:  # noqa: ANN001
     [router] = await discover(bus, service=ROUTER)
-    return router.counters
+    return router.metrics
 
 
 async def test_the_next_turn_finds_the_pages_the_last_one_gave_back(cluster: Cluster) -> None:
@@ -68,9 +68,9 @@ async def test_the_next_turn_finds_the_pages_the_last_one_gave_back(cluster: Clu
             result = await generate(bus, request, overload_wait_s=0, liveness_timeout_s=10)
             assert result.usage is not None and result.usage.num_prompt_tokens == 100
             ids.append(result.request_id)
-        counters = await _router_counters(bus)
-        assert counters.get("num_rejected_overloaded", 0) == 0
-        assert counters["num_routed"] >= 6
+        metrics = await _router_metrics(bus)
+        assert metrics['kvfabric_router_rejections_total{code="OVERLOADED"}'] == 0
+        assert metrics['kvfabric_router_decisions_total{outcome="routed"}'] >= 6
         records = await usage_records(bus, set(ids), timeout_s=15)
         assert all(r.status == "completed" for r in records.values())
     finally:
@@ -89,8 +89,8 @@ async def test_a_prefill_worker_that_cannot_store_its_blocks_still_serves(
         result = await generate(bus, request, overload_wait_s=0, liveness_timeout_s=10)
         assert result.finish_reason in ("stop", "length") and result.token_ids
         [prefill] = await discover(bus, service=PREFILL)
-        assert prefill.counters["num_persist_failed"] >= 1
-        assert prefill.counters["num_done"] >= 1
+        assert prefill.metrics["kvfabric_prefill_store_failures_total"] >= 1
+        assert prefill.metrics['kvfabric_prefill_jobs_ended_total{outcome="done"}'] >= 1
         records = await usage_records(bus, {request.request_id}, timeout_s=15)
         assert records[request.request_id].status == "completed"
     finally:

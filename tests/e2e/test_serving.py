@@ -224,17 +224,25 @@ async def test_stop_strings_and_deadlines_end_the_stream(cluster: Cluster) -> No
         await bus.close()
 
 
-async def test_decode_exports_speculative_decoding_counters(cluster: Cluster) -> None:
+async def test_decode_exports_speculative_decoding_metrics(cluster: Cluster) -> None:
     bus = await connect(cluster)
     try:
         # An edit: the answer re-emits code from the prompt, which prompt lookup drafts.
         prompt = _tokens(CODE * 2 + "\n# the same, again:\n" + CODE[:120])
         await generate(bus, _request(prompt, max_tokens=48))
         decoders = [i for i in await discover(bus, timeout_s=0.5) if i.service == DECODE]
-        counters = [i.counters for i in decoders]
-        assert all("spec_acceptance_rate" in c and "spec_tokens_per_forward" in c for c in counters)
-        assert max(c["spec_num_draft_tokens"] for c in counters) > 0
-        assert max(c["spec_tokens_per_forward"] for c in counters) > 1.0
+        metrics = [i.metrics for i in decoders]
+        drafted = "kvfabric_decode_spec_draft_tokens_total"
+        accepted = "kvfabric_decode_spec_accepted_tokens_total"
+        assert all(drafted in m and accepted in m for m in metrics)
+        assert max(m[drafted] for m in metrics) > 0
+        # Tokens per sequence-step above one: accepted drafts emitted several per step.
+        per_step = [
+            m["kvfabric_decode_emitted_tokens_total"] / m["kvfabric_decode_sequence_steps_total"]
+            for m in metrics
+            if m["kvfabric_decode_sequence_steps_total"]
+        ]
+        assert max(per_step) > 1.0
     finally:
         await bus.close()
 

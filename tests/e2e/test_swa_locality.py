@@ -125,7 +125,7 @@ async def own_memcaches_found(bus: Bus) -> None:
     """Until each prefill worker puts into the memcache of its own node."""
     for _ in range(100):
         workers = await discover(bus, service=PREFILL)
-        named = {w.instance_id: w.counters.get("swa_memcache") for w in workers}
+        named = {w.instance_id: w.metadata.get("swa_memcache") for w in workers}
         if named == {f"prefill-{i}": f"swa-memcache-{i}" for i in range(NUM_NODES)}:
             return
         await asyncio.sleep(0.1)

@@ -1,5 +1,6 @@
-"""`kvfabric up` as a subprocess: comes up, `kvfabric status` lists all seven services, and
-SIGINT stops everything it started (no child process left behind)."""
+"""`kvfabric up` as a subprocess: comes up listing every process's metrics URL, `kvfabric
+status` lists all seven services with those URLs, and SIGINT stops everything it started (no
+child process left behind)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,10 @@ def test_up_status_and_clean_stop(tmp_path: Path) -> None:
 
         health = json.loads(urllib.request.urlopen(f"{http_url}/health", timeout=5).read())
         assert health["status"] == "ok"
+        listed = dict(re.findall(r"^metrics\s+(\S+)\s+(http://\S+/metrics)$", text, re.M))
+        assert len(listed) == 9  # one per process
+        scrape = urllib.request.urlopen(listed["router-0"], timeout=5).read().decode()
+        assert 'kvfabric_router_decisions_total{instance="router-0"' in scrape
 
         status = subprocess.run(
             [KVFABRIC, "status", "--nats-url", nats_url, "--root", root, "--json"],
@@ -74,12 +79,15 @@ def test_up_status_and_clean_stop(tmp_path: Path) -> None:
         counts = {s: sum(i["service"] == s for i in instances) for s in SERVICES}
         assert counts["prefill"] == 2 and counts["decode"] == 2
         assert all(i["load"]["state"] == "serving" for i in instances)
+        assert {i["instance_id"]: i["metadata"]["metrics_url"] for i in instances} == listed
+        assert all("kvfabric_inflight_requests" in i["metrics"] for i in instances)
 
         table = subprocess.run(
             [KVFABRIC, "status", "--nats-url", nats_url, "--root", root],
             capture_output=True, text=True, timeout=60, check=True,
         ).stdout  # fmt: skip
         assert "swa-memcache-0" in table and "INFLIGHT" in table
+        assert "METRICS" in table and listed["swa-memcache-0"] in table
 
         up.send_signal(signal.SIGINT)
         rest, _ = up.communicate(timeout=120)

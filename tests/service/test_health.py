@@ -1,20 +1,27 @@
 """`/health` says what discovery says: 200 only while connected and SERVING -- 503 while the
 service is still setting up, while it holds itself not ready (kv-index replaying its log),
-and while draining. Ingress answers it on its API port from the same runtime state."""
+and while draining. Ingress answers it on its API port from the same runtime state.
+`/metrics` on the same port serves the registry discovery's STATS shows."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.ingress.config import IngressConfig
 from services.ingress.main import setup as ingress_setup
+from shared.bus import Context, Endpoint
 from shared.config import ServiceConfig
+from shared.discovery import discover
 from shared.natsd import NatsServer
 from shared.runtime import ServiceRuntime
-from shared.schema import InstanceState
+from shared.schema import BadRequest, InstanceState
+from shared.testing.fixtures import BusFactory
+from tests.service.messages import Echo, EchoReply
 
 pytestmark = pytest.mark.nats
 
@@ -28,7 +35,7 @@ async def test_health_follows_setup_readiness_and_drain(
     nats_server: NatsServer, subject_root: str
 ) -> None:
     config = ServiceConfig(
-        nats_url=nats_server.url, root=subject_root, instance_id="svc-0", health_port=0,
+        nats_url=nats_server.url, root=subject_root, instance_id="svc-0", metrics_port=0,
         shutdown_grace_s=0.5,
     )  # fmt: skip
     runtime = ServiceRuntime("svc", config)
@@ -94,6 +101,61 @@ async def test_ingress_health_is_503_until_serving(
                 break
             await asyncio.sleep(0.01)
         assert (status, body["state"]) == (200, "serving")
+    finally:
+        runtime.request_stop()
+        await asyncio.wait_for(run, 20)
+
+
+async def test_metrics_are_served_beside_health_and_match_discovery(
+    nats_server: NatsServer, subject_root: str, bus_factory: BusFactory
+) -> None:
+    """An endpoint's requests and errors by code, counted by the runtime for any service,
+    in the text format with the instance's constant labels, and the same figures in STATS."""
+    config = ServiceConfig(
+        nats_url=nats_server.url, root=subject_root, instance_id="svc-0", metrics_port=0,
+        shutdown_grace_s=0.5,
+    )  # fmt: skip
+    runtime = ServiceRuntime("svc", config)
+
+    async def echo(request: Echo, ctx: Context) -> EchoReply:
+        if request.fail_with:
+            raise BadRequest(request.fail_with)
+        return EchoReply(text=request.text, instance_id="svc-0")
+
+    async def setup(rt: ServiceRuntime) -> None:
+        await rt.bus.serve(Endpoint("ping", f"{rt.bus.subjects.root}.svc.ping", Echo, echo))
+
+    run = asyncio.create_task(runtime.run(setup))
+    try:
+        for _ in range(500):
+            if runtime.state is InstanceState.SERVING:
+                break
+            await asyncio.sleep(0.01)
+        client = await bus_factory("test")
+        for fail_with in ("", "refused", ""):
+            with contextlib.suppress(BadRequest):
+                await client.request(f"{subject_root}.svc.ping", Echo("x", fail_with=fail_with),
+                                     EchoReply)  # fmt: skip
+        url = runtime.metadata["metrics_url"]
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("text/plain")
+            text = await response.text()
+        series = {
+            (s.name, s.labels.get("endpoint"), s.labels.get("code")): s
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        requests = series[("kvfabric_endpoint_requests_total", "ping", None)]
+        assert requests.value == 3
+        assert (requests.labels["service"], requests.labels["instance"]) == ("svc", "svc-0")
+        assert series[("kvfabric_endpoint_errors_total", "ping", "BAD_REQUEST")].value == 1
+        assert series[("kvfabric_endpoint_errors_total", "ping", "INTERNAL")].value == 0
+        [instance] = await discover(client, service="svc")
+        assert instance.metadata["metrics_url"] == runtime.metadata["metrics_url"]
+        assert instance.metrics['kvfabric_endpoint_requests_total{endpoint="ping"}'] == 3
+        key = 'kvfabric_endpoint_errors_total{endpoint="ping",code="BAD_REQUEST"}'
+        assert instance.metrics[key] == 1
     finally:
         runtime.request_stop()
         await asyncio.wait_for(run, 20)

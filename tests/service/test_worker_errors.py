@@ -82,7 +82,8 @@ async def test_a_failed_prefill_pass_answers_a_fixed_message(
                 PrefillDone,
             )
         assert caught.value.message == "prefill forward pass failed"
-        assert worker.counters()["num_failed"] == 1
+        failed = worker.metrics.snapshot()['kvfabric_prefill_jobs_ended_total{outcome="failed"}']
+        assert failed == 1
         one_traceback(events)
     finally:
         await worker.stop()

@@ -34,6 +34,8 @@ def test_config_is_frozen() -> None:
         (["--http-port", "x"], {}, "--http-port='x'"),
         (["--http-port", "70000"], {}, "http_port must be in [0, 65535]"),
         (["--heartbeat-s", "0"], {}, "heartbeat_s must be > 0"),
+        (["--metrics-port", "65536"], {}, "metrics_port must be in [0, 65536)"),
+        ([], {"KVF_METRICS_PORT": "-1"}, "metrics_port must be in [0, 65536), got -1"),
         (["--nats-url", "http://x"], {}, "nats_url 'http://x' must start with nats://"),
         (["--root", "a..b"], {}, "subject root 'a..b'"),
         (["--instance-id", "a.b"], {}, "instance_id 'a.b'"),

@@ -15,6 +15,7 @@ from services.billing.ledger.rows import (
     COLUMNS,
     DECODE,
     INGRESS,
+    SOURCES,
     LedgerConfigError,
     LedgerError,
     LedgerRow,
@@ -49,5 +50,5 @@ def open_ledger(url: str, *, migrations_dir: Path = MIGRATIONS_DIR) -> Ledger:
 __all__ = [
     "ANONYMOUS", "BUCKET_MS", "COLUMNS", "DECODE", "INGRESS", "MIGRATIONS_DIR", "Ledger",
     "LedgerConfigError", "LedgerError", "LedgerRow", "RecordResult", "ReportBy", "ReportRow",
-    "open_ledger",
+    "SOURCES", "open_ledger",
 ]  # fmt: skip

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field
 from typing import Literal, NamedTuple, get_args, get_type_hints
 
 from services.billing.pricing import Charge
@@ -114,16 +114,28 @@ TEXT_COLUMNS = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class RecordResult:
-    """What one `Ledger.record` did; the three add up to the number of rows given."""
+    """What one `Ledger.record` did; the three counts add up to the number of rows given.
+
+    Beside them, for billing's metrics (not compared: the counts are the result): the rows
+    inserted or replaced by source (`SOURCES` order), and the money of the request ids new
+    to the ledger (hit, miss, output pico-CNY; a replacement's change is not known here)."""
 
     num_inserted: int = 0  # a request id the ledger did not have
     num_replaced: int = 0  # decode's row over the caller's
     num_duplicates: int = 0  # already there: left as it was
+    num_ledgered_by_source: tuple[int, ...] = field(default=(0,) * len(SOURCES), compare=False)
+    inserted_pico_cny: tuple[int, ...] = field(default=(0, 0, 0), compare=False)
 
     def __add__(self, other: RecordResult) -> RecordResult:
         return RecordResult(self.num_inserted + other.num_inserted,
                             self.num_replaced + other.num_replaced,
-                            self.num_duplicates + other.num_duplicates)  # fmt: skip
+                            self.num_duplicates + other.num_duplicates,
+                            _add(self.num_ledgered_by_source, other.num_ledgered_by_source),
+                            _add(self.inserted_pico_cny, other.inserted_pico_cny))  # fmt: skip
+
+
+def _add(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x + y for x, y in zip(a, b, strict=True))
 
 
 class Pending(NamedTuple):
@@ -160,20 +172,29 @@ def plan(rows: Sequence[LedgerRow]) -> list[Pending]:
 def tally(pending: Sequence[Pending], outcomes: Sequence[Outcome]) -> RecordResult:
     """Counts as if each row had been recorded alone, in order, from the database's outcome
     for each id's winning row."""
-    inserted = replaced = duplicates = 0
+    inserted = replaced = duplicates = from_decode = from_ingress = hit = miss = output = 0
     for item, outcome in zip(pending, outcomes, strict=True):
+        row = item.row
         if outcome == "inserted":
             inserted += 1
             # ingress first, decode later in the batch: one insert, then one replacement
-            extra = int(item.first_is_ingress and item.row.source == DECODE)
+            extra = int(item.first_is_ingress and row.source == DECODE)
             replaced += extra
             duplicates += item.num_rows - 1 - extra
+            from_ingress += int(extra or row.source == INGRESS)
+            from_decode += int(row.source == DECODE)
+            hit, miss = hit + row.hit_pico_cny, miss + row.miss_pico_cny
+            output += row.output_pico_cny
         elif outcome == "replaced":
             replaced += 1
             duplicates += item.num_rows - 1
+            from_decode += 1  # only decode replaces
         else:
             duplicates += item.num_rows
-    return RecordResult(inserted, replaced, duplicates)
+    by_source = {DECODE: from_decode, INGRESS: from_ingress}
+    return RecordResult(
+        inserted, replaced, duplicates, tuple(by_source[s] for s in SOURCES), (hit, miss, output)
+    )
 
 
 def outcome_from_existing(existing_source: str | None, row: LedgerRow) -> Outcome:

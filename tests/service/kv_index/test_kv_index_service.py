@@ -294,7 +294,7 @@ async def test_an_index_that_has_not_replayed_its_log_says_it_is_not_ready(
         found = await eventually(lambda: discover(writer, service="kv-index", timeout_s=0.2))
         assert found, "kv-index never registered"
         assert found[0].load["state"] == "starting"
-        assert "replaying the event log up to 10000" in found[0].counters["not_ready"]
+        assert "replaying the event log up to 10000" in (found[0].not_ready or "")
 
         async def serving() -> bool:
             now = await discover(writer, service="kv-index", timeout_s=0.2)
@@ -302,8 +302,9 @@ async def test_an_index_that_has_not_replayed_its_log_says_it_is_not_ready(
 
         assert await eventually(serving, timeout_s=30)
         again = await discover(writer, service="kv-index", timeout_s=0.3)
-        assert "not_ready" not in again[0].counters
-        assert again[0].counters["num_batches"] == 10_000
+        assert again[0].not_ready is None
+        assert again[0].metrics["kvfabric_kv_index_event_batches_total"] == 10_000
+        assert again[0].metrics["kvfabric_kv_index_log_position"] == 10_000
         assert await prefix(writer, HASHES) == 1
     finally:
         stop(index)

@@ -47,8 +47,9 @@ async def test_a_prefill_worker_without_responders_gets_its_job_moved(
     assert job.decision.decode_worker_id == "decode-1"  # the decode worker keeps waiting
     assert len(d1.jobs) == 1
     await eventually(lambda: len(router.prefill_jobs) == 0)
-    counters = router.counters.as_dict()
-    assert (counters["num_retries"], counters["num_failed"]) == (1, 0)
+    metrics = router.metrics.snapshot()
+    assert metrics["kvfabric_router_prefill_retries_total"] == 1
+    assert metrics["kvfabric_router_prefill_failures_total"] == 0
 
 
 async def test_when_every_prefill_worker_is_gone_the_request_is_cancelled_with_the_error(
@@ -75,8 +76,9 @@ async def test_when_every_prefill_worker_is_gone_the_request_is_cancelled_with_t
     assert isinstance(cancel, CancelRequest) and cancel.request_id == "req-doomed"
     assert cancel.error_code == ErrorCode.UNAVAILABLE.value
     assert cancel.error_message
-    counters = router.counters.as_dict()
-    assert (counters["num_retries"], counters["num_failed"]) == (1, 1)
+    metrics = router.metrics.snapshot()
+    assert metrics["kvfabric_router_prefill_retries_total"] == 1
+    assert metrics["kvfabric_router_prefill_failures_total"] == 1
     assert len(router.prefill_jobs) == 0
 
 
@@ -162,7 +164,8 @@ async def test_a_cancelled_request_is_no_longer_awaited(
 
         await client.publish(client.subjects.cancel, CancelRequest(request_id="r1"))
         await eventually(lambda: len(router.prefill_jobs) == 0)
-        counters = router.counters.as_dict()
-        assert (counters["num_retries"], counters["num_failed"]) == (0, 0)
+        metrics = router.metrics.snapshot()
+        assert metrics["kvfabric_router_prefill_retries_total"] == 0
+        assert metrics["kvfabric_router_prefill_failures_total"] == 0
     finally:
         p1.release()

@@ -1,5 +1,5 @@
 """main.setup under the shared runtime (in process): the pooled endpoint answers, discovery
-shows the router's counters, and SIGTERM's path (request_stop) ends it cleanly."""
+shows the router's metrics, and SIGTERM's path (request_stop) ends it cleanly."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.service.router.fakes import eventually, make_request, start_workers
 pytestmark = [pytest.mark.nats]
 
 
-async def test_setup_serves_generate_and_reports_counters(
+async def test_setup_serves_generate_and_reports_metrics(
     nats_server: NatsServer, subject_root: str, bus_factory: BusFactory
 ) -> None:
     [p1] = await start_workers(bus_factory, PREFILL, {})
@@ -44,8 +44,8 @@ async def test_setup_serves_generate_and_reports_counters(
         await eventually(lambda: len(p1.jobs) == 1)
         [instance] = await discover(client, service=ROUTER)
         assert instance.instance_id == "router-main"
-        assert instance.counters["num_routed"] == 1
-        assert instance.counters["num_cold_index"] == 1  # no kv-index in this test
+        assert instance.metrics['kvfabric_router_decisions_total{outcome="routed"}'] == 1
+        assert instance.metrics["kvfabric_router_cold_index_total"] == 1  # no kv-index here
     finally:
         runtime.request_stop()
         await asyncio.wait_for(running, timeout=10)

@@ -71,9 +71,10 @@ async def test_picks_the_shorter_prefill_queue_and_a_decode_worker_with_room(
     assert (prefill_job.decision, prefill_job.attempt) == (decision, 0)
     assert prefill_job.request == decode_job.request
     assert not p1.jobs and not d1.jobs
-    counters = router.counters.as_dict()
-    assert counters["num_routed"] == 1 and counters["num_cold_index"] == 0
-    assert counters["num_prompt_tokens"] == 4 * BLOCK + 5
+    metrics = router.metrics.snapshot()
+    assert metrics['kvfabric_router_decisions_total{outcome="routed"}'] == 1
+    assert metrics["kvfabric_router_cold_index_total"] == 0
+    assert metrics["kvfabric_router_prompt_tokens_total"] == 4 * BLOCK + 5
     await eventually(lambda: len(router.prefill_jobs) == 0)  # PrefillDone arrived
 
 
@@ -134,7 +135,8 @@ async def test_a_cache_hit_goes_to_the_node_holding_its_sliding_window_snapshot(
     assert [row.slot for row in cached.rows()] == [0, 1, 2]
     await eventually(lambda: len(b.jobs) == 1)
     assert b.jobs[0].cached_blocks == cached
-    assert router.counters.as_dict()["num_hit_tokens"] == 3 * BLOCK
+    hits = router.metrics.snapshot()['kvfabric_router_cache_hit_tokens_total{tier="ssd"}']
+    assert hits == 3 * BLOCK
 
 
 async def test_kv_index_down_routes_cold(
@@ -153,7 +155,7 @@ async def test_kv_index_down_routes_cold(
     assert decision.num_cached_tokens == 0 and not decision.has_swa_snapshot
     assert (decision.prefill_worker_id, decision.decode_worker_id) == ("prefill-1", "decode-1")
     assert len(d1.jobs[0].cached_blocks) == 0
-    assert router.counters.as_dict()["num_cold_index"] == 1
+    assert router.metrics.snapshot()["kvfabric_router_cold_index_total"] == 1
 
 
 async def test_bad_requests_are_refused_before_any_worker_sees_them(
@@ -184,8 +186,10 @@ async def test_bad_requests_are_refused_before_any_worker_sees_them(
             await client.request(client.subjects.router_generate, message, RouteDecision)
         assert words in caught.value.message
     assert not p1.jobs and not d1.jobs
-    counters = router.counters.as_dict()
-    assert counters["num_rejected_bad_request"] == 5 and counters["num_routed"] == 0
+    metrics = router.metrics.snapshot()
+    assert metrics['kvfabric_router_rejections_total{code="BAD_REQUEST"}'] == 5
+    assert metrics['kvfabric_router_decisions_total{outcome="rejected"}'] == 5
+    assert metrics['kvfabric_router_decisions_total{outcome="routed"}'] == 0
 
 
 async def test_full_queues_then_full_decode_pages_are_overloaded_with_a_retry_after(
@@ -220,7 +224,8 @@ async def test_full_queues_then_full_decode_pages_are_overloaded_with_a_retry_af
     assert caught.value.retry_after_s == router.config.decode_retry_after_s
     assert "free KV pages" in caught.value.message
     assert not any(w.jobs for w in prefills + decoders)
-    assert router.counters.as_dict()["num_rejected_overloaded"] == 2
+    overloaded = router.metrics.snapshot()['kvfabric_router_rejections_total{code="OVERLOADED"}']
+    assert overloaded == 2
 
 
 async def test_a_replica_counts_what_another_replica_just_sent(

@@ -32,8 +32,9 @@ async def test_a_router_started_after_the_memcaches_asks_every_one_for_its_state
     await a.publish([3], [1])
     await eventually(lambda: router.swa_map.holders(3) == {"node-a"})
     assert router.swa_map.holders(1) == frozenset()
-    stats = router.stats()
-    assert stats["swa_map_num_memcaches"] == 2 and stats["swa_map_num_gaps"] == 0
+    metrics = router.metrics.snapshot()
+    assert metrics["kvfabric_router_swa_memcaches"] == 2
+    assert metrics["kvfabric_router_swa_gaps_total"] == 0
 
 
 async def test_a_gap_gets_a_resync_naming_that_memcache_and_its_state_repairs_the_map(
@@ -52,7 +53,7 @@ async def test_a_gap_gets_a_resync_naming_that_memcache_and_its_state_repairs_th
     assert router.swa_map.holders(1) == router.swa_map.holders(7) == frozenset()
     assert router.swa_map.holders(5) == {"node-b"}
     assert not b.resyncs  # the others are not asked
-    assert router.stats()["swa_map_num_gaps"] == 1
+    assert router.metrics.snapshot()["kvfabric_router_swa_gaps_total"] == 1
 
 
 async def test_a_memcache_that_arrives_unannounced_is_asked_and_one_that_goes_silent_is_forgotten(

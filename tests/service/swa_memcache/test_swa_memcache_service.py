@@ -1,4 +1,4 @@
-"""swa-memcache as a real process: get/put over NATS, TTL expiry, capacity, counters."""
+"""swa-memcache as a real process: get/put over NATS, TTL expiry, capacity, metrics."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.nats, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[3]
 
 
-async def test_get_put_ttl_capacity_and_counters(
+async def test_get_put_ttl_capacity_and_metrics(
     nats_server: NatsServer, subject_root: str, bus_factory: BusFactory
 ) -> None:
     process = subprocess.Popen(
@@ -72,10 +72,12 @@ async def test_get_put_ttl_capacity_and_counters(
         await asyncio.sleep(1.5)  # past the TTL: the sweep drops everything
         assert not (await bus.request(subjects.swa_get, SwaGet(block_hash=3), SwaGetReply)).found
         [instance] = await discover(bus, service="swa-memcache")
-        counters = instance.counters
-        assert counters["num_hits"] == 1 and counters["num_evicted"] == 1
-        assert counters["num_expired"] >= 3 and counters["num_entries"] == 0
-        assert counters["num_misses"] == 2
+        metrics = instance.metrics
+        assert metrics["kvfabric_swa_memcache_hits_total"] == 1
+        assert metrics["kvfabric_swa_memcache_evicted_total"] == 1
+        assert metrics["kvfabric_swa_memcache_expired_total"] >= 3
+        assert metrics["kvfabric_swa_memcache_entries"] == 0
+        assert metrics["kvfabric_swa_memcache_misses_total"] == 2
     finally:
         process.terminate()
         process.wait(timeout=30)

@@ -91,14 +91,21 @@ async def prefill(
     agent.close()
 
 
-async def memcache_counters(bus: Bus) -> dict[str, int]:
+STORED, FAILED, MISMATCHED = (
+    f'pulls_total{{outcome="{o}"}}' for o in ("stored", "failed", "mismatched")
+)
+
+
+async def memcache_metrics(bus: Bus) -> dict[str, float]:
+    """The memcache's metrics (discovery's snapshot), without their common prefix."""
     [instance] = await discover(bus, service="swa-memcache")
-    return instance.counters
+    prefix = "kvfabric_swa_memcache_"
+    return {k.removeprefix(prefix): v for k, v in instance.metrics.items() if k.startswith(prefix)}
 
 
 async def test_big_over_nixl_small_inline_and_leases(prefill: tuple[Bus, SwaClient]) -> None:
     bus, client = prefill
-    before = await memcache_counters(bus)
+    before = await memcache_metrics(bus)
     big, small = snapshot(1), b"s" * 1000
     assert await client.put(10, big) and await client.put(11, small)
     assert await client.get(10) == big and await client.get(11) == small
@@ -121,11 +128,11 @@ async def test_big_over_nixl_small_inline_and_leases(prefill: tuple[Bus, SwaClie
     optimistic = SwaLease(late.location, late.lease_id, time.monotonic() + 10)
     assert await client.pull(optimistic) is None  # even ignoring the clock: checksum
 
-    after = await memcache_counters(bus)
-    assert after["num_pulled"] - before["num_pulled"] == 1 + 4 + 3
-    assert after["num_leased_gets"] - before["num_leased_gets"] == 4
-    assert after["num_released"] - before["num_released"] >= 3
-    assert after["num_pinned"] == 0 and after["used_bytes"] == 3 * BIG
+    after = await memcache_metrics(bus)
+    assert after[STORED] - before[STORED] == 1 + 4 + 3
+    assert after["leased_gets_total"] - before["leased_gets_total"] == 4
+    assert after["leases_released_total"] - before["leases_released_total"] >= 3
+    assert after["pinned_entries"] == 0 and after["used_bytes"] == 3 * BIG
 
 
 async def test_failed_pulls_store_nothing_and_memcache_keeps_serving(
@@ -155,7 +162,7 @@ async def test_failed_pulls_store_nothing_and_memcache_keeps_serving(
         return await bus.request(put_subject, message, SwaPutReply, timeout_s=10.0)
 
     try:
-        before = await memcache_counters(bus)
+        before = await memcache_metrics(bus)
         first = json.loads(await asyncio.to_thread(read_line, caller))
         assert first["stored"]  # its metadata and UCX connection are cached now
         stop(caller)  # the caller dies before the memcache pulls its next snapshot
@@ -175,10 +182,10 @@ async def test_failed_pulls_store_nothing_and_memcache_keeps_serving(
         assert await client.get(1) is not None  # the dead caller's first put was whole
         for key in (2, 3, 4):
             assert await client.get(key) is None
-        after = await memcache_counters(bus)
-        assert after["num_pull_failures"] - before["num_pull_failures"] == 2
-        assert after["num_checksum_mismatches"] - before["num_checksum_mismatches"] == 1
+        after = await memcache_metrics(bus)
+        assert after[FAILED] - before[FAILED] == 2
+        assert after[MISMATCHED] - before[MISMATCHED] == 1
         # No reservation of a failed pull is left behind: only whole entries hold bytes.
-        assert after["used_bytes"] == after["num_entries"] * BIG and after["num_pinned"] == 0
+        assert after["used_bytes"] == after["entries"] * BIG and after["pinned_entries"] == 0
     finally:
         stop(caller)

@@ -128,6 +128,30 @@ def test_both_sources_in_one_batch_count_as_if_recorded_in_order(ledger: Ledger)
     assert b is not None and (b.source, b.num_output_tokens) == ("decode", 8)
 
 
+def test_the_result_says_what_was_ledgered_by_source_and_the_new_rows_money(
+    ledger: Ledger,
+) -> None:
+    """For billing's metrics: rows taken per source (SOURCES order: decode, ingress), and the
+    money (hit, miss, output pico-CNY) of the request ids new to the ledger."""
+    a_estimate, a_counted = row("a", "ingress", output=10), row("a", "decode", output=7)
+    b = row("b", "decode", output=8)
+    first = ledger.record([a_estimate, b, b])
+    assert first.num_ledgered_by_source == (1, 1)  # b from decode, a's estimate from ingress
+    money = [sum(getattr(r, f"{kind}_pico_cny") for r in (a_estimate, b))
+             for kind in ("hit", "miss", "output")]  # fmt: skip
+    assert list(first.inserted_pico_cny) == money and money[2] > 0
+    second = ledger.record([a_counted, row("c", "ingress"), b])
+    assert (second.num_inserted, second.num_replaced, second.num_duplicates) == (1, 1, 1)
+    assert second.num_ledgered_by_source == (1, 1)  # a replaced by decode, c from ingress
+    c = row("c", "ingress")
+    assert second.inserted_pico_cny == (c.hit_pico_cny, c.miss_pico_cny, c.output_pico_cny)
+    both = first + second
+    assert both.num_ledgered_by_source == (2, 2)
+    assert both.inserted_pico_cny == tuple(
+        x + y for x, y in zip(first.inserted_pico_cny, second.inserted_pico_cny, strict=True)
+    )
+
+
 def test_the_row_comes_back_column_for_column(ledger: Ledger) -> None:
     original = row("r1", "ingress")._replace(finish_reason=None, status="cancelled")
     ledger.record([original])
