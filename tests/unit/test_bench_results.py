@@ -49,9 +49,7 @@ def test_markdown_has_every_entry() -> None:
     data = json.loads(json.dumps(sample().to_dict()))
     text = render([data], "fallback")
     assert "## demo (quick)" in text and "`kvfabric bench demo --quick`" in text
-    assert (
-        "| decode tok/s | 30 | transformers: 20 | tokens/s | 1.50x | >= 1.50: met |" in text
-    )
+    assert "| decode tok/s | 30 | transformers: 20 | tokens/s | 1.50x | >= 1.50: met |" in text
     assert "| p50 latency | 4 | raw nats-py: 2 | us | 2.00x | <= 1.30: **NOT met** |" in text
     assert "| ingest | 26,000 | records/s | >= 5,000: met |" in text
     assert "- measured beside nothing else" in text
