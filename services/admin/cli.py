@@ -24,6 +24,7 @@ from services.admin import (
     keys_cli,
     models_cli,
     plan_cli,
+    top_cli,
     trace_cli,
 )
 from services.admin.demo import demo_requests
@@ -63,6 +64,9 @@ app.command("bench", short_help="Benchmarks, each against its peer in one run: N
     bench_cli.bench_command
 )
 app.command("plan", short_help="GPUs, servers, money, SSD of a deployment.")(plan_cli.plan_command)
+app.command("top", short_help="The cluster live: instances, request rate, hit share, TTFT.")(
+    top_cli.top_command
+)
 app.command("trace", short_help="One request's spans as a tree, from `up --trace-dir`'s files.")(
     trace_cli.trace_command
 )
