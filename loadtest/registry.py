@@ -51,6 +51,10 @@ BENCHMARKS = {
                   "usage records into the ledger against a bare batched INSERT"),
         Benchmark("agent", "loadtest.bench_agent",
                   "coding-agent sessions over HTTP: warm steps against the cold first step"),
+        Benchmark("peers", "loadtest.bench_peers",
+                  "the agent workload against vLLM (CPU build, its own venv) on the same "
+                  "SmolLM2 weights: warm TTFT, TTFT after a restart, decode tokens/s",
+                  in_suite=False),
         Benchmark("trace", "loadtest.bench_trace",
                   "the production trace: our routing's hit rate against the upper bound "
                   "and other policies"),

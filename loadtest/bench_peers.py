@@ -1,0 +1,391 @@
+"""Peer benchmark: vLLM's CPU build and a kvfabric cluster serving SmolLM2-135M-Instruct (the
+same weights: vLLM loads loadtest.peers.vllm's export of our GGUF), under the same agent
+workload through the same client, one side after the other in one run.
+
+    python -m loadtest.bench_peers [--quick] [--sessions 2] [--steps 5] [--context 1024]
+
+The workload: agent sessions, each step re-sending the whole conversation (a shared system
+prompt, a task with a slice of stdlib Python source, then per step the model's answer and a
+tool result of `--growth` tokens), streamed through `openai.AsyncOpenAI` at temperature 0;
+`--think-s` between an answer and the next step, as a tool runs. Measured on each side:
+- TTFT of each session's first step (cold) and of its later steps (warm: the previous
+  step's prompt and answer are cached), and decode tokens/s after the first token, at
+  batch 1 (one session at a time);
+- then both sides' model workers restart (vLLM: the server process, whose prefix cache is
+  in its memory; kvfabric: the prefill and decode worker processes, whose KV is in the SSD
+  store) and each session's next step is timed: TTFT after a restart;
+- requests/s with `--concurrency` fresh sessions at once.
+Targets: warm-step TTFT ours/vLLM <= 1; after a restart vLLM's TTFT >= 5x ours (ours/vLLM
+<= 0.2); decode tokens/s ours/vLLM >= 0.8.
+
+The sessions are driven here (`drive`), not by loadtest.agent's runner: a restart must fall
+between two steps of a session. Only one side runs at a time; this 2-core machine is shared,
+so only ratios from the same run mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+
+from loadtest.peers.vllm import VllmServer, ensure_vllm, export_checkpoint, leading_agreement
+from loadtest.results import BenchResult
+from services.admin.launcher import Child, Cluster, ClusterSpec
+from shared.bus import Bus
+from shared.engine.checkpoint import Checkpoint
+from shared.models import model_path
+from shared.natsd import die_with_parent
+from shared.subjects import BILLING, DECODE, PREFILL
+from shared.testing import unique_root
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY = "kvf-bench-peers-key"
+SYSTEM = (
+    "You are a coding agent working in a Python repository. Read the code and tool output "
+    "you are given, then answer with the next change to make, as a short code block."
+)
+STDLIB_FILES = ("argparse.py", "dataclasses.py", "pathlib.py", "inspect.py", "typing.py")
+PROBE = [{"role": "user", "content": "Say hi."}]  # untimed; shares no prefix with the sessions
+
+
+@dataclass(frozen=True)
+class Session:
+    task: str
+    tool_results: tuple[str, ...]
+
+    def messages(self, answers: list[str]) -> list[dict[str, str]]:
+        out = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": self.task}]
+        for answer, result in zip(answers, self.tool_results, strict=False):
+            out += [{"role": "assistant", "content": answer}, {"role": "user", "content": result}]
+        return out
+
+
+def make_sessions(num: int, num_steps: int, context: int, growth: int) -> list[Session]:
+    """Sessions of stdlib source: a task of `context` tokens, `num_steps - 1` tool results of
+    `growth` tokens each; session i's text is the i-th of `num` equal slices of the corpus,
+    so no two share text (the system prompt apart)."""
+    tokenizer = Checkpoint(model_path(MODEL)).tokenizer()
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    ids = tokenizer.encode("\n".join((lib / f).read_text() for f in STDLIB_FILES)).ids
+    per_session = context + (num_steps - 1) * growth
+    stride = len(ids) // num
+    if per_session > stride:
+        raise ValueError(f"{num} sessions of {per_session} tokens need more than the "
+                         f"{len(ids)} tokens of {', '.join(STDLIB_FILES)}")  # fmt: skip
+    sessions = []
+    for index in range(num):
+        piece = ids[index * stride : index * stride + per_session]
+        task = "Fix the bug in this module:\n" + tokenizer.decode(piece[:context])
+        results = tuple(
+            "Tool output (read_file):\n"
+            + tokenizer.decode(piece[context + k * growth : context + (k + 1) * growth])
+            for k in range(num_steps - 1)
+        )
+        sessions.append(Session(task, results))
+    return sessions
+
+
+@dataclass
+class Step:
+    ttft_s: float
+    e2e_s: float
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+    @property
+    def decode_s(self) -> float:
+        return self.e2e_s - self.ttft_s
+
+
+async def send(client: openai.AsyncOpenAI, messages: list[dict[str, str]], max_tokens: int) -> Step:
+    """One streamed chat completion, timed from the call to the first text and to the end."""
+    sent = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    first, text, usage = None, "", None
+    async for chunk in stream:
+        delta = chunk.choices[0].delta.content if chunk.choices else None
+        if delta:
+            first = first or time.perf_counter()
+            text += delta
+        usage = chunk.usage or usage
+    done = time.perf_counter()
+    if first is None or usage is None:
+        raise RuntimeError(f"a stream without {'text' if first is None else 'usage'}")
+    details = usage.prompt_tokens_details
+    cached = (details.cached_tokens or 0) if details else 0
+    return Step(first - sent, done - sent, text, usage.prompt_tokens, cached,
+                usage.completion_tokens)  # fmt: skip
+
+
+@dataclass
+class SideResult:
+    cold: list[Step] = field(default_factory=list)
+    warm: list[Step] = field(default_factory=list)
+    after_restart: list[Step] = field(default_factory=list)
+    restart_s: float = 0.0  # until the first request after the restart was answered
+    requests_per_s: float = 0.0
+
+
+async def drive(
+    client: openai.AsyncOpenAI,
+    args: argparse.Namespace,
+    restart: Callable[[], Awaitable[None]],
+) -> SideResult:
+    """The whole measurement against one server (see the module's docstring)."""
+    out = SideResult()
+    _say("batch 1: sessions one at a time")
+    await send(client, PROBE, 4)  # first-use costs of the client and the server, untimed
+    num_steps = max(args.steps, args.concurrent_steps)
+    every = make_sessions(args.sessions + args.concurrency, num_steps, args.context, args.growth)
+    sessions, fresh = every[: args.sessions], every[args.sessions :]
+    answers: list[list[str]] = [[] for _ in sessions]
+    for session, done in zip(sessions, answers, strict=True):
+        for index in range(args.steps - 1):
+            if index:
+                await asyncio.sleep(args.think_s)
+            step = await send(client, session.messages(done), args.max_tokens)
+            (out.warm if index else out.cold).append(step)
+            done.append(step.text)
+    await asyncio.sleep(args.think_s)
+    _say("restarting the model workers")
+    started = time.perf_counter()
+    await restart()
+    await _until_answered(client)
+    out.restart_s = time.perf_counter() - started
+    for session, done in zip(sessions, answers, strict=True):
+        out.after_restart.append(await send(client, session.messages(done), args.max_tokens))
+    _say(f"{args.concurrency} sessions at once")
+    started = time.perf_counter()
+    num_done = await asyncio.gather(*(_session(client, s, args) for s in fresh))
+    out.requests_per_s = sum(num_done) / (time.perf_counter() - started)
+    return out
+
+
+async def _session(client: openai.AsyncOpenAI, session: Session, args: argparse.Namespace) -> int:
+    answers: list[str] = []
+    for index in range(args.concurrent_steps):
+        if index:
+            await asyncio.sleep(args.think_s)
+        answers.append((await send(client, session.messages(answers), args.max_tokens)).text)
+    return len(answers)
+
+
+async def _until_answered(client: openai.AsyncOpenAI, timeout_s: float = 120.0) -> None:
+    """The probe until it is answered: a restarted worker may not be routed to at once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await send(client, PROBE, 1)
+            return
+        except (openai.APIStatusError, openai.APIConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+def _say(text: str) -> None:
+    print(f"[bench_peers] {text}", file=sys.stderr, flush=True)
+
+
+def _client(base_url: str, api_key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+
+
+async def run_vllm(args: argparse.Namespace, result: BenchResult) -> SideResult:
+    _say("vLLM: starting (its first start compiles the model: minutes)")
+    checkpoint = export_checkpoint(MODEL)
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cores} if args.vllm_cores else {}
+    server = VllmServer(checkpoint, MODEL, python=ensure_vllm(), block_size_tokens=args.block,
+                        env=bind)  # fmt: skip
+    with server:
+        how = f"VLLM_CPU_OMP_THREADS_BIND={args.vllm_cores}" if args.vllm_cores else "its choice"
+        cores = re.findall(r"core ids=\[([^\]]*)\]", server.log_tail(1 << 20))
+        result.note(f"vLLM: ready {server.startup_s:.0f} s after start; OpenMP threads on "
+                    f"core(s) {cores[-1] if cores else '?'} ({how})")  # fmt: skip
+        client = _client(server.base_url, "unused")
+
+        async def restart() -> None:
+            await asyncio.to_thread(server.restart)
+
+        try:
+            return await drive(client, args, restart)
+        finally:
+            await client.close()
+
+
+async def run_kvfabric(args: argparse.Namespace, result: BenchResult) -> SideResult:
+    _say("kvfabric: starting the cluster")
+    with tempfile.TemporaryDirectory(prefix="kvf-bench-peers-") as state:
+        spec = ClusterSpec(
+            state_dir=Path(state), nats_port=0, http_port=0, root=unique_root(),
+            replicas={BILLING: 0}, models=(MODEL,), log_level="warning", dev_api_key=KEY,
+            extra_args={PREFILL: ["--kv-block-size-tokens", str(args.block)],
+                        DECODE: ["--kv-block-size-tokens", str(args.block)]},
+        )  # fmt: skip
+        cluster = Cluster(spec)
+        cluster.start()
+        try:
+            return await _drive_cluster(cluster, args, result)
+        finally:
+            cluster.stop()
+
+
+async def _drive_cluster(
+    cluster: Cluster, args: argparse.Namespace, result: BenchResult
+) -> SideResult:
+    bus = await Bus.connect(cluster.nats_url, service="bench", root=cluster.spec.root)
+    try:
+        started = time.perf_counter()
+        await cluster.wait_ready(bus, timeout_s=300)
+        result.note(f"kvfabric: ready {time.perf_counter() - started:.0f} s after start; one "
+                    "torch thread in each of its prefill and decode workers")  # fmt: skip
+        client = _client(cluster.http_urls[0] + "/v1", KEY)
+
+        async def restart() -> None:
+            await asyncio.to_thread(restart_workers, cluster)
+            await cluster.wait_ready(bus, timeout_s=300)
+
+        try:
+            return await drive(client, args, restart)
+        finally:
+            await client.close()
+    finally:
+        await bus.close()
+
+
+def restart_workers(cluster: Cluster) -> None:
+    """SIGTERM the prefill and decode workers, wait for them, start each again with the same
+    command line and log (the same instance ids: each adopts its store files)."""
+    workers = [c for c in cluster.children if c.service in (PREFILL, DECODE)]
+    for child in workers:
+        child.process.send_signal(signal.SIGTERM)
+    for child in workers:
+        try:
+            child.process.wait(timeout=cluster.spec.shutdown_grace_s + 5)
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
+    for child in workers:
+        _respawn(child)
+
+
+def _respawn(child: Child) -> None:
+    with child.log_path.open("ab") as log:
+        child.process = subprocess.Popen(
+            child.process.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )  # fmt: skip
+
+
+def report(ours: SideResult, peer: SideResult, concurrency: int, result: BenchResult) -> None:
+    ms = lambda steps: statistics.median(s.ttft_s for s in steps) * 1e3  # noqa: E731
+    name = "vLLM 0.32 (CPU)"
+    result.ratio("TTFT, first step (cold), median", ms(ours.cold), ms(peer.cold), name, "ms",
+                 lower_is_better=True)  # fmt: skip
+    result.ratio("TTFT, later steps (warm), median", ms(ours.warm), ms(peer.warm), name, "ms",
+                 1.0, lower_is_better=True)  # fmt: skip
+    result.ratio("TTFT, next step after a worker restart (target: vLLM's >= 5x ours)",
+                 ms(ours.after_restart), ms(peer.after_restart), name, "ms", 0.2,
+                 lower_is_better=True)  # fmt: skip
+    result.ratio("decode tokens/s at batch 1", decode_tps(ours), decode_tps(peer), name,
+                 "tokens/s", 0.8)  # fmt: skip
+    result.ratio(f"requests/s at concurrency {concurrency}", ours.requests_per_s,
+                 peer.requests_per_s, name, "requests/s")  # fmt: skip
+    for side, r in (("kvfabric", ours), ("vLLM", peer)):
+        result.figure(f"{side}: cached share of warm steps' prompts", hit_share(r.warm), "share")
+        result.figure(f"{side}: cached share after the restart", hit_share(r.after_restart),
+                      "share")  # fmt: skip
+        result.figure(f"{side}: restart until the first answer", r.restart_s, "s")
+    tokenizer = Checkpoint(model_path(MODEL)).tokenizer()
+    first = [tokenizer.encode(r.cold[0].text, add_special_tokens=False).ids for r in (ours, peer)]
+    result.figure(f"first greedy answer: share of kvfabric's {len(first[0])} tokens that vLLM's "
+                  "matches from the start (re-tokenized text)",
+                  leading_agreement(*first) / max(1, len(first[0])), "share", 1.0)  # fmt: skip
+
+
+def decode_tps(side: SideResult) -> float:
+    steps = side.cold + side.warm
+    return sum(s.output_tokens - 1 for s in steps) / sum(s.decode_s for s in steps)
+
+
+def hit_share(steps: list[Step]) -> float:
+    return sum(s.cached_tokens for s in steps) / max(1, sum(s.prompt_tokens for s in steps))
+
+
+def run(quick: bool = False, **options: object) -> BenchResult:
+    """Options: the CLI's. Quick: two sessions of 3 steps (2 before the restart) from a
+    256-token task, and 4 sessions of 2 steps at concurrency 4."""
+    defaults = {"sessions": 2, "steps": 5, "context": 1024, "growth": 192, "max_tokens": 48,
+                "concurrency": 4, "concurrent_steps": 3, "think_s": 1.0, "block": 64,
+                "vllm_cores": ""}  # fmt: skip
+    if quick:
+        defaults |= {"sessions": 2, "steps": 3, "context": 256, "growth": 64, "max_tokens": 24,
+                     "concurrent_steps": 2}  # fmt: skip
+    args = argparse.Namespace(**(defaults | options))
+    if args.steps < 3:
+        raise ValueError("steps must be >= 3: a cold step, a warm one, one after the restart")
+    result = BenchResult("peers", quick)
+    result.note(
+        f"{args.sessions} session(s) of {args.steps} steps at batch 1 ({args.steps - 1} before "
+        f"the restart), task {args.context} tokens, +{args.growth} a step, {args.max_tokens} "
+        f"new tokens, {args.think_s:g} s think time; then {args.concurrency} fresh sessions of "
+        f"{args.concurrent_steps} steps at once; KV blocks of {args.block} tokens on both sides"
+    )
+    load_before = os.getloadavg()[0]
+    peer = asyncio.run(run_vllm(args, result))
+    ours = asyncio.run(run_kvfabric(args, result))
+    report(ours, peer, args.concurrency, result)
+    result.note(
+        f"load average (1 min) {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, "
+        f"on {os.cpu_count()} CPUs: other jobs on this machine make every figure noisy"
+    )
+    return result.finish()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5, help="per session, >= 3")
+    parser.add_argument("--context", type=int, default=1024, help="first task's tokens")
+    parser.add_argument("--growth", type=int, default=192, help="tool-result tokens a step")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--concurrent-steps", type=int, default=3)
+    parser.add_argument("--think-s", type=float, default=1.0)
+    parser.add_argument("--block", type=int, default=64, help="KV block size, both sides")
+    parser.add_argument(
+        "--vllm-cores",
+        default="",
+        help="VLLM_CPU_OMP_THREADS_BIND (`0-1`: both cores); default vLLM's own",
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
+    args = parser.parse_args()
+    sizes = ("sessions", "steps", "context", "growth", "max_tokens", "concurrency",
+             "concurrent_steps")  # fmt: skip
+    options = {k: v for k, v in vars(args).items() if k != "quick"}
+    if args.quick:  # the quick sizes, with the other options as given
+        options = {k: v for k, v in options.items() if k not in sizes}
+    run(args.quick, **options).print()
+
+
+if __name__ == "__main__":
+    main()
