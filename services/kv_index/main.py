@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.kv_index import metrics
+from services.kv_index import metrics, native
 from services.kv_index.config import KvIndexConfig
 from services.kv_index.handlers import KvIndexService
 from shared.bus import Endpoint
@@ -42,6 +42,11 @@ async def setup(runtime: ServiceRuntime) -> None:
     config = runtime.config
     assert isinstance(config, KvIndexConfig)  # service_main built it from KvIndexConfig
     bus, subjects = runtime.bus, runtime.bus.subjects
+    try:
+        native.module()  # built now, once, rather than inside the first event batch
+    except native.NativeUnavailable as exc:  # served by the dict index: said, not silent
+        log.warning("C row index unavailable: the dict index serves, ~4x the memory per "
+                    "block", reason=str(exc))  # fmt: skip
     service = KvIndexService(bus, config)
     stream = subjects.kv_events_stream
     await bus.js.ensure_stream(
