@@ -47,6 +47,9 @@ BENCHMARKS = {
                   "segment-cached chat tokenization against tokenizing the whole text"),
         Benchmark("ingress", "loadtest.bench_ingress",
                   "HTTP ingress against calling the router directly"),
+        Benchmark("observability", "loadtest.bench_observability",
+                  "requests/s and p50 with tracing (1% and 100%) and metrics scraped "
+                  "against neither"),
         Benchmark("ledger", "loadtest.bench_ledger",
                   "usage records into the ledger against a bare batched INSERT"),
         Benchmark("agent", "loadtest.bench_agent",

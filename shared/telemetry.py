@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
@@ -212,17 +213,40 @@ class _Untraced:
         return None
 
 
+class _UnsampledCurrent:
+    """What `span` returns under a parent that was not sampled but is not the current span
+    (a request's span kept on its job, stepped from a scheduler task): nothing is made, but
+    the parent is current inside the block, so a message sent there carries its traceparent
+    with the "not sampled" flag, and the next hop makes no root of its own. Without it, a
+    request left out at 1% would start a stray one-span trace at 1% of its later hops."""
+
+    __slots__ = ("span", "_token")
+
+    def __init__(self, span: Span) -> None:
+        self.span = span
+
+    def __enter__(self) -> Span:
+        self._token = otel_context.attach(trace.set_span_in_context(self.span))
+        return self.span
+
+    def __exit__(self, *exc_info: object) -> None:
+        otel_context.detach(self._token)
+
+
 def span(name: str, *, parent: Span | None = None) -> contextlib.AbstractContextManager[Span]:
     """A span for one step of a request, current inside the block: a child of `parent` (by
     default the current span) when that one is sampled -- ended or not: a task it started
     may run after it ended; a root when there is none and spans are exported; else nothing
-    is made and the (non-recording) parent is what the block gets."""
-    parent = trace.get_current_span() if parent is None else parent
+    is made and the (non-recording) parent is what the block gets, current inside it."""
+    current = trace.get_current_span()
+    parent = current if parent is None else parent
     parent_context = parent.get_span_context()
     if parent_context.trace_flags.sampled:
         context = trace.set_span_in_context(parent)
     elif not parent_context.is_valid and _sampler.is_exporting:
         context = None
+    elif parent_context.is_valid and parent is not current:
+        return _UnsampledCurrent(parent)
     else:
         return _Untraced(parent)
     return _tracer.start_as_current_span(name, context=context, record_exception=False)

@@ -44,6 +44,11 @@ def observe_load(metrics: Metrics, load_fields: Callable[[], dict[str, Any]]) ->
     metrics.gauge_from(
         "kvfabric_worker_kv_pages_capacity", "KV pool pages in all.", field("num_kv_pages_total")
     )
+    metrics.gauge_from(
+        "kvfabric_worker_devices",
+        "Accelerators this worker occupies (what revenue per GPU-hour divides by).",
+        field("num_devices"),
+    )
 
 
 def observe_store(metrics: Metrics, store: KvStore) -> None:

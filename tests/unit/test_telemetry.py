@@ -152,6 +152,25 @@ def test_span_helpers_make_nothing_under_an_unsampled_parent(
     assert [s.name for s in spans.get_finished_spans()] == []
 
 
+def test_an_unsampled_parent_is_current_in_its_steps_so_the_next_hop_follows_it(
+    spans: InMemorySpanExporter,
+) -> None:
+    # A request left out by the ratio, stepped from another task (its span kept on its job):
+    # what that step sends must say "not sampled", or the next hop (exporting, ratio 1 here)
+    # would start a trace of its own.
+    unsampled = trace.get_current_span(_remote_parent(sampled=False))
+    assert trace.get_current_span() is not unsampled
+    with telemetry.span("prefill transfer", parent=unsampled) as made:
+        assert made is unsampled and trace.get_current_span() is unsampled
+        headers: dict[str, str] = {}
+        telemetry.inject(headers)
+    assert trace.get_current_span() is not unsampled  # detached after the block
+    assert headers[telemetry.TRACEPARENT].endswith("-00")  # the "not sampled" flag
+    with telemetry.incoming_span("suffix", headers) as next_hop:
+        assert not next_hop.is_recording()
+    assert [s.name for s in spans.get_finished_spans()] == []
+
+
 def test_a_kept_context_continues_the_trace_once(spans: InMemorySpanExporter) -> None:
     with telemetry.span("decode finish") as finish:
         telemetry.keep_context("req-1")
