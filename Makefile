@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvfabric-installed
 
-.PHONY: demo up test lint bench-bus setup clean models
+.PHONY: demo up test lint bench-bus setup clean models vllm
 
 setup: $(STAMP)
 
@@ -26,13 +26,20 @@ models: $(STAMP)
 	$(VENV)/bin/kvfabric models fetch
 	$(PY) -m kernels.cpu || true
 
+# vLLM's CPU build in a venv of its own (its pins differ from ours), with what kvfabric's KV
+# connector needs inside it: ~/.cache/kvfabric/peers/vllm, minutes and ~1 GB the first time,
+# a no-op after. Only the vllm-worker service (`kvfabric up --engine vllm`), the tests marked
+# vllm and `kvfabric bench peers` use it; `make demo` never builds it.
+vllm: $(STAMP)
+	$(PY) -m shared.vllm_env
+
 demo: models
 	$(VENV)/bin/kvfabric demo
 
 up: models
 	$(VENV)/bin/kvfabric up
 
-test: models
+test: models vllm
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -47,7 +47,6 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.peers.venvs import PeerUnavailable, ensure_venv
 from loadtest.results import BenchResult
 from services.kv_index import native
 from services.kv_index.index import KvIndex
@@ -55,6 +54,7 @@ from shared.schema import BlocksStored, KvEventBatch, StoredBlock, pack_block_ha
 from shared.schema.base import decode, encode
 from shared.schema.kv_index import MatchRequest
 from shared.schema.tokens import unpack_block_hashes
+from shared.venvs import VenvUnavailable, ensure_venv
 
 DYNAMO = "ai-dynamo-runtime==1.6.1"
 PEER_SCRIPT = Path(__file__).with_name("peers") / "dynamo_indexer.py"
@@ -373,7 +373,7 @@ def run(
     if peer:
         try:
             dynamo_python = ensure_venv("dynamo", [DYNAMO])
-        except PeerUnavailable as exc:
+        except VenvUnavailable as exc:
             result.note(f"Dynamo not measured: its venv could not be built: {exc}")
     else:
         result.note("ours alone (--no-peer): no ratios against Dynamo")

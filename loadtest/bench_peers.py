@@ -1,8 +1,11 @@
-"""Peer benchmark: vLLM's CPU build and a kvfabric cluster serving SmolLM2-135M-Instruct (the
-same weights: vLLM loads loadtest.peers.vllm's export of our GGUF), under the same agent
-workload through the same client, one side after the other in one run.
+"""Peer benchmark: vLLM's CPU build against kvfabric serving SmolLM2-135M-Instruct (the same
+weights: vLLM loads shared.vllm_env's export of our GGUF), under the same agent workload
+through the same client, one side after the other in one run. Three sides:
+(a) vLLM alone, with its own prefix caching; (b) kvfabric with two vLLM workers, kvfabric's
+store as their KV connector; (c) kvfabric on its own engine (a prefill and a decode worker).
 
     python -m loadtest.bench_peers [--quick] [--sessions 2] [--steps 5] [--context 1024]
+                                   [--no-vllm-workers] [--no-move]
 
 The workload: agent sessions, each step re-sending the whole conversation (a shared system
 prompt, a task with a slice of stdlib Python source, then per step the model's answer and a
@@ -11,12 +14,16 @@ tool result of `--growth` tokens), streamed through `openai.AsyncOpenAI` at temp
 - TTFT of each session's first step (cold) and of its later steps (warm: the previous
   step's prompt and answer are cached), and decode tokens/s after the first token, at
   batch 1 (one session at a time);
-- then both sides' model workers restart (vLLM: the server process, whose prefix cache is
-  in its memory; kvfabric: the prefill and decode worker processes, whose KV is in the SSD
-  store) and each session's next step is timed: TTFT after a restart;
+- then every side's model workers restart (vLLM: the server process, whose prefix cache is
+  in its memory; kvfabric: the worker processes, whose KV is in the SSD store) and each
+  session's next step is timed: TTFT after a restart;
+- (a) and (b): the sessions move to another worker for one more step each (vLLM: a second
+  server, started after the first stops; kvfabric + vLLM workers: the worker that served them
+  is stopped and the router sends them to the other): TTFT on another worker;
 - requests/s with `--concurrency` fresh sessions at once.
-Targets: warm-step TTFT ours/vLLM <= 1; after a restart vLLM's TTFT >= 5x ours (ours/vLLM
-<= 0.2); decode tokens/s ours/vLLM >= 0.8.
+Targets: (c) against (a): warm-step TTFT <= 1x, after a restart <= 0.2x (vLLM's >= 5x ours),
+decode tokens/s >= 0.8x. (b) against (a): warm-step TTFT <= 1.1x; after the restart and on
+another worker <= 0.2x.
 
 The sessions are driven here (`drive`), not by loadtest.agent's runner: a restart must fall
 between two steps of a session. Only one side runs at a time; this 2-core machine is shared,
@@ -42,15 +49,17 @@ from pathlib import Path
 
 import openai
 
-from loadtest.peers.vllm import VllmServer, ensure_vllm, export_checkpoint, leading_agreement
+from loadtest.peers.vllm import leading_agreement
 from loadtest.results import BenchResult
 from services.admin.launcher import Child, Cluster, ClusterSpec
 from shared.bus import Bus
+from shared.discovery import discover
 from shared.engine.checkpoint import Checkpoint
 from shared.models import model_path
 from shared.natsd import die_with_parent
-from shared.subjects import BILLING, DECODE, PREFILL
+from shared.subjects import BILLING, DECODE, PREFILL, VLLM_WORKER
 from shared.testing import unique_root
+from shared.vllm_env import VllmServer, ensure_vllm, export_checkpoint
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "kvf-bench-peers-key"
@@ -141,6 +150,7 @@ class SideResult:
     cold: list[Step] = field(default_factory=list)
     warm: list[Step] = field(default_factory=list)
     after_restart: list[Step] = field(default_factory=list)
+    moved: list[Step] = field(default_factory=list)  # the next step on another worker
     restart_s: float = 0.0  # until the first request after the restart was answered
     requests_per_s: float = 0.0
 
@@ -149,12 +159,15 @@ async def drive(
     client: openai.AsyncOpenAI,
     args: argparse.Namespace,
     restart: Callable[[], Awaitable[None]],
+    move: Callable[[], Awaitable[openai.AsyncOpenAI]] | None = None,
 ) -> SideResult:
-    """The whole measurement against one server (see the module's docstring)."""
+    """The whole measurement against one server (see the module's docstring). `move`: put
+    the sessions on another worker (returns the client that reaches it), for one more step
+    each after the restart."""
     out = SideResult()
     _say("batch 1: sessions one at a time")
     await send(client, PROBE, 4)  # first-use costs of the client and the server, untimed
-    num_steps = max(args.steps, args.concurrent_steps)
+    num_steps = max(args.steps + 1, args.concurrent_steps)
     every = make_sessions(args.sessions + args.concurrency, num_steps, args.context, args.growth)
     sessions, fresh = every[: args.sessions], every[args.sessions :]
     answers: list[list[str]] = [[] for _ in sessions]
@@ -172,7 +185,17 @@ async def drive(
     await _until_answered(client)
     out.restart_s = time.perf_counter() - started
     for session, done in zip(sessions, answers, strict=True):
-        out.after_restart.append(await send(client, session.messages(done), args.max_tokens))
+        step = await send(client, session.messages(done), args.max_tokens)
+        out.after_restart.append(step)
+        done.append(step.text)
+    if move is not None:
+        _say("moving the sessions to another worker")
+        moved = await move()
+        await send(moved, PROBE, 1)  # untimed: its first-use costs
+        for session, done in zip(sessions, answers, strict=True):
+            await asyncio.sleep(args.think_s)
+            out.moved.append(await send(moved, session.messages(done), args.max_tokens))
+        client = moved
     _say(f"{args.concurrency} sessions at once")
     started = time.perf_counter()
     num_done = await asyncio.gather(*(_session(client, s, args) for s in fresh))
@@ -222,14 +245,81 @@ async def run_vllm(args: argparse.Namespace, result: BenchResult) -> SideResult:
         result.note(f"vLLM: ready {server.startup_s:.0f} s after start; OpenMP threads on "
                     f"core(s) {cores[-1] if cores else '?'} ({how})")  # fmt: skip
         client = _client(server.base_url, "unused")
+        other = VllmServer(
+            checkpoint, MODEL, python=ensure_vllm(), block_size_tokens=args.block, env=bind,
+            log_path=server.log_path.with_name("server-2.log"),
+        )  # fmt: skip
 
         async def restart() -> None:
             await asyncio.to_thread(server.restart)
 
+        async def move() -> openai.AsyncOpenAI:  # another vLLM: its own prefix cache, empty
+            await asyncio.to_thread(server.stop)  # one engine on the machine at a time
+            await asyncio.to_thread(other.start)
+            return _client(other.base_url, "unused")
+
         try:
-            return await drive(client, args, restart)
+            return await drive(client, args, restart, move if args.move else None)
         finally:
             await client.close()
+            other.stop()
+
+
+async def run_vllm_workers(args: argparse.Namespace, result: BenchResult) -> SideResult:
+    """kvfabric's cluster with two vLLM workers (its store as their KV connector) in place of
+    prefill and decode: restarted both; moved = the worker that served the sessions stopped."""
+    _say("kvfabric + vLLM workers: starting the cluster (each worker starts a vLLM)")
+    with tempfile.TemporaryDirectory(prefix="kvf-bench-peers-vllm-") as state:
+        spec = ClusterSpec(
+            state_dir=Path(state), nats_port=0, http_port=0, root=unique_root(),
+            replicas={BILLING: 0, PREFILL: 0, DECODE: 0, VLLM_WORKER: 2}, models=(MODEL,),
+            log_level="warning", dev_api_key=KEY,
+            extra_args={VLLM_WORKER: ["--kv-block-size-tokens", str(args.block)]},
+        )  # fmt: skip
+        cluster = Cluster(spec)
+        cluster.start()
+        try:
+            bus = await Bus.connect(cluster.nats_url, service="bench", root=spec.root)
+            try:
+                started = time.perf_counter()
+                await cluster.wait_ready(bus, timeout_s=900)
+                result.note(f"kvfabric + vLLM workers: ready {time.perf_counter() - started:.0f}"
+                            " s after start (two vLLM servers starting at once)")  # fmt: skip
+                client = _client(cluster.http_urls[0] + "/v1", KEY)
+                workers = [i for i, _ in spec.instances(VLLM_WORKER)]
+
+                async def restart() -> None:
+                    for instance_id in workers:
+                        await asyncio.to_thread(cluster.stop_instance, instance_id)
+                    for instance_id in workers:
+                        await asyncio.to_thread(cluster.restart_instance, instance_id)
+                    await cluster.wait_ready(bus, timeout_s=900)
+
+                async def move() -> openai.AsyncOpenAI:
+                    busiest = await _busiest_vllm_worker(bus)
+                    result.note(f"kvfabric + vLLM workers: moved off {busiest} (stopped)")
+                    await asyncio.to_thread(cluster.stop_instance, busiest)
+                    return client
+
+                try:
+                    return await drive(client, args, restart, move if args.move else None)
+                finally:
+                    await client.close()
+            finally:
+                await bus.close()
+        finally:
+            cluster.stop()
+
+
+async def _busiest_vllm_worker(bus: Bus) -> str:
+    """The vLLM worker that ended the most requests: the one the sessions were on."""
+    counted = {}
+    for instance in await discover(bus, service=VLLM_WORKER):
+        counted[instance.instance_id] = sum(
+            v for k, v in instance.metrics.items()
+            if k.startswith("kvfabric_vllm_worker_requests_total")
+        )  # fmt: skip
+    return max(sorted(counted), key=lambda i: counted[i])
 
 
 async def run_kvfabric(args: argparse.Namespace, result: BenchResult) -> SideResult:
@@ -296,7 +386,14 @@ def _respawn(child: Child) -> None:
         )  # fmt: skip
 
 
-def report(ours: SideResult, peer: SideResult, concurrency: int, result: BenchResult) -> None:
+def report(
+    ours: SideResult,
+    peer: SideResult,
+    workers: SideResult | None,
+    concurrency: int,
+    result: BenchResult,
+) -> None:
+    """Ratios against vLLM: kvfabric's engine (ours), then kvfabric + vLLM workers."""
     ms = lambda steps: statistics.median(s.ttft_s for s in steps) * 1e3  # noqa: E731
     name = "vLLM 0.32 (CPU)"
     result.ratio("TTFT, first step (cold), median", ms(ours.cold), ms(peer.cold), name, "ms",
@@ -310,10 +407,28 @@ def report(ours: SideResult, peer: SideResult, concurrency: int, result: BenchRe
                  "tokens/s", 0.8)  # fmt: skip
     result.ratio(f"requests/s at concurrency {concurrency}", ours.requests_per_s,
                  peer.requests_per_s, name, "requests/s")  # fmt: skip
-    for side, r in (("kvfabric", ours), ("vLLM", peer)):
+    sides = [("kvfabric", ours), ("vLLM", peer)]
+    if workers is not None:
+        w = "kvfabric + vLLM workers"
+        result.ratio(f"{w}: TTFT, later steps (warm), median", ms(workers.warm), ms(peer.warm),
+                     name, "ms", 1.1, lower_is_better=True)  # fmt: skip
+        result.ratio(f"{w}: TTFT, next step after both workers restart", ms(workers.after_restart),
+                     ms(peer.after_restart), name, "ms", 0.2, lower_is_better=True)  # fmt: skip
+        if workers.moved and peer.moved:
+            result.ratio(f"{w}: TTFT, next step on another worker (vLLM: another server)",
+                         ms(workers.moved), ms(peer.moved), name, "ms", 0.2,
+                         lower_is_better=True)  # fmt: skip
+        result.ratio(f"{w}: decode tokens/s at batch 1", decode_tps(workers), decode_tps(peer),
+                     name, "tokens/s")  # fmt: skip
+        result.ratio(f"{w}: requests/s at concurrency {concurrency} (one worker left)",
+                     workers.requests_per_s, peer.requests_per_s, name, "requests/s")  # fmt: skip
+        sides.insert(1, (w, workers))
+    for side, r in sides:
         result.figure(f"{side}: cached share of warm steps' prompts", hit_share(r.warm), "share")
         result.figure(f"{side}: cached share after the restart", hit_share(r.after_restart),
                       "share")  # fmt: skip
+        if r.moved:
+            result.figure(f"{side}: cached share on another worker", hit_share(r.moved), "share")
         result.figure(f"{side}: restart until the first answer", r.restart_s, "s")
     tokenizer = Checkpoint(model_path(MODEL)).tokenizer()
     first = [tokenizer.encode(r.cold[0].text, add_special_tokens=False).ids for r in (ours, peer)]
@@ -336,7 +451,7 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     256-token task, and 4 sessions of 2 steps at concurrency 4."""
     defaults = {"sessions": 2, "steps": 5, "context": 1024, "growth": 192, "max_tokens": 48,
                 "concurrency": 4, "concurrent_steps": 3, "think_s": 1.0, "block": 64,
-                "vllm_cores": ""}  # fmt: skip
+                "vllm_cores": "", "vllm_workers": True, "move": True}  # fmt: skip
     if quick:
         defaults |= {"sessions": 2, "steps": 3, "context": 256, "growth": 64, "max_tokens": 24,
                      "concurrent_steps": 2}  # fmt: skip
@@ -352,8 +467,9 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     )
     load_before = os.getloadavg()[0]
     peer = asyncio.run(run_vllm(args, result))
+    workers = asyncio.run(run_vllm_workers(args, result)) if args.vllm_workers else None
     ours = asyncio.run(run_kvfabric(args, result))
-    report(ours, peer, args.concurrency, result)
+    report(ours, peer, workers, args.concurrency, result)
     result.note(
         f"load average (1 min) {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, "
         f"on {os.cpu_count()} CPUs: other jobs on this machine make every figure noisy"
@@ -377,6 +493,10 @@ def main() -> None:
         default="",
         help="VLLM_CPU_OMP_THREADS_BIND (`0-1`: both cores); default vLLM's own",
     )
+    parser.add_argument("--no-vllm-workers", dest="vllm_workers", action="store_false",
+                        help="leave out the side of kvfabric with vLLM workers")  # fmt: skip
+    parser.add_argument("--no-move", dest="move", action="store_false",
+                        help="no step on another worker after the restart")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
     args = parser.parse_args()
     sizes = ("sessions", "steps", "context", "growth", "max_tokens", "concurrency",

@@ -56,7 +56,8 @@ BENCHMARKS = {
                   "coding-agent sessions over HTTP: warm steps against the cold first step"),
         Benchmark("peers", "loadtest.bench_peers",
                   "the agent workload against vLLM (CPU build, its own venv) on the same "
-                  "SmolLM2 weights: warm TTFT, TTFT after a restart, decode tokens/s",
+                  "SmolLM2 weights, for kvfabric's engine and for kvfabric with vLLM workers: "
+                  "warm TTFT, TTFT after a restart and on another worker, decode tokens/s",
                   in_suite=False),
         Benchmark("trace", "loadtest.bench_trace",
                   "the production trace: our routing's hit rate against the upper bound "

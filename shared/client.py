@@ -51,7 +51,7 @@ from shared.schema import (
     unpack_token_ids,
 )
 from shared.streams import ChunkReader
-from shared.subjects import DECODE, INGRESS
+from shared.subjects import DECODE, INGRESS, VLLM_WORKER
 from shared.telemetry import REQUEST_ID
 from shared.usage import usage_publisher
 from shared.usage_outbox import UsageOutbox
@@ -282,8 +282,9 @@ class _Generation:
                 self.on_decision(decision)
             if not read.done():
                 self.last_beat_at = time.monotonic()
+                streamer = VLLM_WORKER if decision.aggregated else DECODE
                 heartbeats = await bus.subscribe(
-                    bus.subjects.load(DECODE, decision.decode_worker_id),
+                    bus.subjects.load(streamer, decision.decode_worker_id),
                     LoadReport,
                     self._on_heartbeat,
                 )

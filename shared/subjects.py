@@ -23,7 +23,11 @@ DECODE = "decode"
 KV_INDEX = "kv-index"
 SWA_MEMCACHE = "swa-memcache"
 BILLING = "billing"
-SERVICES: tuple[str, ...] = (INGRESS, ROUTER, PREFILL, DECODE, KV_INDEX, SWA_MEMCACHE, BILLING)
+# A vLLM engine behind the same messages: prefill and decode in one instance (aggregated).
+VLLM_WORKER = "vllm-worker"
+SERVICES: tuple[str, ...] = (
+    INGRESS, ROUTER, PREFILL, DECODE, KV_INDEX, SWA_MEMCACHE, BILLING, VLLM_WORKER,
+)  # fmt: skip
 
 # The NATS micro discovery API: `$SRV.<VERB>[.<name>[.<id>]]`, fixed by the protocol and
 # therefore outside our root; instances carry the root in their metadata instead.
@@ -96,6 +100,11 @@ class Subjects:
     @property
     def decode_run(self) -> str:
         return self.endpoint(DECODE, "run")
+
+    @property
+    def vllm_run(self) -> str:
+        """router -> an aggregated vLLM worker (per instance): `DecodeJob`, the whole request."""
+        return self.endpoint(VLLM_WORKER, "run")
 
     @property
     def decode_suffix(self) -> str:

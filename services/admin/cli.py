@@ -36,7 +36,7 @@ from shared.config import ENGINES
 from shared.discovery import discover
 from shared.models import DEFAULT_MODELS
 from shared.schema import ServiceError
-from shared.subjects import DECODE, DEFAULT_ROOT, PREFILL, SERVICES
+from shared.subjects import DECODE, DEFAULT_ROOT, PREFILL, SERVICES, VLLM_WORKER
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
 app.add_typer(
@@ -99,7 +99,10 @@ def up(
         "models list) or paths, comma separated",
     ),
     engine: str = typer.Option(
-        "model", help="model: run it; mock: simulated timing, real KV events and usage"
+        "model",
+        help="model: run it; mock: simulated timing, real KV events and usage; vllm: vLLM "
+        "workers (prefill and decode in one, kvfabric's store as their KV connector) instead "
+        "of prefill and decode (vLLM's venv is built on first use)",
     ),
     dev_api_key: str | None = typer.Option(
         None,
@@ -132,8 +135,7 @@ def up(
         raise typer.BadParameter(f"must be in [0, 65536), got {metrics_port}",
                                  param_hint="--metrics-port")  # fmt: skip
     spec.metrics_port = metrics_port
-    spec.models = _models(models_, engine)
-    spec.extra_args = _engine_args(engine)
+    apply_engine(spec, engine, models_)
     spec.dev_api_key = dev_api_key
     spec.trace_dir, spec.otlp_endpoint, spec.trace_sample_ratio = _tracing(
         trace_dir, otlp_endpoint, trace_sample_ratio
@@ -260,9 +262,29 @@ def _tracing(
     return trace_dir, otlp_endpoint, ratio
 
 
+UP_ENGINES = (*ENGINES, "vllm")
+VLLM_DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def apply_engine(spec: ClusterSpec, engine: str, models_text: str) -> None:
+    """`up --engine E --models M`: what the workers run and serve. `vllm`: vLLM workers in
+    place of prefill and decode (unless --replicas says otherwise), serving SmolLM2 unless
+    --models names models (vLLM loads a llama model's export)."""
+    spec.extra_args = _engine_args(engine)
+    if engine != "vllm":
+        spec.models = _models(models_text, engine)
+        return
+    if models_text == ",".join(DEFAULT_MODELS):
+        models_text = VLLM_DEFAULT_MODEL
+    spec.models = _models(models_text, engine)
+    spec.replicas = {PREFILL: 0, DECODE: 0, VLLM_WORKER: 1} | spec.replicas
+
+
 def _engine_args(engine: str) -> dict[str, list[str]]:
-    if engine not in ENGINES:
-        raise typer.BadParameter(f"must be one of {', '.join(ENGINES)}", param_hint="--engine")
+    if engine not in UP_ENGINES:
+        raise typer.BadParameter(f"must be one of {', '.join(UP_ENGINES)}", param_hint="--engine")
+    if engine == "vllm":
+        return {}
     return {PREFILL: ["--engine", engine], DECODE: ["--engine", engine]}
 
 
@@ -299,7 +321,9 @@ async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
         for child in cluster.children:
             echo(f"process       {child.instance_id} pid {child.process.pid} log {child.log_path}")
         bus = await Bus.connect(cluster.nats_url, service="admin", root=spec.root)
-        ready = asyncio.create_task(cluster.wait_ready(bus))
+        # A vLLM worker answers once vLLM has started: minutes on this machine.
+        timeout_s = 900.0 if spec.instances(VLLM_WORKER) else 60.0
+        ready = asyncio.create_task(cluster.wait_ready(bus, timeout_s=timeout_s))
         waiter = asyncio.create_task(stop.wait())
         await asyncio.wait({ready, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():

@@ -31,12 +31,19 @@ from shared.subjects import (
     ROUTER,
     SERVICES,
     SWA_MEMCACHE,
+    VLLM_WORKER,
     check_token,
 )
 
 # Start order: what others call comes up first. Stop order is the reverse: ingress stops
 # taking HTTP requests before the workers behind it drain.
-START_ORDER: tuple[str, ...] = (KV_INDEX, SWA_MEMCACHE, BILLING, DECODE, PREFILL, ROUTER, INGRESS)
+START_ORDER: tuple[str, ...] = (
+    KV_INDEX, SWA_MEMCACHE, BILLING, DECODE, PREFILL, VLLM_WORKER, ROUTER, INGRESS,
+)  # fmt: skip
+MODEL_WORKERS = (PREFILL, DECODE, VLLM_WORKER)  # the services that run a model
+# Instances a service gets unless `replicas` says: one each, but no vLLM workers (they take
+# vLLM's own venv; `kvfabric up --engine vllm` runs them instead of prefill and decode).
+DEFAULT_REPLICAS = {VLLM_WORKER: 0}
 assert set(START_ORDER) == set(SERVICES)
 
 
@@ -96,14 +103,14 @@ class ClusterSpec:
     trace_sample_ratio: float = 1.0
 
     def num_replicas(self, service: str) -> int:
-        return self.replicas.get(service, 1)
+        return self.replicas.get(service, DEFAULT_REPLICAS.get(service, 1))
 
     def instances(self, service: str) -> list[tuple[str, str | None]]:
         """(instance id, model) of each instance of `service` (model None: not a worker).
         With one model ids are `prefill-0`, ...; with several `prefill-<model>-0`, ...,
         the model's short name (`smollm2`) in the id."""
         count = self.num_replicas(service)
-        if service not in (PREFILL, DECODE):
+        if service not in MODEL_WORKERS:
             return [(f"{service}-{i}", None) for i in range(count)]
         if len(self.models) == 1:
             return [(f"{service}-{i}", self.models[0]) for i in range(count)]
@@ -140,6 +147,8 @@ class Child:
     instance_id: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    index: int = 0  # among its service's instances (its HTTP port's offset)
+    model: str | None = None
 
 
 class Cluster:
@@ -188,7 +197,7 @@ class Cluster:
         extra = self.spec.extra_args.get(service, []) + self.spec.instance_args.get(instance_id, [])
         if model is not None and "--model" not in extra:
             args += ["--model", model]
-        if service in (PREFILL, DECODE) and "--store-dir" not in extra:
+        if service in MODEL_WORKERS and "--store-dir" not in extra:
             # One SSD tier for the whole one-machine cluster: every worker reads every slot.
             args += ["--store-dir", str(self.spec.state_dir / "kvstore")]
         if service == BILLING and "--ledger-url" not in extra:
@@ -196,7 +205,7 @@ class Cluster:
             ledger = (self.spec.state_dir / "billing" / "ledger.db").resolve()
             ledger.parent.mkdir(parents=True, exist_ok=True)
             args += ["--ledger-url", f"sqlite:///{ledger}"]
-        if service in (DECODE, INGRESS) and "--usage-outbox-dir" not in extra:
+        if service in (DECODE, INGRESS, VLLM_WORKER) and "--usage-outbox-dir" not in extra:
             # Under the state dir: a restarted cluster replays what its workers left pending.
             args += ["--usage-outbox-dir", str(self.spec.state_dir / "outbox")]
         args += extra
@@ -210,7 +219,35 @@ class Cluster:
                 start_new_session=True,  # Ctrl-C reaches the launcher only; it stops us in order
                 preexec_fn=die_with_parent,
             )
-        self.children.append(Child(service, instance_id, process, log_path))
+        self.children.append(Child(service, instance_id, process, log_path, index, model))
+
+    def child(self, instance_id: str) -> Child:
+        """The latest process of `instance_id`."""
+        for child in reversed(self.children):
+            if child.instance_id == instance_id:
+                return child
+        raise KeyError(f"no instance {instance_id!r} in this cluster")
+
+    def stop_instance(self, instance_id: str) -> int:
+        """SIGTERM one instance and wait for its drain (SIGKILL past the grace period); its
+        exit code. The rest of the cluster runs on."""
+        process = self.child(instance_id).process
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=self.spec.shutdown_grace_s + 5.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        return process.returncode
+
+    def restart_instance(self, instance_id: str) -> None:
+        """Stop one instance (if it runs) and start it again under the same id and flags: a
+        worker restarted with its files (store, outbox) where it left them."""
+        old = self.child(instance_id)
+        self.stop_instance(instance_id)
+        self.children.remove(old)
+        self._spawn(old.service, old.index, old.instance_id, old.model)
 
     def exited(self) -> list[Child]:
         return [c for c in self.children if c.process.poll() is not None]

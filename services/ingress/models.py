@@ -19,10 +19,12 @@ from shared.bus import Bus
 from shared.discovery import discover
 from shared.engine.checkpoint import Checkpoint
 from shared.logging import get_logger
-from shared.subjects import DECODE
+from shared.subjects import DECODE, VLLM_WORKER
 from shared.tokenizer import ChatFormat, PromptTokenizer, format_for
 
 log = get_logger(__name__)
+
+STREAMERS = frozenset({DECODE, VLLM_WORKER})  # the workers whose metadata names a model
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,10 @@ class ModelTable:
 
     async def refresh(self, timeout_s: float = 0.5) -> None:
         async with self._lock:
-            instances = await discover(self.bus, service=DECODE, timeout_s=timeout_s)
+            # The workers that stream tokens: decode workers and aggregated vLLM workers.
+            instances = [
+                i for i in await discover(self.bus, timeout_s=timeout_s) if i.service in STREAMERS
+            ]
             for instance in instances:
                 meta = instance.metadata
                 name = meta.get("model")

@@ -53,14 +53,14 @@ from shared.schema import (
     SwaResync,
     num_packed_tokens,
 )
-from shared.subjects import DECODE, PREFILL, ROUTER, SWA_MEMCACHE
+from shared.subjects import DECODE, PREFILL, ROUTER, SWA_MEMCACHE, VLLM_WORKER
 from shared.telemetry import REQUEST_ID
 
 log = get_logger(__name__)
 
 # The services whose heartbeats the router keeps: the workers it routes to, and the memcaches
 # whose snapshots it maps (a memcache pruned for silence is forgotten by the map too).
-WATCHED_SERVICES = frozenset({PREFILL, DECODE, SWA_MEMCACHE})
+WATCHED_SERVICES = frozenset({PREFILL, DECODE, SWA_MEMCACHE, VLLM_WORKER})
 
 
 def checked_request(request: GenerateRequest) -> RequestBlocks:
@@ -247,11 +247,12 @@ class Router:
         swa_node_ids = self._swa_holders(facts.boundary_block_hash)
         cached = cached_prefix(match, facts.num_cached_tokens // request.block_size_tokens)
         decision = await self._place(request, facts, swa_node_ids, cached)
-        self.prefill_jobs.start(
-            PrefillJob(request=request, decision=decision, cached_blocks=cached),
-            facts,
-            swa_node_ids,
-        )
+        if not decision.aggregated:  # an aggregated worker prefills the job it was sent
+            self.prefill_jobs.start(
+                PrefillJob(request=request, decision=decision, cached_blocks=cached),
+                facts,
+                swa_node_ids,
+            )
         self.counts.routed.inc()
         self.counts.prompt_tokens.inc(facts.num_prompt_tokens)
         if facts.num_cached_tokens:
@@ -353,8 +354,9 @@ class Router:
         self, request: GenerateRequest, decision: RouteDecision, cached: BlockLocations
     ) -> None:
         subjects = self.bus.subjects
+        run = subjects.vllm_run if decision.aggregated else subjects.decode_run
         await self.bus.request(
-            subjects.instance(subjects.decode_run, decision.decode_worker_id),
+            subjects.instance(run, decision.decode_worker_id),
             DecodeJob(request=request, decision=decision, cached_blocks=cached),
             JobAccepted,
             timeout_s=self.config.accept_timeout_s,

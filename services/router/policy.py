@@ -9,6 +9,9 @@ memcaches' events -> the nodes holding the boundary block's sliding-window snaps
   holds the boundary's SWA snapshot; an agent's next step returns to the node with its window
   unless that node's queue costs more than the replay it saves.
 - decode: the least loaded batch among workers with free KV pages for prompt + max_tokens.
+- aggregated (vLLM workers, prefill and decode in one): for a model no prefill/decode pair
+  serves, the least estimated time to first token among those with free KV pages, under the
+  same objective and queue bound as prefill.
 - no: OVERLOADED with a retry-after when the best TTFT exceeds the objective (the time until
   the best queue has drained enough) or every prefill queue is full; UNAVAILABLE when no
   worker of a service is serving. Outcomes are values (`Rejection`), never raised.
@@ -32,7 +35,7 @@ from shared.schema.errors import (
     Unavailable,
 )
 from shared.schema.inference import GenerateRequest, RouteDecision
-from shared.subjects import DECODE, PREFILL
+from shared.subjects import DECODE, PREFILL, VLLM_WORKER
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class PolicyConfig:
     max_attempts: int = 2  # the first try and one retry on another prefill worker
     prefill_service: str = PREFILL
     decode_service: str = DECODE
+    aggregated_service: str = VLLM_WORKER
 
 
 @dataclass(frozen=True)
@@ -122,8 +126,21 @@ class RoutePolicy:
         exclude: Collection[str] = (),
     ) -> list[PrefillOption]:
         """Every serving prefill worker with its estimate, best first."""
+        return self._options(
+            self.config.prefill_service, facts, table, swa_node_ids, now_s, exclude
+        )
+
+    def _options(
+        self,
+        service: str,
+        facts: RequestFacts,
+        table: LoadTable,
+        swa_node_ids: Collection[str],
+        now_s: float,
+        exclude: Collection[str] = (),
+    ) -> list[PrefillOption]:
         options = []
-        for worker in table.workers(self.config.prefill_service, now_s, facts.model):
+        for worker in table.workers(service, now_s, facts.model):
             if worker.instance_id in exclude:
                 continue
             has_swa = facts.num_cached_tokens > 0 and worker.node_id in swa_node_ids
@@ -146,6 +163,7 @@ class RoutePolicy:
         served = sorted(
             set(table.models(self.config.prefill_service, now_s))
             & set(table.models(self.config.decode_service, now_s))
+            | set(table.models(self.config.aggregated_service, now_s))
         )
         if not served or model in served:
             return None
@@ -156,6 +174,8 @@ class RoutePolicy:
     def choose(
         self, facts: RequestFacts, table: LoadTable, swa_node_ids: Collection[str], now_s: float
     ) -> RouteDecision | Rejection:
+        if self._is_aggregated(facts, table, now_s):
+            return self._choose_aggregated(facts, table, now_s)
         prefill = self._choose_prefill(facts, table, swa_node_ids, now_s, (), check_slo=True)
         if isinstance(prefill, Rejection):
             return prefill
@@ -214,6 +234,37 @@ class RoutePolicy:
         num_tokens = facts.num_prompt_tokens + facts.max_tokens
         return math.ceil(num_tokens / self.config.decode_page_size_tokens)
 
+    def _is_aggregated(self, facts: RequestFacts, table: LoadTable, now_s: float) -> bool:
+        """The model is served by aggregated workers and by no prefill worker."""
+        config = self.config
+        return bool(table.workers(config.aggregated_service, now_s, facts.model)) and not (
+            table.workers(config.prefill_service, now_s, facts.model)
+        )
+
+    def _choose_aggregated(
+        self, facts: RequestFacts, table: LoadTable, now_s: float
+    ) -> RouteDecision | Rejection:
+        """One worker for both: free pages as for decode, then the best TTFT as for prefill
+        (no sliding-window snapshots: vLLM keeps a request's whole KV itself)."""
+        options = self._options(self.config.aggregated_service, facts, table, (), now_s)
+        needed = self.pages_needed(facts)
+        if needed > max(o.worker.num_kv_pages_total for o in options):
+            return Rejection(
+                ErrorCode.BAD_REQUEST,
+                f"prompt + max_tokens needs {needed} KV pages, more than any worker has",
+            )
+        fits = [o for o in options if o.worker.num_kv_pages_free >= needed]
+        if not fits:
+            return Rejection(
+                ErrorCode.OVERLOADED,
+                f"no worker has {needed} free KV pages",
+                retry_after_s=self.config.decode_retry_after_s,
+            )
+        chosen = self._admit(fits, check_slo=True)
+        if isinstance(chosen, Rejection):
+            return chosen
+        return self._decision(facts, chosen, chosen.worker.instance_id, aggregated=True)
+
     def _choose_prefill(
         self,
         facts: RequestFacts,
@@ -227,6 +278,10 @@ class RoutePolicy:
         options = self.prefill_options(facts, table, swa_node_ids, now_s, exclude)
         if not options:
             return Rejection(ErrorCode.UNAVAILABLE, f"no prefill worker is serving{_of(facts)}")
+        return self._admit(options, check_slo=check_slo)
+
+    def _admit(self, options: list[PrefillOption], *, check_slo: bool) -> PrefillOption | Rejection:
+        """The best option with room in its queue, within the objective when checked."""
         limit = self.config.max_queued_tokens
         # A worker with an empty queue always has room, or a prompt over the limit never runs.
         room = [
@@ -283,7 +338,12 @@ class RoutePolicy:
         return min(fits, key=lambda w: (w.num_batch_seqs, -w.num_kv_pages_free, w.instance_id))
 
     def _decision(
-        self, facts: RequestFacts, prefill: PrefillOption, decode_id: str
+        self,
+        facts: RequestFacts,
+        prefill: PrefillOption,
+        decode_id: str,
+        *,
+        aggregated: bool = False,
     ) -> RouteDecision:
         return RouteDecision(
             request_id=facts.request_id,
@@ -293,6 +353,7 @@ class RoutePolicy:
             num_cached_tokens=facts.num_cached_tokens,
             has_swa_snapshot=prefill.has_swa_snapshot,
             estimated_ttft_ms=prefill.estimate.ttft_s * 1000.0,
+            aggregated=aggregated,
         )
 
 

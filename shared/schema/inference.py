@@ -49,6 +49,9 @@ class RouteDecision(Message, tag="route_decision"):
     num_cached_tokens: int
     has_swa_snapshot: bool = False
     estimated_ttft_ms: float = 0.0
+    # One worker does both (a vLLM worker): prefill_worker_id == decode_worker_id, and the
+    # job goes to it whole, with no prefill job and no KV handoff.
+    aggregated: bool = False
 
 
 class BlockLocation(msgspec.Struct, frozen=True, array_like=True):

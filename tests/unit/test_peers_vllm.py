@@ -19,17 +19,13 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from loadtest.peers.venvs import PeerUnavailable
-from loadtest.peers.vllm import (
-    EXPORT_STAMP,
-    VllmServer,
-    export_checkpoint,
-    leading_agreement,
-)
+from loadtest.peers.vllm import leading_agreement
 from shared.engine import Checkpoint, ModelConfig, ModelRunner, load_model
 from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.engine.gguf import config_from_gguf, engine_name, read_gguf, read_tensor
 from shared.models import model_path
+from shared.venvs import VenvUnavailable
+from shared.vllm_env import EXPORT_STAMP, VllmServer, export_checkpoint
 from tests.unit.engine.engine_helpers import assert_logits_close, hf_logits
 
 SMOL = "SmolLM2-135M-Instruct"
@@ -145,7 +141,7 @@ def test_a_server_that_exits_at_start_reports_its_code_and_log(
     # Our venv has no vllm: the module is not found, which the error must show.
     server = VllmServer(exported, SMOL, python=Path(sys.executable),
                         log_path=tmp_path / "vllm.log", startup_timeout_s=60)  # fmt: skip
-    with pytest.raises(PeerUnavailable, match="exited with code 1") as raised:
+    with pytest.raises(VenvUnavailable, match="exited with code 1") as raised:
         server.start()
     assert "No module named 'vllm'" in str(raised.value)
     assert server.process is None

@@ -14,8 +14,10 @@ from services.router.policy import PolicyConfig, Rejection, RequestFacts, RouteP
 from shared.cost_model import CostModel
 from shared.kvstore.blocks import RequestBlocks
 from shared.schema import GenerateRequest, pack_token_ids
+from shared.schema.control import LoadReport
 from shared.schema.errors import ErrorCode, Overloaded, Unavailable
 from shared.schema.inference import RouteDecision, SamplingParams
+from shared.subjects import VLLM_WORKER
 from tests.unit.router.helpers import decoder, facts, report, table_with
 
 # Round numbers so a reader can follow them: a 128-token replay costs 1.28 s, more than the
@@ -224,3 +226,52 @@ def test_facts_keep_one_token_to_compute_and_name_the_boundary():
     assert full_hit.max_tokens == 7 and full_hit.num_prompt_tokens == 64
     miss = RequestFacts.of(request, blocks, num_hit_blocks=0)
     assert (miss.num_cached_tokens, miss.boundary_block_hash) == (0, None)
+
+
+# -- aggregated workers (vLLM: prefill and decode in one) --------------------------------------
+def aggregated(instance_id: str, **kwargs: object) -> object:
+    return report(instance_id, service=VLLM_WORKER, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_model_only_aggregated_workers_serve_goes_whole_to_the_fastest_with_room() -> None:
+    a = aggregated("v-a", queued_tokens=3000)
+    b = aggregated("v-b", queued_tokens=500)
+    full = aggregated("v-full", queued_tokens=0, pages_free=1)  # fastest, but no room
+    decision = NO_SLO.choose(HIT, table_with(a, b, full), set(), 0.0)
+    assert isinstance(decision, RouteDecision), decision
+    assert decision.aggregated
+    assert decision.prefill_worker_id == decision.decode_worker_id == "v-b"
+    assert decision.estimated_ttft_ms == pytest.approx(ttft(NO_SLO, HIT, 500, False) * 1000)
+    # Both in-flight deltas land on the one worker: its queue and its pages.
+    prefill_delta, decode_delta = NO_SLO.inflight_deltas("r1", decision, HIT)
+    assert prefill_delta.instance_id == decode_delta.instance_id == "v-b"
+    assert prefill_delta.num_tokens > 0 and decode_delta.num_kv_pages == NO_SLO.pages_needed(HIT)
+
+
+def test_prefill_and_decode_pairs_keep_a_model_they_serve_beside_aggregated_workers() -> None:
+    table = table_with(report("p1"), decoder("d1"), aggregated("v-a"))
+    decision = NO_SLO.choose(HIT, table, set(), 0.0)
+    assert isinstance(decision, RouteDecision) and not decision.aggregated
+    assert (decision.prefill_worker_id, decision.decode_worker_id) == ("p1", "d1")
+
+
+def test_aggregated_workers_are_refused_like_the_others() -> None:
+    needed = NO_SLO.pages_needed(HIT)
+    busy = table_with(aggregated("v-a", pages_free=needed - 1))
+    rejection = NO_SLO.choose(HIT, busy, set(), 0.0)
+    assert isinstance(rejection, Rejection) and rejection.code is ErrorCode.OVERLOADED
+    small = table_with(aggregated("v-a", pages_free=1, pages_total=needed - 1))
+    rejection = NO_SLO.choose(HIT, small, set(), 0.0)
+    assert isinstance(rejection, Rejection) and rejection.code is ErrorCode.BAD_REQUEST
+    slo = RoutePolicy(COST, PolicyConfig(ttft_objective_s=0.5))
+    slow = table_with(aggregated("v-a", queued_tokens=5000))
+    rejection = slo.choose(HIT, slow, set(), 0.0)
+    assert isinstance(rejection, Rejection) and rejection.code is ErrorCode.OVERLOADED
+    assert rejection.retry_after_s is not None and rejection.retry_after_s > 0
+    # An aggregated worker's model is served: not NOT_FOUND for it.
+    models_table = table_with(
+        LoadReport(service=VLLM_WORKER, instance_id="v-m", seq=1, ts_ms=0, model="smol",
+                   num_kv_pages_total=10, num_kv_pages_free=10)
+    )  # fmt: skip
+    assert NO_SLO.unserved_model("smol", models_table, 0.0) is None
+    assert NO_SLO.unserved_model("other", models_table, 0.0) is not None

@@ -1,4 +1,5 @@
-"""Virtual environments for peers, built on demand and reused.
+"""Virtual environments for other stacks (vLLM, Dynamo's indexer), built on demand and
+reused: their pins differ from ours, so each lives apart.
 
     python = ensure_venv("dynamo", ["ai-dynamo-runtime==1.6.1"])
     subprocess.run([str(python), "-m", "some.module"])
@@ -19,11 +20,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-class PeerUnavailable(RuntimeError):
-    """A peer's environment could not be built; the message says why (and where the log is)."""
+class VenvUnavailable(RuntimeError):
+    """An environment could not be built; the message says why (and where the log is)."""
 
 
-def peers_dir() -> Path:
+def venvs_dir() -> Path:
     return Path(os.environ.get("KVF_PEERS_DIR", Path.home() / ".cache" / "kvfabric" / "peers"))
 
 
@@ -32,21 +33,39 @@ def ensure_venv(
     requirements: Sequence[str],
     *,
     remove_after: Sequence[str] = (),
+    add_ons: Sequence[str] = (),
     python: str = sys.executable,
 ) -> Path:
     """The python executable of venv `name` with `requirements` installed (built if missing
     or built for other requirements). `remove_after`: packages to uninstall once installed
-    (a peer's optional dependencies that fail to import beside the CPU torch)."""
-    root = peers_dir() / name
+    (a peer's optional dependencies that fail to import beside the CPU torch). `add_ons`:
+    packages installed on top, in a step of their own, so that changing them does not
+    rebuild the venv."""
+    root = venvs_dir() / name
     exe = root / "bin" / "python"
     wanted = _fingerprint(requirements, remove_after)
     stamp = root / ".kvfabric-requirements"
-    if exe.exists() and stamp.exists() and stamp.read_text() == wanted:
-        return exe
+    if not (exe.exists() and stamp.exists() and stamp.read_text() == wanted):
+        _build(root, exe, requirements, remove_after, python)
+        stamp.write_text(wanted)
+    add_ons_stamp = root / ".kvfabric-add-ons"
+    wanted_add_ons = _fingerprint(add_ons, ())
+    if add_ons and not (add_ons_stamp.exists() and add_ons_stamp.read_text() == wanted_add_ons):
+        _run([str(exe), "-m", "pip", "install", *add_ons], log=root / "install.log",
+             what=f"installing {' '.join(add_ons)} into {root}")  # fmt: skip
+        add_ons_stamp.write_text(wanted_add_ons)
+    return exe
+
+
+def _build(
+    root: Path, exe: Path, requirements: Sequence[str], remove_after: Sequence[str], python: str
+) -> None:
     log = root / "install.log"
-    _say(f"building the {name} environment in {root} (pip: {' '.join(requirements)}); log: {log}")
+    _say(f"building the {root.name} environment in {root} (pip: {' '.join(requirements)}); "
+         f"log: {log}")  # fmt: skip
     started = time.monotonic()
     root.parent.mkdir(parents=True, exist_ok=True)
+    (root / ".kvfabric-add-ons").unlink(missing_ok=True)
     _run([python, "-m", "venv", "--clear", str(root)], log=None, what=f"creating {root}")
     _run([str(exe), "-m", "pip", "install", "--upgrade", "pip"], log=log, what="upgrading pip")
     _run([str(exe), "-m", "pip", "install", *requirements], log=log,
@@ -54,9 +73,7 @@ def ensure_venv(
     if remove_after:
         _run([str(exe), "-m", "pip", "uninstall", "-y", *remove_after], log=log,
              what=f"removing {' '.join(remove_after)}")  # fmt: skip
-    stamp.write_text(wanted)
-    _say(f"{name} environment ready in {time.monotonic() - started:.0f} s")
-    return exe
+    _say(f"{root.name} environment ready in {time.monotonic() - started:.0f} s")
 
 
 def _fingerprint(requirements: Sequence[str], remove_after: Sequence[str]) -> str:
@@ -76,7 +93,7 @@ def _run(argv: list[str], *, log: Path | None, what: str) -> None:
             done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=False)
         output = log.read_text()[-2000:]
     if done.returncode != 0:
-        raise PeerUnavailable(f"{what} failed (exit {done.returncode}):\n{output[-2000:]}")
+        raise VenvUnavailable(f"{what} failed (exit {done.returncode}):\n{output[-2000:]}")
 
 
 def _say(text: str) -> None:

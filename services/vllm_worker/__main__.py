@@ -1,0 +1,3 @@
+from services.vllm_worker.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from shared.config import ConfigError, ServiceConfig
+from shared.models import ModelError, model_path, served_name
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmWorkerConfig(ServiceConfig):
+    """Environment prefix KVF_VLLM_WORKER_. What the vLLM engine serves and how it starts, its
+    KV connector's store, and the worker's own limits. (The vLLM server's port is any free one.)"""
+
+    env_prefix: ClassVar[str] = "KVF_VLLM_WORKER_"
+
+    # A model's name (`kvfabric models list`) or a path; vLLM loads its HF export (the GGUF's
+    # own weights, shared.vllm_env.export_checkpoint) under the model's served name, which is
+    # also the block-hash namespace, so its blocks and a kvfabric engine's are the same.
+    model: str = "SmolLM2-135M-Instruct"
+    kv_block_size_tokens: int = 64  # vLLM's --block-size: the store's blocks
+    max_model_len: int = 8192
+    dtype: str = "float32"  # the kvfabric engine's: KV shared with it is bit-comparable
+    max_num_seqs: int = 32  # requests this worker holds at once (more: OVERLOADED)
+    retry_after_s: float = 5.0
+    # The KV connector (shared/vllm_connector): kvfabric's SSD tier and kv-index under vLLM's
+    # prefix cache. Off: vLLM with its own prefix caching only (what a plain vLLM does).
+    connector: bool = True
+    store_dir: Path = Path("/tmp/kvfabric/kvstore")
+    store_capacity_bytes: int = 8 << 30
+    store_file_nbytes: int = 256 << 20
+    store_backend: str = "aiofiles"  # vLLM's venv has no NIXL unless installed there
+    kv_index_shards: int = 1
+    # vLLM itself: its venv's python (default: shared.vllm_env builds one on first use),
+    # its HTTP port (0: any free one), start-up and eager mode (no torch.compile: starts in
+    # half the time, steps slower), its KV cache's size.
+    vllm_python: Path | None = None
+    vllm_startup_timeout_s: float = 900.0
+    enforce_eager: bool = False
+    kv_cache_bytes: int = 2 << 30  # vLLM's KV cache (--kv-cache-memory-bytes)
+    usage_outbox_dir: Path = Path("/tmp/kvfabric/outbox")
+
+    def validate(self) -> None:
+        super().validate()
+        try:
+            model_path(self.model)
+        except ModelError as exc:
+            raise ConfigError(str(exc)) from exc
+        for name in ("kv_block_size_tokens", "max_model_len", "max_num_seqs", "kv_cache_bytes",
+                     "store_capacity_bytes", "store_file_nbytes", "kv_index_shards"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.kv_block_size_tokens % 32:
+            raise ConfigError(
+                f"kv_block_size_tokens must be a multiple of 32 (vLLM's CPU attention), got "
+                f"{self.kv_block_size_tokens}"
+            )
+        for name in ("retry_after_s", "vllm_startup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+
+    @property
+    def model_name(self) -> str:
+        """What requests name: the model's served name (its namespace in the block hashes)."""
+        return served_name(self.model)

@@ -1,0 +1,8 @@
+"""kvfabric's SSD tier and kv-index as vLLM's KV connector (`connector.KvfabricConnector`).
+
+Loaded by vLLM, in vLLM's own environment (`shared.vllm_env`), through
+`--kv-transfer-config` with `kv_connector_module_path` = `shared.vllm_connector.connector`:
+only `connector.py` imports vLLM. `layout.py` converts between vLLM's paged KV cache and the
+store's block payload; `loop.py` runs our asyncio clients (the bus, the store) beside vLLM's
+synchronous hooks.
+"""

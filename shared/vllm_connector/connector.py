@@ -1,0 +1,405 @@
+"""kvfabric's KV connector for vLLM (V1 API, `KVConnectorBase_V1`): vLLM's prefix cache
+extended by kvfabric's SSD tier, shared by every vLLM instance and every kvfabric engine
+worker of the same model, and outliving restarts.
+
+    --block-size 64 --kv-transfer-config '{"kv_connector": "KvfabricConnector",
+      "kv_connector_module_path": "shared.vllm_connector.connector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"nats_url": "nats://127.0.0.1:4222",
+        "model": "SmolLM2-135M-Instruct", "store_dir": "/mnt/kvstore",
+        "writer_id": "vllm-node-a-0"}}'
+
+vLLM makes two of these per engine: one beside its scheduler, one beside its model runner.
+
+Scheduler side. `get_num_new_matched_tokens` hashes the prompt with the same chained block
+hashes as ingress (`RequestBlocks`: namespace = model, block size, the request's
+`cache_salt`) and asks kv-index for the longest prefix on the SSD tier. It offers the blocks
+past vLLM's own cached prefix, up to the prompt's last complete block before its last token
+(that token is computed, for its logits), and remembers where each lives. When a request
+finishes, `request_finished` hands its complete blocks past the stored prefix -- prompt and
+output, so an agent's next turn hits its own answer -- to the worker side, and holds vLLM's
+blocks until they are copied out.
+
+Worker side. `start_load_kv` reads the offered slots from the store, synchronously, before
+the forward that needs them, and writes them into vLLM's paged cache (`layout.py`). Every
+slot is checked (header, hash, length, checksum): a bad or evicted slot is a miss, reported
+through `get_block_ids_with_load_errors`, and vLLM recomputes from there -- never wrong KV.
+`wait_for_save` copies the finished requests' blocks out of the cache and writes them to the
+store in the background, publishing `BlocksStored` as the writer `writer_id`
+(`KvEventPublisher`: the same event log, resync and eviction protocol as an engine worker).
+
+kv_connector_extra_config:
+- `nats_url` (required), `root` (kvf.v1): the cluster's bus.
+- `model` (required): the model's name in the block-hash namespace: what kvfabric's workers
+  of the same weights serve (`SmolLM2-135M-Instruct`), or no block is shared with them.
+- `store_dir` (required), `writer_id` (required, unique per vLLM instance and stable across
+  its restarts), `store_capacity_bytes` (64 GiB), `store_file_nbytes` (1 GiB),
+  `store_backend` (`aiofiles`; `nixl:POSIX` where NIXL is installed in vLLM's environment).
+- `block_size_tokens` (64): must equal vLLM's `--block-size`.
+- `kv_index_shards` (1), `match_timeout_s` (0.5): a match that fails or is late is a miss.
+- `load`, `save` (true): either direction can be turned off.
+- `log_level` (info): the level of the connector's own lines in vLLM's log.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from shared import kv_index_client
+from shared.bus import Bus
+from shared.kvstore.blocks import RequestBlocks
+from shared.kvstore.hashing import BlockHasher
+from shared.kvstore.slots import SlotRef
+from shared.kvstore.store import KvStore, KvStoreConfig
+from shared.kvstore.writer import KvEventPublisher
+from shared.logging import get_logger
+from shared.schema import ServiceError
+from shared.vllm_connector.config import ConnectorConfig, ConnectorConfigError
+from shared.vllm_connector.layout import VllmBlockConverter
+from shared.vllm_connector.loop import LoopThread
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = get_logger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0
+STORE_TIMEOUT_S = 60.0  # one batch of reads, or the store's open (it scans its own files)
+MAX_PENDING_SAVE_BYTES = 1 << 30  # copied out and not yet written: beyond this, wait
+
+
+# -- what the scheduler side tells the worker side, each step --------------------------------
+@dataclass(frozen=True)
+class LoadJob:
+    request_id: str
+    block_ids: list[int]  # vLLM blocks to fill, in order
+    refs: list[SlotRef]  # where each one's KV is, in the same order
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    request_id: str
+    block_ids: list[int]  # vLLM blocks holding blocks first_block.. of the sequence
+    block_hashes: list[int]  # their chained hashes
+    parent_block_hash: int | None
+
+
+@dataclass
+class KvfabricMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass
+class _Admitted:
+    """A request's match, from its first look until it is scheduled or finished."""
+
+    num_local_blocks: int  # vLLM's own prefix cache
+    num_stored_blocks: int  # the store's prefix (0 when kv-index was not asked)
+    refs: list[SlotRef]  # blocks num_local_blocks.. of the store's prefix
+
+
+class KvfabricConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.config = config = ConnectorConfig.from_extra(extra)
+        # structlog's level only: vLLM's own logging (the stdlib's) is left as vLLM set it.
+        structlog.configure(
+            wrapper_class=structlog.make_filtering_bound_logger(
+                logging.getLevelNamesMapping()[config.log_level.upper()]
+            )
+        )
+        block_size = vllm_config.cache_config.block_size
+        if block_size != config.block_size_tokens:
+            raise ConnectorConfigError(
+                f"vLLM's --block-size is {block_size}; the store's blocks are "
+                f"{config.block_size_tokens} tokens: start vLLM with --block-size "
+                f"{config.block_size_tokens}"
+            )
+        self.block_size = block_size
+        self._loop = LoopThread(f"kvfabric-connector-{role.name.lower()}")
+        self.bus: Bus = self._loop.call(
+            Bus.connect(
+                config.nats_url, service="vllm-connector", root=config.root,
+                instance_id=f"{config.writer_id}-{role.name.lower()}-{socket.gethostname()}",
+            ),
+            timeout_s=CONNECT_TIMEOUT_S + 5,
+        )  # fmt: skip
+        self._hashers: dict[str, BlockHasher] = {}
+        # scheduler side
+        self._admitted: dict[str, _Admitted] = {}
+        self._loads: dict[str, _Admitted] = {}  # allocated, to go in the next metadata
+        self._saves: list[SaveJob] = []
+        self.counts = {"matches": 0, "match_failures": 0, "offered_blocks": 0,
+                       "saved_requests": 0}  # fmt: skip
+        # worker side
+        self.converter: VllmBlockConverter | None = None
+        self.store: KvStore | None = None
+        self.publisher: KvEventPublisher | None = None
+        self._load_errors: set[int] = set()
+        self._saved: set[str] = set()  # copied out this step: vLLM may free their blocks
+        self._pending: list[tuple[Future, int]] = []  # (write, bytes copied) in the background
+        self._lock = threading.Lock()
+        log.info(
+            "kvfabric connector", role=role.name, model=config.model, writer_id=config.writer_id,
+            store_dir=str(config.store_dir), block_size_tokens=block_size,
+        )  # fmt: skip
+
+    def _hasher(self, salt: str | None) -> BlockHasher:
+        salt = salt or ""
+        hasher = self._hashers.get(salt)
+        if hasher is None:
+            hasher = RequestBlocks.namespace(self.config.model, self.block_size, salt)
+            self._hashers[salt] = hasher
+        return hasher
+
+    # == scheduler side ========================================================================
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        b = self.block_size
+        prompt = request.prompt_token_ids or []
+        num_prefill_blocks = max(0, len(prompt) - 1) // b  # the last token is computed
+        num_local = num_computed_tokens // b
+        admitted = self._admitted.get(request.request_id)
+        if admitted is None or admitted.num_local_blocks != num_local:
+            admitted = self._match(request, prompt, num_prefill_blocks, num_local)
+            self._admitted[request.request_id] = admitted
+        num_offered = len(admitted.refs)
+        return num_offered * b, False
+
+    def _match(
+        self, request: Request, prompt: Sequence[int], num_prefill_blocks: int, num_local: int
+    ) -> _Admitted:
+        if not self.config.load or num_prefill_blocks <= num_local:
+            return _Admitted(num_local, 0, [])
+        hasher = self._hasher(request.cache_salt)
+        hashes = hasher.hashes(list(prompt[: num_prefill_blocks * self.block_size]))
+        self.counts["matches"] += 1
+        try:
+            matches = self._loop.call(
+                kv_index_client.match(self.bus, hashes, num_shards=self.config.kv_index_shards,
+                                      timeout_s=self.config.match_timeout_s),
+                timeout_s=self.config.match_timeout_s + 1.0,
+            )  # fmt: skip
+        except (ServiceError, TimeoutError) as exc:
+            self.counts["match_failures"] += 1
+            log.warning("kv-index did not answer: computing the prompt",
+                        request_id=request.request_id, error=str(exc))  # fmt: skip
+            return _Admitted(num_local, 0, [])
+        stored = matches.get("ssd")
+        if stored is None or stored.num_blocks == 0:
+            return _Admitted(num_local, 0, [])
+        num_stored = min(stored.num_blocks, num_prefill_blocks)
+        rows = stored.locations.rows()[num_local:num_stored]
+        return _Admitted(num_local, stored.num_blocks, [SlotRef.from_location(r) for r in rows])
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        admitted = self._admitted.get(request.request_id)
+        if admitted is None or num_external_tokens == 0:
+            return
+        num_blocks = num_external_tokens // self.block_size
+        self._loads[request.request_id] = _Admitted(
+            admitted.num_local_blocks, admitted.num_stored_blocks, admitted.refs[:num_blocks]
+        )
+        self.counts["offered_blocks"] += num_blocks
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvfabricMetadata(saves=self._saves)
+        self._saves = []
+        for new in scheduler_output.scheduled_new_reqs:
+            self._add_load(meta, new.req_id, new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_block_ids = cached.new_block_ids[i]
+            # A request resumed after preemption: its blocks are all new, load them again.
+            if req_id in cached.resumed_req_ids and new_block_ids is not None:
+                self._add_load(meta, req_id, new_block_ids[0])
+        return meta
+
+    def _add_load(self, meta: KvfabricMetadata, request_id: str, block_ids: list[int]) -> None:
+        load = self._loads.pop(request_id, None)
+        if load is None or not load.refs:
+            return
+        first = load.num_local_blocks
+        targets = block_ids[first : first + len(load.refs)]
+        meta.loads.append(LoadJob(request_id, list(targets), load.refs[: len(targets)]))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        admitted = self._admitted.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+        if not self.config.save:
+            return False, None
+        b = self.block_size
+        tokens = list(request.all_token_ids)
+        num_complete = min(request.num_computed_tokens, len(tokens), len(block_ids) * b) // b
+        # What is on the store already: the prefix it matched, and vLLM's own cached prefix
+        # (blocks of a request before this one on this worker, saved when that one finished).
+        first = 0
+        if admitted is not None:
+            first = max(admitted.num_stored_blocks, admitted.num_local_blocks)
+        if num_complete <= first:
+            return False, None
+        hashes = self._hasher(request.cache_salt).hashes(tokens[: num_complete * b])
+        self._saves.append(
+            SaveJob(
+                request.request_id, list(block_ids[first:num_complete]),
+                hashes[first:num_complete], hashes[first - 1] if first else None,
+            )
+        )  # fmt: skip
+        self.counts["saved_requests"] += 1
+        return True, None  # vLLM holds the blocks until the worker side copied them
+
+    # == worker side ===========================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.converter = VllmBlockConverter.of(kv_caches, self.block_size)
+        config = self.config
+        store_config = KvStoreConfig(
+            root_dir=config.store_dir, writer_id=config.writer_id,
+            payload_nbytes=self.converter.layout.block_nbytes,
+            capacity_bytes=config.store_capacity_bytes, file_nbytes=config.store_file_nbytes,
+            backend=config.store_backend,
+        )  # fmt: skip
+        config.store_dir.mkdir(parents=True, exist_ok=True)
+
+        async def open_store() -> tuple[KvStore, KvEventPublisher]:
+            import asyncio
+
+            store = await asyncio.to_thread(KvStore.open, store_config)
+            publisher = KvEventPublisher(self.bus, store)
+            await publisher.start()  # announces the slots a restarted writer found
+            return store, publisher
+
+        self.store, self.publisher = self._loop.call(open_store(), timeout_s=STORE_TIMEOUT_S)
+        log.info(
+            "kvfabric store open", writer_id=config.writer_id,
+            block_nbytes=self.converter.layout.block_nbytes,
+            num_layers=self.converter.layout.num_full_layers,
+            adopted_blocks=len(self.store.adopted),
+        )  # fmt: skip
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvfabricMetadata)
+        for job in meta.loads:
+            self._load(job)
+
+    def _load(self, job: LoadJob) -> None:
+        assert self.store is not None and self.converter is not None
+        started = time.perf_counter()
+        try:
+            payloads = self._loop.call(self.store.read_blocks(job.refs), timeout_s=STORE_TIMEOUT_S)
+        except Exception as exc:  # the store failed: every block of the job is recomputed
+            log.warning("store read failed: recomputing", request_id=job.request_id,
+                        num_blocks=len(job.refs), error=repr(exc))  # fmt: skip
+            payloads = [None] * len(job.refs)
+        num_loaded = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
+        if num_loaded:
+            layout = self.converter.layout
+            raw = b"".join(bytes(p) for p in payloads[:num_loaded])  # type: ignore[arg-type]
+            blocks = torch.frombuffer(bytearray(raw), dtype=layout.dtype)
+            self.converter.scatter(
+                job.block_ids[:num_loaded], blocks.view(num_loaded, *layout.block_shape)
+            )
+        # A miss ends the prefix there: that block and every one after it are recomputed.
+        self._load_errors.update(job.block_ids[num_loaded:])
+        log.debug(
+            "loaded", request_id=job.request_id, num_blocks=num_loaded,
+            num_missed=len(job.refs) - num_loaded,
+            ms=round((time.perf_counter() - started) * 1e3, 2),
+        )  # fmt: skip
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole before the forward (start_load_kv)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # saves are whole blocks of finished requests (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvfabricMetadata)
+        for job in meta.saves:
+            self._save(job)
+
+    def _save(self, job: SaveJob) -> None:
+        assert self.converter is not None and self.publisher is not None
+        payloads = self.converter.gather(job.block_ids)  # a copy: vLLM may free the blocks
+        nbytes = payloads.numel() * payloads.element_size()
+        self._saved.add(job.request_id)
+        raw = payloads.view(torch.uint8).numpy().reshape(len(job.block_ids), -1)
+        pairs = [(h, memoryview(raw[i])) for i, h in enumerate(job.block_hashes)]
+        future = self._loop.submit(
+            self.publisher.store_blocks(pairs, parent_block_hash=job.parent_block_hash)
+        )
+        future.add_done_callback(lambda f, job=job: self._saved_done(f, job))
+        with self._lock:
+            self._pending = [(f, n) for f, n in self._pending if not f.done()]
+            self._pending.append((future, nbytes))
+            waiting = list(self._pending)
+        # Backpressure: a store slower than the engine must not grow memory without bound.
+        while sum(n for f, n in waiting if not f.done()) > MAX_PENDING_SAVE_BYTES:
+            next(f for f, _ in waiting if not f.done()).exception()  # waits for it
+
+    def _saved_done(self, future: Future, job: SaveJob) -> None:
+        exc = future.exception()
+        if exc is not None:  # a skipped save is a later miss, never an error for the request
+            log.warning("store write failed", request_id=job.request_id, error=repr(exc))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        saved, self._saved = self._saved, set()
+        return (saved or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        with self._lock:
+            pending = [f for f, _ in self._pending]
+        for future in pending:  # what was copied out reaches the store before we go
+            try:
+                future.result(STORE_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("store write lost at shutdown", error=repr(exc))
+        if self.store is not None:
+            self.store.close()
+        try:
+            self._loop.call(self.bus.close(), timeout_s=5)
+        except Exception as exc:
+            log.warning("bus close failed", error=repr(exc))
+        self._loop.stop()

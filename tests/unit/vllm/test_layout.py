@@ -1,0 +1,100 @@
+"""vLLM's CPU KV cache against the store's payload, without vLLM: a cache filled the way the
+CPU backend's kernels fill it (per block and head, the keys transposed -- head_dim rows of B
+tokens -- then B rows of values) gathers to the kvfabric engine's page layout, and scatter
+puts it back bit for bit; layouts, dtypes and block sizes the converter does not know are
+refused at start. (tests/e2e/test_vllm.py checks the same layout against vLLM itself: KV one
+engine wrote gives the other's from-scratch answer.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.engine.kv_cache import KVBlockLayout
+from shared.vllm_connector.layout import VllmBlockConverter, VllmLayoutError, layer_order
+
+LAYERS, BLOCKS, HEADS, BLOCK, DIM = 3, 6, 2, 32, 8
+
+
+def cpu_caches(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Per layer [blocks, heads, block, 2 * dim], names out of order on purpose."""
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM, dtype=dtype)
+        for i in (2, 0, 1)
+    }
+
+
+def key(layer: int, block: int, head: int, token: int, dim: int) -> float:
+    return float(((layer * 10 + block) * 10 + head) * 100 + token) + dim / 100
+
+
+def write_as_cpu_backend(caches: dict[str, torch.Tensor]) -> None:
+    """What CPU_ATTN's `vec` kernels leave per block and head: keys as [dim, token] (each
+    token a column), then values as [token, dim]."""
+    for layer, name in enumerate(layer_order(list(caches))):
+        halves = caches[name].view(BLOCKS, HEADS, 2, BLOCK * DIM)
+        keys = halves[:, :, 0].view(BLOCKS, HEADS, DIM, BLOCK)
+        values = halves[:, :, 1].view(BLOCKS, HEADS, BLOCK, DIM)
+        for b in range(BLOCKS):
+            for h in range(HEADS):
+                for t in range(BLOCK):
+                    for d in range(DIM):
+                        keys[b, h, d, t] = key(layer, b, h, t, d)
+                        values[b, h, t, d] = -key(layer, b, h, t, d)
+
+
+def test_layer_order_follows_the_layer_index_not_the_name() -> None:
+    names = ["model.layers.10.self_attn.attn", "model.layers.2.self_attn.attn",
+             "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]  # fmt: skip
+    with pytest.raises(VllmLayoutError, match="not 0..n-1"):
+        layer_order(names)  # 3..9 missing
+    assert layer_order(names[1:]) == sorted(names[1:], key=lambda n: int(n.split(".")[2]))
+    with pytest.raises(VllmLayoutError, match="no layer index"):
+        layer_order(["lm_head"])
+
+
+def test_gather_gives_the_engine_page_layout() -> None:
+    caches = cpu_caches()
+    write_as_cpu_backend(caches)
+    converter = VllmBlockConverter.of(caches, BLOCK)
+    assert converter.layout == KVBlockLayout(LAYERS, BLOCK, HEADS, DIM, torch.float32)
+    pages = converter.gather([4, 1])
+    assert tuple(pages.shape) == (2, LAYERS, 2, BLOCK, HEADS, DIM) and pages.is_contiguous()
+    for i, b in enumerate([4, 1]):
+        for layer in range(LAYERS):
+            for h in range(HEADS):
+                for t in (0, 7, BLOCK - 1):
+                    for d in (0, DIM - 1):
+                        assert pages[i, layer, 0, t, h, d] == key(layer, b, h, t, d)
+                        assert pages[i, layer, 1, t, h, d] == -key(layer, b, h, t, d)
+    # The payload is what the store writes: one block's bytes are layout.block_nbytes.
+    assert pages[0].numel() * 4 == converter.layout.block_nbytes
+
+
+def test_scatter_puts_gathered_blocks_back_in_other_blocks() -> None:
+    source = cpu_caches()
+    for i, cache in enumerate(source.values()):
+        cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(i)))
+    pages = VllmBlockConverter.of(source, BLOCK).gather([0, 3, 5])
+    target = cpu_caches()
+    VllmBlockConverter.of(target, BLOCK).scatter([2, 0, 4], pages)
+    for name in source:
+        assert torch.equal(target[name][[2, 0, 4]], source[name][[0, 3, 5]])
+        assert not target[name][[1, 3, 5]].any()  # nothing else touched
+
+
+def test_refuses_what_it_does_not_know() -> None:
+    with pytest.raises(VllmLayoutError, match="--block-size 64"):
+        VllmBlockConverter.of(cpu_caches(), 64)
+    flash = {"model.layers.0.self_attn.attn": torch.zeros(2, BLOCKS, BLOCK, HEADS, DIM)}
+    with pytest.raises(VllmLayoutError, match="CPU backend"):
+        VllmBlockConverter.of(flash, BLOCK)
+    mixed = cpu_caches()
+    mixed["model.layers.1.self_attn.attn"] = torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM + 2)
+    with pytest.raises(VllmLayoutError, match="differs"):
+        VllmBlockConverter.of(mixed, BLOCK)
+    with pytest.raises(VllmLayoutError, match="--dtype float32"):
+        VllmBlockConverter.of(cpu_caches(torch.bfloat16), BLOCK)  # AMX's kernels tile it
+    converter = VllmBlockConverter.of(cpu_caches(), BLOCK)
+    with pytest.raises(VllmLayoutError, match="payloads"):
+        converter.scatter([0], torch.zeros(2, LAYERS, 2, BLOCK, HEADS, DIM))
