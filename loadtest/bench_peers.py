@@ -253,15 +253,19 @@ async def run_vllm(args: argparse.Namespace, result: BenchResult) -> SideResult:
         async def restart() -> None:
             await asyncio.to_thread(server.restart)
 
+        moved: list[openai.AsyncOpenAI] = []
+
         async def move() -> openai.AsyncOpenAI:  # another vLLM: its own prefix cache, empty
             await asyncio.to_thread(server.stop)  # one engine on the machine at a time
             await asyncio.to_thread(other.start)
-            return _client(other.base_url, "unused")
+            moved.append(_client(other.base_url, "unused"))
+            return moved[0]
 
         try:
             return await drive(client, args, restart, move if args.move else None)
         finally:
-            await client.close()
+            for c in (client, *moved):
+                await c.close()
             other.stop()
 
 
@@ -283,8 +287,14 @@ async def run_vllm_workers(args: argparse.Namespace, result: BenchResult) -> Sid
             try:
                 started = time.perf_counter()
                 await cluster.wait_ready(bus, timeout_s=900)
+                cores = []
+                for instance_id, _ in spec.instances(VLLM_WORKER):
+                    log = (Path(state) / "logs" / f"{instance_id}.vllm.log").read_text()
+                    found = re.findall(r"core ids=\[([^\]]*)\]", log)
+                    cores.append(f"{instance_id} on core(s) {found[-1] if found else '?'}")
                 result.note(f"kvfabric + vLLM workers: ready {time.perf_counter() - started:.0f}"
-                            " s after start (two vLLM servers starting at once)")  # fmt: skip
+                            " s after start (two vLLM servers starting at once); OpenMP "
+                            f"threads (vLLM's choice): {', '.join(cores)}")  # fmt: skip
                 client = _client(cluster.http_urls[0] + "/v1", KEY)
                 workers = [i for i, _ in spec.instances(VLLM_WORKER)]
 

@@ -19,7 +19,8 @@ The latest figures of every `kvfabric bench` benchmark, each ratio measured side
 its peer in one run. Regenerate: `kvfabric bench all --json DIR` (add `--peers` for the ones
 that install vLLM or Dynamo), then `python -m loadtest.markdown DIR > docs/benchmarks.md`.
 A ratio is ours / the peer's (for latencies, lower is better); "NOT met" marks a target
-missed, and the notes under a table say why where it is known. A section marked (quick) ran
+missed; the notes under a table, and docs/prefix-reuse.md and docs/engine-benchmarks.md for
+the engine's, say why where it is known. A section marked (quick) ran
 at the small sizes CI uses: its targets are the full-size ones (a 77K-token chat, an 8K
 prompt, 10M indexed blocks) and say little at a tenth of the size; fixed per-request costs
 weigh more there. Every figure here was measured on a shared 2-core VM: only the ratios,
