@@ -23,6 +23,7 @@ import asyncio
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -155,8 +156,10 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     return result.finish()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cli(doc: str, run: Callable[..., BenchResult]) -> None:
+    """The command line of a benchmark of requests through a mock cluster (this one's and
+    bench_observability's): sizes, then `run(quick, **sizes)` printed."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
@@ -166,6 +169,10 @@ def main() -> None:
     args = vars(parser.parse_args())
     quick = args.pop("quick")
     run(quick, **({} if quick else args)).print()
+
+
+def main() -> None:
+    cli(__doc__ or "", run)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.bench_ingress import KEY, MODEL, SYSTEM, pct, question, timed
+from loadtest.bench_ingress import KEY, MODEL, SYSTEM, cli, pct, question, timed
 from loadtest.results import BenchResult
 from services.admin.launcher import Cluster, ClusterSpec
 from shared.bus import Bus
@@ -213,16 +213,7 @@ def run(quick: bool = False, **options: object) -> BenchResult:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--mock-speedup", type=float, default=100.0)
-    parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
-    args = vars(parser.parse_args())
-    quick = args.pop("quick")
-    run(quick, **({} if quick else args)).print()
+    cli(__doc__ or "", run)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Protocol
 
 from shared import telemetry
 from shared.bus import Bus, NoStream
@@ -24,6 +25,27 @@ from shared.usage_outbox import OutboxLocked, UsageOutbox
 log = get_logger(__name__)
 
 USAGE_LOG_MAX_AGE_S = 7 * 24 * 3600.0
+
+
+class _Count(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
+
+async def keep_record(outbox: UsageOutbox, record: UsageRecord, *, kept: _Count,
+                      lost: _Count) -> bool:  # fmt: skip
+    """A worker's record of a request it served, into its durable outbox (which publishes it
+    until JetStream has it), counted kept or lost; the current span's context goes with it,
+    so billing's span continues the request's trace. False only when the disk failed: the
+    one way left to lose a record, said loudly."""
+    telemetry.keep_context(record.request_id)
+    try:
+        await outbox.add(record)
+    except Exception:
+        lost.inc()
+        log.exception("usage record not kept", request_id=record.request_id, record=str(record))
+        return False
+    kept.inc()
+    return True
 
 
 async def ensure_usage_stream(bus: Bus) -> None:

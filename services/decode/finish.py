@@ -29,6 +29,7 @@ from shared.schema import ServiceError, TokenChunk, UsageStatus, pack_token_ids
 from shared.serving.kv_io import store_payloads
 from shared.subjects import DECODE
 from shared.swa_client import SwaClient
+from shared.usage import keep_record
 from shared.usage_outbox import UsageOutbox
 
 log = get_logger(__name__)
@@ -166,14 +167,8 @@ class Finisher:
             span.set_attributes(
                 {"kvfabric.usage_status": str(status), "kvfabric.finish_reason": reason}
             )
-        telemetry.keep_context(record.request_id)  # billing's span continues this trace
-        try:
-            await self.outbox.add(record)
-        except Exception:  # the disk itself failed: the one way left to lose it, said loudly
-            self.counts.usage_lost.inc()
-            log.exception("usage record not kept", request_id=state.request_id, record=str(record))
-            return
-        self.counts.usage_kept.inc()
+        await keep_record(self.outbox, record, kept=self.counts.usage_kept,
+                          lost=self.counts.usage_lost)  # fmt: skip
 
     def _count(self, state: DecodeRequest, outcome: str) -> None:
         """The request's end, once its stream has ended: how, how long, its tokens."""

@@ -56,6 +56,7 @@ from shared.schema import (
 )
 from shared.serving.checks import checked_prompt
 from shared.streams import StreamWriter
+from shared.usage import keep_record
 from shared.usage_outbox import UsageOutbox
 
 log = get_logger(__name__)
@@ -315,14 +316,8 @@ class VllmWorker:
             status, outcome = UsageStatus.COMPLETED, reason
         self._count(state, outcome)
         record = state.usage_record(status, "error" if error else reason, self.bus.instance_id)
-        telemetry.keep_context(record.request_id)  # billing's span continues this trace
-        try:
-            await self.outbox.add(record)
-        except Exception:  # the disk itself failed: the one way left to lose it, said loudly
-            self.counts.usage_lost.inc()
-            log.exception("usage record not kept", request_id=state.request_id, record=str(record))
-            return
-        self.counts.usage_kept.inc()
+        await keep_record(self.outbox, record, kept=self.counts.usage_kept,
+                          lost=self.counts.usage_lost)  # fmt: skip
 
     def _count(self, state: VllmRequest, outcome: str) -> None:
         counts = self.counts
