@@ -114,13 +114,6 @@ class VllmClient:
                 raise VllmError(f"vLLM /metrics answered {reply.status}", reply.status)
             return parse_load(await reply.text())
 
-    async def is_healthy(self) -> bool:
-        try:
-            async with self._http.get(f"{self.base_url}/health") as reply:
-                return reply.status == 200
-        except aiohttp.ClientError:
-            return False
-
 
 def _delta(chunk: dict[str, Any]) -> Delta:
     if "error" in chunk:

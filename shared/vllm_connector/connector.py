@@ -314,20 +314,23 @@ class KvfabricConnector(KVConnectorBase_V1):
     def _load(self, job: LoadJob) -> None:
         assert self.store is not None and self.converter is not None
         started = time.perf_counter()
+        layout = self.converter.layout
+        # The store reads each slot straight into its row of one buffer, which scatter then
+        # copies into vLLM's blocks: one copy between the file and the cache.
+        pages = torch.empty((len(job.refs), *layout.block_shape), dtype=layout.dtype)
+        rows = pages.view(torch.uint8).numpy().reshape(len(job.refs), -1)
+        into = [memoryview(row) for row in rows]
         try:
-            payloads = self._loop.call(self.store.read_blocks(job.refs), timeout_s=STORE_TIMEOUT_S)
+            payloads = self._loop.call(
+                self.store.read_blocks(job.refs, into), timeout_s=STORE_TIMEOUT_S
+            )
         except Exception as exc:  # the store failed: every block of the job is recomputed
             log.warning("store read failed: recomputing", request_id=job.request_id,
                         num_blocks=len(job.refs), error=repr(exc))  # fmt: skip
             payloads = [None] * len(job.refs)
         num_loaded = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
         if num_loaded:
-            layout = self.converter.layout
-            raw = b"".join(bytes(p) for p in payloads[:num_loaded])  # type: ignore[arg-type]
-            blocks = torch.frombuffer(bytearray(raw), dtype=layout.dtype)
-            self.converter.scatter(
-                job.block_ids[:num_loaded], blocks.view(num_loaded, *layout.block_shape)
-            )
+            self.converter.scatter(job.block_ids[:num_loaded], pages[:num_loaded])
         # A miss ends the prefix there: that block and every one after it are recomputed.
         self._load_errors.update(job.block_ids[num_loaded:])
         log.debug(

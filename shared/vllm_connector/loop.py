@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from shared.logging import get_logger
+
 T = TypeVar("T")
+log = get_logger(__name__)
 
 
 class LoopThread:
@@ -54,7 +56,9 @@ class LoopThread:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-        with contextlib.suppress(TimeoutError):
+        try:
             self.call(cancel_all(), timeout_s=timeout_s)
+        except TimeoutError:  # a task that ignores cancellation: the daemon thread ends with us
+            log.warning("tasks still running at stop", thread=self._thread.name)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout_s)
