@@ -304,6 +304,7 @@ class VllmServer:
 
     def _wait_ready(self, process: subprocess.Popen[bytes], started: float) -> None:
         url = f"{self.base_url}/models"
+        last_error = "no answer yet"
         while True:
             code = process.poll()
             if code is not None:
@@ -316,12 +317,12 @@ class VllmServer:
                     models = json.loads(reply.read())
                 if any(m.get("id") == self.served_model_name for m in models.get("data", [])):
                     return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
-                pass  # not listening yet
+            except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError) as exc:
+                last_error = repr(exc)  # not listening yet, or not answering JSON: said at the end
             if time.monotonic() - started > self.startup_timeout_s:
                 raise TimeoutError(
-                    f"vLLM did not answer {url} within {self.startup_timeout_s:.0f} s; end of "
-                    f"{self.log_path}:\n{self.log_tail()}"
+                    f"vLLM did not answer {url} within {self.startup_timeout_s:.0f} s (last: "
+                    f"{last_error}); end of {self.log_path}:\n{self.log_tail()}"
                 )
             time.sleep(0.5)
 

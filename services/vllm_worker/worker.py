@@ -227,8 +227,9 @@ class VllmWorker:
         except TimeoutError:
             state.cancel_reason = "deadline"
             state.error = DeadlineExceeded("deadline passed while generating")
-        except asyncio.CancelledError:
-            pass  # cancelled (the reason and any error are on the state), or stopping
+        except asyncio.CancelledError:  # cancelled or stopping: the state says why
+            log.debug("vllm request cancelled", request_id=state.request_id,
+                      reason=state.cancel_reason, error=str(state.error))  # fmt: skip
         except VllmError as exc:
             log.warning("vLLM failed the request", request_id=state.request_id, error=str(exc))
             state.error = (
