@@ -356,8 +356,10 @@ async def _drive_cluster(
     try:
         started = time.perf_counter()
         await cluster.wait_ready(bus, timeout_s=300)
-        result.note(f"kvfabric: ready {time.perf_counter() - started:.0f} s after start; one "
-                    "torch thread in each of its prefill and decode workers")  # fmt: skip
+        threads = [f"{i.instance_id} {i.metadata.get('num_threads', '?')}"
+                   for i in await discover(bus) if i.service in (PREFILL, DECODE)]  # fmt: skip
+        result.note(f"kvfabric: ready {time.perf_counter() - started:.0f} s after start; torch "
+                    f"threads (cores shared through the OS): {', '.join(threads)}")  # fmt: skip
         client = _client(cluster.http_urls[0] + "/v1", KEY)
 
         async def restart() -> None:

@@ -197,7 +197,10 @@ class EngineWorkerConfig(ServiceConfig):
     # as they are used (the pool is zero-filled lazily).
     num_kv_blocks: int = 0
     kv_pool_bytes: int = 1 << 30
-    num_threads: int = 1  # torch threads: one per worker on a 2-core machine
+    # Torch threads; 0: every core this process may run on (its CPU affinity). Workers on
+    # one host then share the cores through the OS: a prefill with decode idle gets them
+    # all, and both get about half while both compute (measured, docs/benchmarks.md).
+    num_threads: int = 0
     # Longest sequence served; 0: the model's max_position_embeddings (its training context).
     # Larger values run RoPE past what the model was trained on: right for timing (the
     # 8K-context benchmarks on the 512-token tiny-coder), not for quality.
@@ -232,7 +235,7 @@ class EngineWorkerConfig(ServiceConfig):
         if self.max_model_len < 0:
             raise ConfigError("max_model_len must be >= 0")
         for name in (
-            "kv_block_size_tokens", "num_threads", "store_capacity_bytes", "store_file_nbytes",
+            "kv_block_size_tokens", "store_capacity_bytes", "store_file_nbytes",
             "mock_block_nbytes", "kv_pool_bytes",
         ):  # fmt: skip
             if getattr(self, name) <= 0:
@@ -240,6 +243,8 @@ class EngineWorkerConfig(ServiceConfig):
         for name in ("num_kv_blocks", "handoff_staging_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0: sized for the model)")
+        if self.num_threads < 0:
+            raise ConfigError("num_threads must be >= 0 (0: every core this process may use)")
 
     @property
     def model_path(self) -> Path:
@@ -250,6 +255,11 @@ class EngineWorkerConfig(ServiceConfig):
     def model_name(self) -> str:
         """What requests ask for and discovery says: a known model's name, else the file's."""
         return served_name(self.model)
+
+    @property
+    def torch_threads(self) -> int:
+        """`num_threads`, or (0) the cores this process may run on."""
+        return self.num_threads or len(os.sched_getaffinity(0))
 
     def pool_pages(self, block_nbytes: int) -> int:
         """KV pool pages for blocks of `block_nbytes` (`num_kv_blocks`, else what fits)."""

@@ -50,7 +50,7 @@ def build_server(config: VllmWorkerConfig, instance_id: str) -> VllmServer:
             "store_capacity_bytes": config.store_capacity_bytes,
             "store_file_nbytes": config.store_file_nbytes,
             "store_backend": config.store_backend, "block_size_tokens": config.kv_block_size_tokens,
-            "kv_index_shards": config.kv_index_shards,
+            "kv_index_shards": config.kv_index_shards, "log_level": config.log_level,
         })  # fmt: skip
     log_path = config.usage_outbox_dir.parent / "logs" / f"{instance_id}.vllm.log"
     return VllmServer(

@@ -16,7 +16,7 @@ from shared.serving.staging import aligned
 
 def build_runner(config: EngineWorkerConfig) -> ModelRunner:
     """Blocking (seconds): call it off the event loop."""
-    torch.set_num_threads(config.num_threads)
+    torch.set_num_threads(config.torch_threads)
     model = load_model(config.model_path)
     dtype = model.model.embed_tokens.weight.dtype
     layout = KVBlockLayout.for_model(model.config, config.kv_block_size_tokens, dtype)
@@ -54,6 +54,7 @@ def describe(runner: ModelRunner, config: EngineWorkerConfig) -> dict[str, str]:
         "model": config.model_name,
         "model_path": str(config.model_path),
         "num_params": str(sum(p.numel() for p in runner.model.parameters())),
+        "num_threads": str(torch.get_num_threads()),
         "max_model_len": str(max_model_len(runner, config)),
         "kv_block_size_tokens": str(runner.layout.block_size_tokens),
         "kv_block_nbytes": str(runner.layout.block_nbytes),

@@ -20,7 +20,8 @@ output, so an agent's next turn hits its own answer -- to the worker side, and h
 blocks until they are copied out.
 
 Worker side. `start_load_kv` reads the offered slots from the store, synchronously, before
-the forward that needs them, and writes them into vLLM's paged cache (`layout.py`). Every
+the forward that needs them, and writes them into vLLM's paged cache (`loading.py`,
+`layout.py`: through one buffer kept between loads, in parts of at most 128 MiB). Every
 slot is checked (header, hash, length, checksum): a bad or evicted slot is a miss, reported
 through `get_block_ids_with_load_errors`, and vLLM recomputes from there -- never wrong KV.
 `wait_for_save` copies the finished requests' blocks out of the cache and writes them to the
@@ -70,6 +71,7 @@ from shared.logging import get_logger
 from shared.schema import ServiceError
 from shared.vllm_connector.config import ConnectorConfig, ConnectorConfigError
 from shared.vllm_connector.layout import VllmBlockConverter
+from shared.vllm_connector.loading import BlockLoader
 from shared.vllm_connector.loop import LoopThread
 
 if TYPE_CHECKING:
@@ -84,7 +86,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
-STORE_TIMEOUT_S = 60.0  # one batch of reads, or the store's open (it scans its own files)
+STORE_TIMEOUT_S = 60.0  # the store's open (it scans its own files), a save at shutdown
 MAX_PENDING_SAVE_BYTES = 1 << 30  # copied out and not yet written: beyond this, wait
 
 
@@ -160,6 +162,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         self.store: KvStore | None = None
         self.publisher: KvEventPublisher | None = None
         self._load_errors: set[int] = set()
+        self.loader: BlockLoader | None = None
         self._saved: set[str] = set()  # copied out this step: vLLM may free their blocks
         self._pending: list[tuple[Future, int]] = []  # (write, bytes copied) in the background
         self._lock = threading.Lock()
@@ -199,6 +202,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         hasher = self._hasher(request.cache_salt)
         hashes = hasher.hashes(list(prompt[: num_prefill_blocks * self.block_size]))
         self.counts["matches"] += 1
+        started = time.perf_counter()
         try:
             matches = self._loop.call(
                 kv_index_client.match(self.bus, hashes, num_shards=self.config.kv_index_shards,
@@ -211,6 +215,11 @@ class KvfabricConnector(KVConnectorBase_V1):
                         request_id=request.request_id, error=str(exc))  # fmt: skip
             return _Admitted(num_local, 0, [])
         stored = matches.get("ssd")
+        log.debug(
+            "matched", request_id=request.request_id, num_local_blocks=num_local,
+            num_stored_blocks=stored.num_blocks if stored is not None else 0,
+            ms=round((time.perf_counter() - started) * 1e3, 2),
+        )  # fmt: skip
         if stored is None or stored.num_blocks == 0:
             return _Admitted(num_local, 0, [])
         num_stored = min(stored.num_blocks, num_prefill_blocks)
@@ -298,6 +307,7 @@ class KvfabricConnector(KVConnectorBase_V1):
             return store, publisher
 
         self.store, self.publisher = self._loop.call(open_store(), timeout_s=STORE_TIMEOUT_S)
+        self.loader = BlockLoader(self.store, self.converter, self._loop)
         log.info(
             "kvfabric store open", writer_id=config.writer_id,
             block_nbytes=self.converter.layout.block_nbytes,
@@ -312,31 +322,14 @@ class KvfabricConnector(KVConnectorBase_V1):
             self._load(job)
 
     def _load(self, job: LoadJob) -> None:
-        assert self.store is not None and self.converter is not None
-        started = time.perf_counter()
-        layout = self.converter.layout
-        # The store reads each slot straight into its row of one buffer, which scatter then
-        # copies into vLLM's blocks: one copy between the file and the cache.
-        pages = torch.empty((len(job.refs), *layout.block_shape), dtype=layout.dtype)
-        rows = pages.view(torch.uint8).numpy().reshape(len(job.refs), -1)
-        into = [memoryview(row) for row in rows]
-        try:
-            payloads = self._loop.call(
-                self.store.read_blocks(job.refs, into), timeout_s=STORE_TIMEOUT_S
-            )
-        except Exception as exc:  # the store failed: every block of the job is recomputed
-            log.warning("store read failed: recomputing", request_id=job.request_id,
-                        num_blocks=len(job.refs), error=repr(exc))  # fmt: skip
-            payloads = [None] * len(job.refs)
-        num_loaded = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
-        if num_loaded:
-            self.converter.scatter(job.block_ids[:num_loaded], pages[:num_loaded])
+        assert self.loader is not None
+        loaded = self.loader.load(job.refs, job.block_ids, job.request_id)
         # A miss ends the prefix there: that block and every one after it are recomputed.
-        self._load_errors.update(job.block_ids[num_loaded:])
+        self._load_errors.update(job.block_ids[loaded.num_blocks :])
         log.debug(
-            "loaded", request_id=job.request_id, num_blocks=num_loaded,
-            num_missed=len(job.refs) - num_loaded,
-            ms=round((time.perf_counter() - started) * 1e3, 2),
+            "loaded", request_id=job.request_id, num_blocks=loaded.num_blocks,
+            num_missed=len(job.refs) - loaded.num_blocks,
+            read_ms=round(loaded.read_s * 1e3, 2), scatter_ms=round(loaded.scatter_s * 1e3, 2),
         )  # fmt: skip
 
     def wait_for_layer_load(self, layer_name: str) -> None:

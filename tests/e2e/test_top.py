@@ -84,6 +84,22 @@ def read_until(master: int, seen: list[str], done, timeout_s: float) -> str:  # 
                 return text
 
 
+def wait_reading(process: subprocess.Popen[bytes], master: int, seen: list[str],
+                 timeout_s: float) -> int:  # fmt: skip
+    """The process's exit status, reading the terminal meanwhile, as a terminal does: a
+    pty's buffer holds a few KB, and a process whose last frame does not fit blocks in write
+    until someone reads."""
+    deadline = time.monotonic() + timeout_s
+    while process.poll() is None:
+        assert time.monotonic() < deadline, f"still running {timeout_s}s after Ctrl-C"
+        if select.select([master], [], [], 0.1)[0]:
+            try:
+                seen.append(os.read(master, 65536).decode(errors="replace"))
+            except OSError:  # EIO: the other side closed
+                break
+    return process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+
+
 def drain(master: int, seen: list[str]) -> None:
     """What the process wrote before it exited."""
     while select.select([master], [], [], 0.5)[0]:
@@ -115,7 +131,7 @@ def test_frames_show_live_numbers_and_ctrl_c_stops_it(cluster: Cluster) -> None:
         for instance_id in cluster.metrics_urls:
             assert instance_id in text
         os.write(master, b"\x03")  # Ctrl-C, as typed
-        assert process.wait(timeout=15) == 0
+        assert wait_reading(process, master, seen, timeout_s=15) == 0
         drain(master, seen)
         assert "Traceback" not in ANSI.sub("", "".join(seen))
     finally:

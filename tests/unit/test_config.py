@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from services.ingress.config import IngressConfig
+from services.prefill.config import PrefillConfig
 from services.router.config import RouterConfig
 from shared.config import ConfigError, load_config
 
@@ -57,3 +60,11 @@ def test_optional_and_bool_values() -> None:
     assert config.otlp_endpoint is None
     assert config.resolved_instance_id("ingress") == "ingress-7"
     assert load_config(IngressConfig, [], {}).resolved_instance_id("ingress").startswith("ingress-")
+
+
+def test_engine_threads_default_to_every_core_this_process_may_use() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert load_config(PrefillConfig, [], {}).torch_threads == cores
+    assert load_config(PrefillConfig, ["--num-threads", "1"], {}).torch_threads == 1
+    with pytest.raises(ConfigError, match="num_threads must be >= 0"):
+        load_config(PrefillConfig, ["--num-threads", "-1"], {})

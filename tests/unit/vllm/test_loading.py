@@ -1,0 +1,92 @@
+"""The connector's load path without vLLM: real store files read into a cache laid out as
+vLLM's CPU backend lays it out, through the bounded buffer, in parts; a bad slot ends the
+loaded prefix there, and a store whose files were emptied loads nothing."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.kvstore.slots import SlotRef
+from shared.kvstore.store import KvStore, KvStoreConfig
+from shared.vllm_connector.layout import VllmBlockConverter
+from shared.vllm_connector.loading import BlockLoader
+from shared.vllm_connector.loop import LoopThread
+
+LAYERS, BLOCKS, HEADS, BLOCK, DIM = 2, 12, 2, 32, 8
+
+
+@pytest.fixture
+def loop() -> Iterator[LoopThread]:
+    thread = LoopThread("test-loading")
+    yield thread
+    thread.stop()
+
+
+def converter() -> VllmBlockConverter:
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM)
+              for i in range(LAYERS)}  # fmt: skip
+    return VllmBlockConverter.of(caches, BLOCK)
+
+
+def stored(
+    tmp_path: Path, loop: LoopThread, payloads: torch.Tensor
+) -> tuple[KvStore, list[SlotRef]]:
+    layout = converter().layout
+    config = KvStoreConfig(
+        root_dir=tmp_path, writer_id="w0", payload_nbytes=layout.block_nbytes,
+        capacity_bytes=1 << 24, file_nbytes=1 << 22, backend="aiofiles",
+    )  # fmt: skip
+    store = KvStore.open(config)
+    raw = payloads.view(torch.uint8).numpy().reshape(len(payloads), -1)
+    blocks = [(1000 + i, memoryview(raw[i])) for i in range(len(payloads))]
+    written = loop.call(store.write_blocks(blocks), timeout_s=10)
+    refs = [SlotRef(s.block_hash, "w0", s.file_id, s.slot, s.generation) for s in written]
+    return store, refs
+
+
+@pytest.mark.parametrize("part_blocks", [1, 3, 100])
+def test_loads_every_block_in_parts_through_one_buffer(
+    tmp_path: Path, loop: LoopThread, part_blocks: int
+) -> None:
+    conv = converter()
+    payloads = torch.randn(7, *conv.layout.block_shape)
+    store, refs = stored(tmp_path, loop, payloads)
+    loader = BlockLoader(store, conv, loop, max_buffer_bytes=part_blocks * conv.layout.block_nbytes)
+    targets = [9, 2, 5, 0, 11, 3, 7]  # vLLM's blocks need not be in order
+    loaded = loader.load(refs, targets, "r1")
+    assert loaded.num_blocks == 7
+    assert torch.equal(conv.gather(targets), payloads)
+    assert loader.blocks_per_part == min(part_blocks, BLOCKS)
+    store.close()
+
+
+def test_a_bad_slot_ends_the_prefix_there(tmp_path: Path, loop: LoopThread) -> None:
+    conv = converter()
+    payloads = torch.randn(6, *conv.layout.block_shape)
+    store, refs = stored(tmp_path, loop, payloads)
+    refs[4] = SlotRef(refs[4].block_hash, "w0", refs[4].file_id, refs[4].slot,
+                      refs[4].generation + 1)  # a slot since reused: not this block  # fmt: skip
+    loader = BlockLoader(store, conv, loop, max_buffer_bytes=3 * conv.layout.block_nbytes)
+    targets = list(range(6))
+    assert loader.load(refs, targets, "r2").num_blocks == 4
+    assert torch.equal(conv.gather(targets[:4]), payloads[:4])
+    assert not conv.gather([4, 5]).any(), "nothing past the miss is written"
+    store.close()
+
+
+def test_a_store_whose_files_were_emptied_loads_nothing(tmp_path: Path, loop: LoopThread) -> None:
+    conv = converter()
+    store, refs = stored(tmp_path, loop, torch.randn(3, *conv.layout.block_shape))
+    for path in (tmp_path / "w0").glob("*.kvs"):  # the files emptied under the reader
+        os.truncate(path, 0)
+    loader = BlockLoader(store, conv, loop)
+    assert loader.load(refs, [0, 1, 2], "r3").num_blocks == 0
+    assert not conv.gather([0, 1, 2]).any()
+    with pytest.raises(ValueError, match="3 slots for 2"):
+        loader.load(refs, [0, 1], "r4")
+    store.close()
