@@ -28,7 +28,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.results import BenchResult
+from loadtest.results import BenchResult, bench_options
 from services.admin.launcher import Cluster, ClusterSpec
 from shared.bus import Bus
 from shared.client import build_request, generate
@@ -138,7 +138,7 @@ def run(quick: bool = False, **options: object) -> BenchResult:
                 "mock_speedup": 100.0}  # fmt: skip
     if quick:
         defaults |= {"requests": 40, "rounds": 1}
-    args = argparse.Namespace(**(defaults | options))
+    args = bench_options(defaults, options)
     result = BenchResult("ingress", quick)
     mock = ["--engine", "mock", "--mock-speedup", str(args.mock_speedup)]
     with tempfile.TemporaryDirectory(prefix="kvf-bench-ingress-") as tmp:

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from loadtest.results import BenchResult
+from loadtest.results import BenchResult, bench_options
 from shared.bus import Bus
 from shared.kvstore import KvStore, KvStoreConfig, SlotRef
 from shared.natsd import NatsServer
@@ -333,7 +333,7 @@ def run(quick: bool = False, **options: object) -> BenchResult:
         defaults |= {"small_blocks": 200, "big_blocks": 20, "batch": 20, "rounds": 1,
                      "small_repeats": 5, "big_repeats": 2}  # fmt: skip
     result = BenchResult("kv", quick)
-    asyncio.run(measure(argparse.Namespace(**(defaults | options)), result))
+    asyncio.run(measure(bench_options(defaults, options), result))
     return result.finish()
 
 

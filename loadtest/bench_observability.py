@@ -37,7 +37,7 @@ from pathlib import Path
 import aiohttp
 
 from loadtest.bench_ingress import KEY, MODEL, SYSTEM, cli, pct, question, timed
-from loadtest.results import BenchResult
+from loadtest.results import BenchResult, bench_options
 from services.admin.launcher import Cluster, ClusterSpec
 from shared.bus import Bus
 from shared.subjects import DECODE, INGRESS, PREFILL
@@ -184,7 +184,7 @@ def run(quick: bool = False, **options: object) -> BenchResult:
                 "mock_speedup": 100.0}  # fmt: skip
     if quick:
         defaults |= {"requests": 30, "rounds": 1}
-    args = argparse.Namespace(**(defaults | options))
+    args = bench_options(defaults, options)
     result = BenchResult("observability", quick)
     settings = [Setting(name, ratio) for name, ratio in SETTINGS]
     with tempfile.TemporaryDirectory(prefix="kvf-bench-observability-") as tmp:

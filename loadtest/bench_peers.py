@@ -50,7 +50,7 @@ from pathlib import Path
 import openai
 
 from loadtest.peers.vllm import leading_agreement
-from loadtest.results import BenchResult
+from loadtest.results import BenchResult, bench_options
 from services.admin.launcher import Child, Cluster, ClusterSpec
 from shared.bus import Bus
 from shared.discovery import discover
@@ -467,7 +467,7 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     if quick:
         defaults |= {"sessions": 2, "steps": 3, "context": 256, "growth": 64, "max_tokens": 24,
                      "concurrent_steps": 2}  # fmt: skip
-    args = argparse.Namespace(**(defaults | options))
+    args = bench_options(defaults, options)
     if args.steps < 3:
         raise ValueError("steps must be >= 3: a cold step, a warm one, one after the restart")
     result = BenchResult("peers", quick)

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
-from loadtest.results import BenchResult
+from loadtest.results import BenchResult, bench_options
 from loadtest.trace.live import LiveConfig, run_live
 from loadtest.trace.offline import ReplayConfig, ReplayResult, replay
 from loadtest.trace.policies import BASELINES, OURS, OURS_PER_WORKER, POLICY_NAMES
@@ -178,10 +178,7 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     """Options: the CLI's (requests, workers, speed, capacities, offline, jobs, model,
     live_requests, live_speed, live_workers, mock_speedup). Quick: 1,000 requests, one
     bounded capacity, 40 live requests."""
-    unknown = set(options) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown option(s): {', '.join(sorted(unknown))}")
-    args = argparse.Namespace(**(DEFAULTS | (QUICK if quick else {}) | options))
+    args = bench_options(DEFAULTS, options, QUICK if quick else None)
     result = BenchResult("trace", quick)
     trace = load_trace(DEFAULT_TRACE, args.requests)
     vocab_size = Checkpoint(model_path(args.model)).config().vocab_size

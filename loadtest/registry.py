@@ -5,9 +5,11 @@ load torch, transformers or a cluster's worth of processes."""
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
+from typing import Any
 
-from loadtest.results import BenchResult
+from loadtest.results import BenchResult, UnknownOption
 
 
 @dataclass(frozen=True)
@@ -18,13 +20,26 @@ class Benchmark:
     in_suite: bool = True  # False: installs another stack (a peer), kept out of CI
     has_peer_option: bool = False  # run(peer=False) measures ours alone (what CI runs)
 
-    def run(self, quick: bool = False, *, peer: bool = True) -> BenchResult:
+    def run(
+        self, quick: bool = False, *, peer: bool = True, options: dict[str, Any] | None = None
+    ) -> BenchResult:
+        """`options`: the module's own (its `run`'s keywords, what its CLI's flags set);
+        UnknownOption names one it does not take."""
         module = importlib.import_module(self.module)
+        options = dict(options or {})
+        params = inspect.signature(module.run).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            unknown = set(options) - (set(params) - {"quick", "peer"})
+            if unknown:
+                known = ", ".join(sorted(set(params) - {"quick", "peer"}))
+                raise UnknownOption(
+                    f"unknown option(s): {', '.join(sorted(unknown))}; known: {known}"
+                )
         if self.has_peer_option:
-            return module.run(quick=quick, peer=peer)
+            return module.run(quick=quick, peer=peer, **options)
         if not peer:
             raise ValueError(f"{self.name} has no peer to leave out")
-        return module.run(quick=quick)
+        return module.run(quick=quick, **options)
 
 
 BENCHMARKS = {

@@ -9,6 +9,7 @@ better unless `lower_is_better`), with the issue's target when there is one.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -154,3 +155,20 @@ def _target(met: bool | None, target: float | None, lower: bool, suffix: str) ->
         return ""
     bound = "<=" if lower else ">="
     return f" (target {bound} {format_number(target)}{suffix}: {'met' if met else 'NOT met'})"
+
+
+class UnknownOption(ValueError):
+    """An option the benchmark does not take (the message names those it does)."""
+
+
+def bench_options(
+    defaults: dict[str, Any], options: dict[str, Any], quick: dict[str, Any] | None = None
+) -> argparse.Namespace:
+    """A benchmark's options: `defaults`, then the `quick` sizes, then what the caller gave
+    (`kvfabric bench NAME --set KEY=VALUE`); UnknownOption names an option it does not have."""
+    unknown = set(options) - set(defaults)
+    if unknown:
+        raise UnknownOption(
+            f"unknown option(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(defaults))}"
+        )
+    return argparse.Namespace(**(defaults | (quick or {}) | options))

@@ -1,18 +1,20 @@
 """`kvfabric bench NAME`: run a benchmark and print the ratios it measured side by side in one
 run; `--json PATH` writes the same result as JSON. `kvfabric bench list` names them all (and
 what each compares), `kvfabric bench all` runs every one in turn (`--json` is then a
-directory: one NAME.json each). Each benchmark's own options: `python -m loadtest.bench_<name>
---help`.
+directory: one NAME.json each). Each benchmark's own options (`python -m loadtest.bench_<name>
+--help`) are set with `--set KEY=VALUE`, e.g. `kvfabric bench peers --set vllm-cores=0-1`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import typer
 
 from loadtest.registry import BENCHMARKS, Benchmark, get
+from loadtest.results import UnknownOption
 
 QUICK_HELP = "small sizes, as CI runs them (a minute or so each; rough figures)"
 
@@ -27,6 +29,13 @@ def bench_command(
     no_peer: bool = typer.Option(
         False, "--no-peer", help="ours alone, where a benchmark can leave its peer out (kv-index)"
     ),
+    settings: list[str] = typer.Option(
+        [],
+        "--set",
+        metavar="KEY=VALUE",
+        help="one of the benchmark's own options (repeatable; its module's flags, e.g. "
+        "`--set vllm-cores=0-1` for peers); one benchmark only",
+    ),  # fmt: skip
 ) -> None:
     """Run a benchmark (or `list` them, or run `all`)."""
     if name == "list":
@@ -35,6 +44,10 @@ def bench_command(
             peer = "" if bench.in_suite else "  (installs a peer; not in CI)"
             typer.echo(f"{bench.name:<{width}}  {bench.compares}{peer}")
         return
+    options = parse_settings(settings)
+    if options and name in ("list", "all"):
+        raise typer.BadParameter("options are for one benchmark, not `list` or `all`",
+                                 param_hint="--set")  # fmt: skip
     if name == "all":
         _run_all(quick, json_path, peers, not no_peer)
         return
@@ -44,15 +57,49 @@ def bench_command(
         raise typer.BadParameter(str(exc.args[0]), param_hint="NAME") from None
     if no_peer and not bench.has_peer_option:
         raise typer.BadParameter(f"{name} has no peer to leave out", param_hint="--no-peer")
-    _run_one(bench, quick, json_path, not no_peer)
+    try:
+        _run_one(bench, quick, json_path, not no_peer, options, settings)
+    except UnknownOption as exc:
+        raise typer.BadParameter(str(exc), param_hint="--set") from None
 
 
-def _run_one(bench: Benchmark, quick: bool, json_path: Path | None, peer: bool) -> None:
+def parse_settings(settings: list[str]) -> dict[str, object]:
+    """`KEY=VALUE`s as options: dashes in KEY are underscores; VALUE an int, a float,
+    true/false, or else the text."""
+    options: dict[str, object] = {}
+    for setting in settings:
+        key, sep, text = setting.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{setting!r} is not KEY=VALUE", param_hint="--set")
+        options[key.strip().replace("-", "_")] = _value(text.strip())
+    return options
+
+
+def _value(text: str) -> object:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _run_one(
+    bench: Benchmark,
+    quick: bool,
+    json_path: Path | None,
+    peer: bool,
+    options: dict[str, object] | None = None,
+    settings: Sequence[str] = (),
+) -> None:
     typer.echo(f"== {bench.name}: {bench.compares}{' (quick)' if quick else ''} ==")
-    result = bench.run(quick=quick, peer=peer or not bench.has_peer_option)
+    result = bench.run(quick=quick, peer=peer or not bench.has_peer_option, options=options)
     result.command = (
         f"kvfabric bench {bench.name}{' --quick' if quick else ''}"
         f"{' --no-peer' if bench.has_peer_option and not peer else ''}"
+        + "".join(f" --set {s}" for s in settings)
     )
     result.print()
     if json_path is not None:

@@ -6,8 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+import typer
+
 from loadtest.markdown import render
-from loadtest.results import BenchResult
+from loadtest.registry import get
+from loadtest.results import BenchResult, UnknownOption, bench_options
+from services.admin.bench_cli import parse_settings
 
 
 def sample() -> BenchResult:
@@ -53,3 +58,21 @@ def test_markdown_has_every_entry() -> None:
     assert "| p50 latency | 4 | raw nats-py: 2 | us | 2.00x | <= 1.30: **NOT met** |" in text
     assert "| ingest | 26,000 | records/s | >= 5,000: met |" in text
     assert "- measured beside nothing else" in text
+
+
+def test_options_are_checked_against_what_a_benchmark_takes() -> None:
+    args = bench_options({"steps": 5, "cores": ""}, {"cores": "0-1"}, {"steps": 3})
+    assert (args.steps, args.cores) == (3, "0-1")
+    with pytest.raises(UnknownOption, match="unknown option.*stpes; known: cores, steps"):
+        bench_options({"steps": 5, "cores": ""}, {"stpes": 4})
+    # a benchmark whose run() names its keywords: checked against its signature, before it runs
+    with pytest.raises(UnknownOption, match="unknown option.*no_such; known: .*num_requests"):
+        get("bus").run(quick=True, options={"no_such": 1})
+
+
+def test_set_flags_parse_to_options() -> None:
+    assert parse_settings(["vllm-cores=0-1", "steps=4", "think_s=0.5", "move=false"]) == {
+        "vllm_cores": "0-1", "steps": 4, "think_s": 0.5, "move": False,
+    }  # fmt: skip
+    with pytest.raises(typer.BadParameter, match="not KEY=VALUE"):
+        parse_settings(["steps"])
