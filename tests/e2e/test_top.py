@@ -10,6 +10,7 @@ import os
 import pty
 import re
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -58,6 +59,9 @@ def start_in_terminal(args: list[str]) -> tuple[subprocess.Popen[bytes], int]:
     def take_terminal() -> None:
         os.setsid()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        # As from an interactive shell: a test run in the background (`cmd &` without job
+        # control) inherits SIGINT ignored, and a process that ignores it never sees Ctrl-C.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     process = subprocess.Popen(
         args, stdin=slave, stdout=slave, stderr=slave, preexec_fn=take_terminal, close_fds=True,
