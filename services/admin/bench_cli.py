@@ -7,6 +7,7 @@ directory: one NAME.json each). Each benchmark's own options (`python -m loadtes
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,14 +76,17 @@ def parse_settings(settings: list[str]) -> dict[str, object]:
     return options
 
 
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?")
+
+
 def _value(text: str) -> object:
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
+    if _INT.fullmatch(text):
+        return int(text)
+    if _FLOAT.fullmatch(text):
+        return float(text)
     return text
 
 
