@@ -29,12 +29,10 @@ class Benchmark:
         options = dict(options or {})
         params = inspect.signature(module.run).parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            unknown = set(options) - (set(params) - {"quick", "peer"})
-            if unknown:
-                known = ", ".join(sorted(set(params) - {"quick", "peer"}))
-                raise UnknownOption(
-                    f"unknown option(s): {', '.join(sorted(unknown))}; known: {known}"
-                )
+            known = set(params) - {"quick", "peer"}
+            if unknown := set(options) - known:
+                raise UnknownOption(f"unknown option(s): {', '.join(sorted(unknown))}; "
+                                    f"known: {', '.join(sorted(known))}")  # fmt: skip
         if self.has_peer_option:
             return module.run(quick=quick, peer=peer, **options)
         if not peer:

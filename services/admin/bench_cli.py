@@ -39,16 +39,16 @@ def bench_command(
     ),  # fmt: skip
 ) -> None:
     """Run a benchmark (or `list` them, or run `all`)."""
+    options = parse_settings(settings)
+    if options and name in ("list", "all"):
+        raise typer.BadParameter("options are for one benchmark, not `list` or `all`",
+                                 param_hint="--set")  # fmt: skip
     if name == "list":
         width = max(len(b) for b in BENCHMARKS)
         for bench in BENCHMARKS.values():
             peer = "" if bench.in_suite else "  (installs a peer; not in CI)"
             typer.echo(f"{bench.name:<{width}}  {bench.compares}{peer}")
         return
-    options = parse_settings(settings)
-    if options and name in ("list", "all"):
-        raise typer.BadParameter("options are for one benchmark, not `list` or `all`",
-                                 param_hint="--set")  # fmt: skip
     if name == "all":
         _run_all(quick, json_path, peers, not no_peer)
         return

@@ -5,6 +5,7 @@ prints one frame and exits."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import pty
@@ -99,8 +100,10 @@ def wait_reading(process: subprocess.Popen[bytes], master: int, seen: list[str],
         if select.select([master], [], [], 0.1)[0]:
             try:
                 seen.append(os.read(master, 65536).decode(errors="replace"))
-            except OSError:  # EIO: the other side closed
-                break
+            except OSError as exc:
+                if exc.errno != errno.EIO:
+                    raise
+                break  # EIO: every writer closed the terminal
     return process.wait(timeout=max(deadline - time.monotonic(), 0.1))
 
 
