@@ -40,9 +40,10 @@ async def keep_record(outbox: UsageOutbox, record: UsageRecord, *, kept: _Count,
     telemetry.keep_context(record.request_id)
     try:
         await outbox.add(record)
-    except Exception:
+    except Exception as exc:  # the disk itself failed: counted, logged with its traceback
         lost.inc()
-        log.exception("usage record not kept", request_id=record.request_id, record=str(record))
+        log.exception("usage record not kept", request_id=record.request_id, record=str(record),
+                      error=repr(exc))  # fmt: skip
         return False
     kept.inc()
     return True

@@ -47,6 +47,7 @@ from shared.engine.checkpoint import Checkpoint
 from shared.engine.config import ModelConfig
 from shared.engine.gguf import config_from_gguf, engine_name, read_gguf, read_tensor
 from shared.engine.gguf_tokenizer import special_token, tokenizer_from_gguf
+from shared.logging import get_logger
 from shared.models import model_path, served_name
 from shared.natsd import die_with_parent
 from shared.venvs import VenvUnavailable, ensure_venv, venvs_dir
@@ -56,6 +57,8 @@ REMOVE_AFTER = ("torchvision", "torchaudio", "torchcodec")
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 EXPORT_STAMP = ".kvfabric-export"
 EXPORT_VERSION = 1  # bump when the directory's contents change, so caches are rebuilt
+
+log = get_logger(__name__)
 
 
 # What kvfabric's connector imports inside vLLM's process and vLLM does not bring (msgspec,
@@ -318,7 +321,8 @@ class VllmServer:
                 if any(m.get("id") == self.served_model_name for m in models.get("data", [])):
                     return
             except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError) as exc:
-                last_error = repr(exc)  # not listening yet, or not answering JSON: said at the end
+                last_error = repr(exc)  # not listening yet, or not answering JSON
+                log.debug("vLLM not ready yet", url=url, error=last_error)
             if time.monotonic() - started > self.startup_timeout_s:
                 raise TimeoutError(
                     f"vLLM did not answer {url} within {self.startup_timeout_s:.0f} s (last: "
