@@ -442,6 +442,12 @@ def report(
         if r.moved:
             result.figure(f"{side}: cached share on another worker", hit_share(r.moved), "share")
         result.figure(f"{side}: restart until the first answer", r.restart_s, "s")
+        # The medians above hide which session paid what: the first step a restarted worker
+        # serves has been the slow one (docs/vllm.md).
+        for label, steps in (("after the restart", r.after_restart), ("moved", r.moved)):
+            if steps:
+                each = ", ".join(f"{s.ttft_s * 1e3:,.0f}" for s in steps)
+                result.note(f"{side}: TTFT {label}, session by session: {each} ms")
     tokenizer = Checkpoint(model_path(MODEL)).tokenizer()
     first = [tokenizer.encode(r.cold[0].text, add_special_tokens=False).ids for r in (ours, peer)]
     result.figure(f"first greedy answer: share of kvfabric's {len(first[0])} tokens that vLLM's "

@@ -201,6 +201,11 @@ class EngineWorkerConfig(ServiceConfig):
     # one host then share the cores through the OS: a prefill with decode idle gets them
     # all, and both get about half while both compute (measured, docs/benchmarks.md).
     num_threads: int = 0
+    # Dummy tokens the worker runs through its model before it joins discovery (0: none):
+    # a fresh process's first long forward pays for its thread's allocator arena and
+    # OpenMP team (~100 ms on SmolLM2, shared/engine/worker.py), the warm-up instead of the
+    # first request routed to it.
+    warmup_tokens: int = 512
     # Longest sequence served; 0: the model's max_position_embeddings (its training context).
     # Larger values run RoPE past what the model was trained on: right for timing (the
     # 8K-context benchmarks on the 512-token tiny-coder), not for quality.
@@ -245,6 +250,8 @@ class EngineWorkerConfig(ServiceConfig):
                 raise ConfigError(f"{name} must be >= 0 (0: sized for the model)")
         if self.num_threads < 0:
             raise ConfigError("num_threads must be >= 0 (0: every core this process may use)")
+        if self.warmup_tokens < 0:
+            raise ConfigError(f"warmup_tokens must be >= 0 (0: none), got {self.warmup_tokens}")
 
     @property
     def model_path(self) -> Path:

@@ -30,7 +30,7 @@ from shared.mock_engine import MockEngine, MockEngineConfig
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, DecodeJob, SuffixReady
 from shared.serving.metrics import observe_outbox
-from shared.serving.wiring import open_mock_kv, open_model_kv, start_worker
+from shared.serving.wiring import open_mock_kv, open_model_kv, start_worker, warm_model_thread
 from shared.subjects import DECODE
 from shared.usage import adopt_orphans, ensure_usage_stream, open_usage_outbox
 from shared.usage_outbox import UsageOutbox
@@ -56,6 +56,7 @@ async def setup(runtime: ServiceRuntime) -> None:
 
     bus = runtime.bus
     runner = await asyncio.to_thread(build_runner, config)
+    model_thread = await warm_model_thread(runtime, runner, config)
     runtime.metadata |= describe(runner, config)
     tokenizer = Checkpoint(config.model_path).tokenizer()
     engine = Engine(
@@ -83,7 +84,7 @@ async def setup(runtime: ServiceRuntime) -> None:
         ),
         model_name=config.model_name,
         retry_after_s=config.retry_after_s, pull_timeout_s=config.pull_timeout_s,
-        suffix_timeout_s=config.suffix_timeout_s,
+        suffix_timeout_s=config.suffix_timeout_s, model_thread=model_thread,
     )  # fmt: skip
     await serve(runtime, worker, kv.store, kv.agent.close)
 

@@ -32,6 +32,7 @@ from shared.engine.sampler import SamplingParams as EngineSampling
 from shared.engine.sampler import SamplingParamsError
 from shared.engine.sequence import Sequence
 from shared.engine.swa_restore import snapshot_from_bytes, snapshot_to_bytes
+from shared.engine.worker import ModelThread
 from shared.schema import BadRequest, SamplingParams, SuffixReady, Unavailable
 from shared.serving.pages import LoadedPrefix, load_prefix, unstage_pages
 from shared.serving.staging import StagingSpace
@@ -53,6 +54,7 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         retry_after_s: float,
         pull_timeout_s: float,
         suffix_timeout_s: float,
+        model_thread: ModelThread,
     ) -> None:
         super().__init__(
             bus, engine, tokenizer, finisher, model_name=model_name,
@@ -65,6 +67,7 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         self.buffer = agent.buffer.reshape(-1).view(np.uint8)
         self.staging = staging
         self.pull_timeout_s = pull_timeout_s
+        self.model_thread = model_thread
         self._finished: dict[int, Finished] = {}
         # request id -> the read of its cached prefix, started at admission, awaited at join
         self._prefix_loads: dict[str, asyncio.Task[LoadedPrefix]] = {}
@@ -220,7 +223,7 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
 
     async def _step(self) -> list[StepOutput]:
         async with self._engine_lock:
-            return await asyncio.to_thread(self.engine.step)
+            return await self.model_thread.run(self.engine.step)
 
     def _take_finished(
         self, state: DecodeRequest, out: StepOutput, stopped_by_string: bool

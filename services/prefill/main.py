@@ -24,7 +24,13 @@ from shared.bus import Endpoint
 from shared.kvstore.store import KvStore
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, PrefillJob
-from shared.serving.wiring import node_swa_client, open_mock_kv, open_model_kv, start_worker
+from shared.serving.wiring import (
+    node_swa_client,
+    open_mock_kv,
+    open_model_kv,
+    start_worker,
+    warm_model_thread,
+)
 from shared.subjects import PREFILL
 
 
@@ -42,6 +48,7 @@ async def setup(runtime: ServiceRuntime) -> None:
 
     bus = runtime.bus
     runner = await asyncio.to_thread(build_runner, config)
+    model_thread = await warm_model_thread(runtime, runner, config)
     runtime.metadata |= describe(runner, config)
     kv = await open_model_kv(
         runtime, config, PREFILL, runner.layout.block_nbytes,
@@ -55,11 +62,12 @@ async def setup(runtime: ServiceRuntime) -> None:
         replay_tokens=config.swa_replay_tokens,
     )
     worker = PrefillWorker(
-        bus, runner, PrefixRestorer(runner, kv.store, kv.swa, policy, compute_lock),
+        bus, runner, PrefixRestorer(runner, kv.store, kv.swa, policy, compute_lock, model_thread),
         kv.publisher, kv.swa, kv.agent, kv.staging,
         model_name=config.model_name, max_batch_tokens=config.max_batch_tokens,
         max_model_len=max_model_len(runner, config),
         handoff_timeout_s=config.handoff_timeout_s, compute_lock=compute_lock,
+        model_thread=model_thread,
         metrics=runtime.metrics,
     )  # fmt: skip
     await serve(runtime, worker, kv.store, kv.agent.close)

@@ -17,6 +17,7 @@ from shared.engine.errors import SequenceStateError
 from shared.engine.kv_cache import SlidingWindowState
 from shared.engine.runner import ModelRunner
 from shared.engine.swa_restore import exact_replay_tokens, replay_window, snapshot_from_bytes
+from shared.engine.worker import ModelThread
 from shared.kvstore.blocks import RequestBlocks
 from shared.kvstore.store import KvStore
 from shared.logging import get_logger
@@ -57,8 +58,10 @@ class PrefixRestorer:
         swa: SwaClient | None,
         policy: RestorePolicy,
         compute_lock: asyncio.Lock,
+        model_thread: ModelThread,
     ) -> None:
         self.runner = runner
+        self.model_thread = model_thread
         self.store = store
         self.swa = swa
         self.policy = policy
@@ -136,7 +139,7 @@ class PrefixRestorer:
                         return window, "snapshot", 0
         num_replay = min(self.num_replay_tokens(), boundary)
         async with self.compute_lock:
-            window = await asyncio.to_thread(
+            window = await self.model_thread.run(
                 replay_window, self.runner.model, self.runner.pool, pages, token_ids,
                 boundary, num_replay, self.runner.dtype,
             )  # fmt: skip

@@ -31,6 +31,7 @@ from shared.bus import Bus
 from shared.engine.runner import ModelRunner
 from shared.engine.sequence import Sequence
 from shared.engine.swa_restore import snapshot_to_bytes
+from shared.engine.worker import ModelThread
 from shared.kvstore.blocks import RequestBlocks
 from shared.kvstore.writer import KvEventPublisher
 from shared.metrics import Metrics
@@ -66,6 +67,7 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         max_model_len: int,
         handoff_timeout_s: float,
         compute_lock: asyncio.Lock,
+        model_thread: ModelThread,
         metrics: Metrics | None = None,
     ) -> None:
         super().__init__(
@@ -80,6 +82,7 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         self.buffer = agent.buffer.reshape(-1).view(np.uint8)
         self.staging = staging
         self.compute_lock = compute_lock
+        self.model_thread = model_thread
         self._seq_ids = itertools.count()
 
     def kv_pages(self) -> tuple[int, int]:
@@ -129,7 +132,7 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
     async def _forward(self, batch: list[tuple[ModelJob, int]]) -> float:
         started = time.perf_counter()
         async with self.compute_lock:
-            await asyncio.to_thread(
+            await self.model_thread.run(
                 self.runner.prefill,
                 [entry.seq for entry, _ in batch],
                 num_new_tokens=[n for _, n in batch],

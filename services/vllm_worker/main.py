@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
+
 from services.vllm_worker.config import VllmWorkerConfig
 from services.vllm_worker.metrics import VllmWorkerMetrics
-from services.vllm_worker.vllm_client import VllmClient
+from services.vllm_worker.vllm_client import VllmClient, VllmError
 from services.vllm_worker.worker import VllmWorker
 from shared.bus import Endpoint
 from shared.engine.checkpoint import Checkpoint
@@ -72,6 +74,14 @@ async def setup(runtime: ServiceRuntime) -> None:
     log.info("starting vLLM", argv=" ".join(server.argv()), log=str(server.log_path))
     await asyncio.to_thread(server.start)
     log.info("vLLM serving", url=server.base_url, startup_s=round(server.startup_s, 1))
+    client = VllmClient(server.base_url.removesuffix("/v1"))
+    if config.warmup_tokens:  # before discovery: no request routed here pays it
+        try:
+            warmup_s = await client.warm_up(config.model_name, config.warmup_tokens)
+        except (VllmError, aiohttp.ClientError) as exc:
+            log.warning("vLLM warm-up failed: serving without it", error=str(exc))
+        else:
+            log.info("vLLM warmed up", num_tokens=config.warmup_tokens, s=round(warmup_s, 2))
 
     async def stop_server() -> None:
         await asyncio.to_thread(server.stop)
@@ -86,7 +96,6 @@ async def setup(runtime: ServiceRuntime) -> None:
         "connector": "kvfabric" if config.connector else "none",
         "vllm_startup_s": f"{server.startup_s:.1f}",
     }  # fmt: skip
-    client = VllmClient(server.base_url.removesuffix("/v1"))
 
     await ensure_usage_stream(bus)
     # Published as decode's: the engine's own count of the request, which billing prefers.

@@ -84,6 +84,53 @@ def attend_grouped(
     return out.reshape(batch, num_q, num_heads, dim)
 
 
+# SDPA's CPU flash kernel, which also returns each row's log-sum-exp: what merging two partial
+# attentions over disjoint keys needs. Absent from a torch without it: the masked path serves.
+_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attend_after_prefix(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of a chunk that follows a cached prefix, without a mask.
+
+    q, new_k, new_v: [Tq, H*, D], the chunk's own queries and keys; prefix_k, prefix_v:
+    [P, Hkv, D], every key before it. Every query sees the whole prefix (no mask: the
+    GQA-folded queries of `attend_grouped` in one call) and the chunk causally (SDPA's
+    `is_causal`, which skips the masked half); the two partial results are merged by their
+    log-sum-exp. Measured against one masked call over all P + Tq keys (SmolLM2, 256 queries
+    after 1,856 cached keys, 2 threads): 8.7 ms -> 6.7 ms per layer.
+    """
+    num_q, num_heads, dim = q.shape
+    num_kv_heads = new_k.shape[1]
+    n_rep = num_heads // num_kv_heads
+    scale = dim**-0.5
+    # Prefix: [1, Hkv, n_rep * Tq, D] queries against [1, Hkv, P, D] keys.
+    qg = (
+        q.view(num_q, num_kv_heads, n_rep, dim)
+        .permute(1, 2, 0, 3)
+        .reshape(1, num_kv_heads, -1, dim)
+    )
+    out_p, lse_p = _flash_with_lse(
+        qg, prefix_k.transpose(0, 1)[None], prefix_v.transpose(0, 1)[None], scale=scale
+    )[:2]
+    out_p = out_p.reshape(num_kv_heads, n_rep, num_q, dim).permute(2, 0, 1, 3)
+    lse_p = lse_p.reshape(num_kv_heads, n_rep, num_q).permute(2, 0, 1)
+    # The chunk itself: causal, K/V repeated per query head (Tq rows: cheap).
+    kn = new_k.repeat_interleave(n_rep, dim=1).transpose(0, 1)[None]
+    vn = new_v.repeat_interleave(n_rep, dim=1).transpose(0, 1)[None]
+    out_n, lse_n = _flash_with_lse(q.transpose(0, 1)[None], kn, vn, is_causal=True, scale=scale)[:2]
+    out_n = out_n[0].transpose(0, 1).reshape(num_q, num_kv_heads, n_rep, dim)
+    lse_n = lse_n[0].transpose(0, 1).reshape(num_q, num_kv_heads, n_rep)
+    # softmax over both key sets = a weighted mean of the two, weights from the sums' ratio.
+    weight = torch.sigmoid(lse_p - lse_n).unsqueeze(-1)
+    return torch.lerp(out_n, out_p, weight).reshape(num_q, num_heads, dim)
+
+
 class _Backend:
     def __init__(self, config: ModelConfig, num_tokens_per_seq: list[int]) -> None:
         self.config = config
@@ -149,9 +196,16 @@ class PrefillAttention(_Backend):
         self.key_blocks = [
             s.block_table[: -(-(s.start_position + s.num_tokens) // block)] for s in seqs
         ]
+        self.prefix_blocks = [s.block_table[: -(-s.start_position // block)] for s in seqs]
         # Masks depend only on positions: built once per call, shared by all layers.
         window = config.sliding_window
-        self.full_masks = [visible(q, k, None) for q, k in zip(self.q_pos, all_pos, strict=True)]
+        # Full layers need none where SDPA's CPU flash kernel gives log-sum-exps.
+        self.split_full = _flash_with_lse is not None and pool.kv.device.type == "cpu"
+        self.full_masks = (
+            []
+            if self.split_full
+            else [visible(q, k, None) for q, k in zip(self.q_pos, all_pos, strict=True)]
+        )
         self.sliding_masks = [
             visible(
                 q, torch.arange(s.window.start_position, s.start_position + s.num_tokens), window
@@ -170,6 +224,9 @@ class PrefillAttention(_Backend):
             if self.layer_kind[layer_id] == FULL:
                 f = self.full_index[layer_id]
                 self.pool.write(f, self.new_slots[i], k[lo:hi], v[lo:hi])
+                if self.split_full:
+                    outs.append(self._after_prefix(f, i, q[lo:hi], k[lo:hi], v[lo:hi]))
+                    continue
                 keys, values = self.pool.gather_blocks(f, self.key_blocks[i])
                 keys, values = keys[:num_keys], values[:num_keys]
                 mask = self.full_masks[i]
@@ -183,6 +240,27 @@ class PrefillAttention(_Backend):
             )
             outs.append(out[0])
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _after_prefix(
+        self, full_layer: int, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """A full layer: the chunk's own K/V as computed, the prefix's from the pool."""
+        start = self.seqs[i].start_position
+        dtype = q.dtype
+        if start == 0:
+            n_rep = q.shape[1] // k.shape[1]
+            out = _flash_with_lse(
+                q.transpose(0, 1)[None],
+                k.to(dtype).repeat_interleave(n_rep, dim=1).transpose(0, 1)[None],
+                v.to(dtype).repeat_interleave(n_rep, dim=1).transpose(0, 1)[None],
+                is_causal=True,
+                scale=q.shape[-1] ** -0.5,
+            )[0]
+            return out[0].transpose(0, 1)
+        keys, values = self.pool.gather_blocks(full_layer, self.prefix_blocks[i])
+        return attend_after_prefix(
+            q, keys[:start].to(dtype), values[:start].to(dtype), k.to(dtype), v.to(dtype)
+        )
 
 
 class DecodeAttention(_Backend):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -32,6 +32,10 @@ from shared.serving.staging import StagingSpace
 from shared.subjects import SWA_MEMCACHE
 from shared.swa_client import SwaClient
 from shared.transfer import KvTransferAgent
+
+if TYPE_CHECKING:  # torch: the model workers' only
+    from shared.engine.runner import ModelRunner
+    from shared.engine.worker import ModelThread
 
 log = get_logger(__name__)
 
@@ -164,3 +168,17 @@ def start_worker(
         store.close()
 
     runtime.on_stop(close)
+
+
+async def warm_model_thread(
+    runtime: ServiceRuntime, runner: ModelRunner, config: EngineWorkerConfig
+) -> ModelThread:
+    """The thread a model worker computes in, warmed up on `config.warmup_tokens` dummy
+    tokens before the worker joins discovery (shared/engine/worker.py), and closed last."""
+    from shared.engine.worker import ModelThread, warm_up
+
+    model_thread = ModelThread()
+    runtime.on_stop(model_thread.close)  # registered before the worker's: runs after it
+    warmup_s = await model_thread.run(warm_up, runner, config.warmup_tokens)
+    log.info("model warmed up", num_tokens=config.warmup_tokens, s=round(warmup_s, 2))
+    return model_thread
