@@ -65,7 +65,12 @@ def warm_up(runner: ModelRunner, num_tokens: int) -> float:
     the seconds it took. Call it in the thread that will serve (`ModelThread.run`)."""
     started = time.perf_counter()
     block = runner.layout.block_size_tokens
-    num_tokens = min(num_tokens, runner.allocator.num_blocks * block - 1)
+    # What the pool holds and the model's positions reach (the decode step adds one token).
+    num_tokens = min(
+        num_tokens,
+        runner.allocator.num_blocks * block - 1,
+        runner.config.max_position_embeddings - 1,
+    )
     if num_tokens < 2:
         return 0.0
     # Ids past the first ones (where the special tokens are), in no particular order.
