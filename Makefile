@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvfabric-installed
 
-.PHONY: demo up test lint bench-bus setup clean models vllm
+.PHONY: demo up test lint bench-bus setup clean models vllm prometheus
 
 setup: $(STAMP)
 
@@ -33,13 +33,27 @@ models: $(STAMP)
 vllm: $(STAMP)
 	$(PY) -m shared.vllm_env
 
+# Prometheus's server and promtool (Debian's `prometheus` package): the dashboard and metrics
+# tests run them and skip, naming the package, where they are missing. Installed here when
+# this runs as root on a Debian machine (as CI does); elsewhere a line says what to install.
+prometheus:
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian's prometheus (the dashboard and metrics tests run it)"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus \
+	      >/dev/null) || echo "WARNING: apt-get install prometheus failed: those tests will skip"; \
+	  else \
+	    echo "WARNING: no prometheus/promtool: the dashboard tests will skip (apt-get install prometheus)"; \
+	  fi; \
+	fi
+
 demo: models
 	$(VENV)/bin/kvfabric demo
 
 up: models
 	$(VENV)/bin/kvfabric up
 
-test: models vllm
+test: models vllm prometheus
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
