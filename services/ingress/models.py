@@ -48,6 +48,7 @@ class ModelTable:
         self._models: dict[str, ServedModel] = {}
         self._seen_at: dict[str, float] = {}  # name -> when a decode worker last answered
         self._refreshed_at = 0.0
+        self._round_started_at = 0.0  # when the last discovery round began
         self._lock = asyncio.Lock()
 
     def _served(self) -> set[str]:
@@ -61,15 +62,24 @@ class ModelTable:
     async def get(self, name: str) -> ServedModel | None:
         """The model, asking discovery again if it is not (or no longer) known."""
         # Known models never wait for discovery (main.py refreshes the table every few
-        # seconds in the background). An unknown name refreshes at most 4 times a second,
-        # waiting longer for replies than the background round: a worker that is busy (a
-        # model loading, a long prefill) answers late.
-        if name not in self._served() and time.monotonic() - self._refreshed_at > 0.25:
-            await self.refresh(timeout_s=1.0)
+        # seconds in the background). An unknown name is answered from a discovery round
+        # that began after it was asked, waiting longer for replies than the background
+        # round: a worker that is busy (a model loading, a long prefill) answers late, and
+        # one that joined a moment ago is in no earlier round (the demo's first request
+        # right after its workers came up got a 404 that way). Rounds for unknown names
+        # start at most 4 times a second, however many ask.
+        if name not in self._served():
+            asked_at = time.monotonic()
+            await asyncio.sleep(max(0.0, self._refreshed_at + 0.25 - asked_at))
+            async with self._lock:  # a round already under way ends first
+                pass
+            if name not in self._served() and self._round_started_at < asked_at:
+                await self.refresh(timeout_s=1.0)
         return self._models.get(name) if name in self._served() else None
 
     async def refresh(self, timeout_s: float = 0.5) -> None:
         async with self._lock:
+            self._round_started_at = time.monotonic()
             # The workers that stream tokens: decode workers and aggregated vLLM workers.
             instances = [
                 i for i in await discover(self.bus, timeout_s=timeout_s) if i.service in STREAMERS
