@@ -89,6 +89,23 @@ def attend_grouped(
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def attend_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk attending to itself causally, with no mask (SDPA's `is_causal` skips the
+    masked half); K/V repeated per query head (Tq rows: cheap). q: [Tq, H, D], k, v:
+    [Tq, Hkv, D] -> the output [Tq, H, D] and each row's log-sum-exp [Tq, H]."""
+    n_rep = q.shape[1] // k.shape[1]
+    out, lse = _flash_with_lse(
+        q.transpose(0, 1)[None],
+        k.repeat_interleave(n_rep, dim=1).transpose(0, 1)[None],
+        v.repeat_interleave(n_rep, dim=1).transpose(0, 1)[None],
+        is_causal=True,
+        scale=q.shape[-1] ** -0.5,
+    )[:2]
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
 def attend_after_prefix(
     q: torch.Tensor,
     prefix_k: torch.Tensor,
@@ -120,12 +137,9 @@ def attend_after_prefix(
     )[:2]
     out_p = out_p.reshape(num_kv_heads, n_rep, num_q, dim).permute(2, 0, 1, 3)
     lse_p = lse_p.reshape(num_kv_heads, n_rep, num_q).permute(2, 0, 1)
-    # The chunk itself: causal, K/V repeated per query head (Tq rows: cheap).
-    kn = new_k.repeat_interleave(n_rep, dim=1).transpose(0, 1)[None]
-    vn = new_v.repeat_interleave(n_rep, dim=1).transpose(0, 1)[None]
-    out_n, lse_n = _flash_with_lse(q.transpose(0, 1)[None], kn, vn, is_causal=True, scale=scale)[:2]
-    out_n = out_n[0].transpose(0, 1).reshape(num_q, num_kv_heads, n_rep, dim)
-    lse_n = lse_n[0].transpose(0, 1).reshape(num_q, num_kv_heads, n_rep)
+    out_n, lse_n = attend_causal(q, new_k, new_v)
+    out_n = out_n.reshape(num_q, num_kv_heads, n_rep, dim)
+    lse_n = lse_n.reshape(num_q, num_kv_heads, n_rep)
     # softmax over both key sets = a weighted mean of the two, weights from the sums' ratio.
     weight = torch.sigmoid(lse_p - lse_n).unsqueeze(-1)
     return torch.lerp(out_n, out_p, weight).reshape(num_q, num_heads, dim)
@@ -248,15 +262,7 @@ class PrefillAttention(_Backend):
         start = self.seqs[i].start_position
         dtype = q.dtype
         if start == 0:
-            n_rep = q.shape[1] // k.shape[1]
-            out = _flash_with_lse(
-                q.transpose(0, 1)[None],
-                k.to(dtype).repeat_interleave(n_rep, dim=1).transpose(0, 1)[None],
-                v.to(dtype).repeat_interleave(n_rep, dim=1).transpose(0, 1)[None],
-                is_causal=True,
-                scale=q.shape[-1] ** -0.5,
-            )[0]
-            return out[0].transpose(0, 1)
+            return attend_causal(q, k.to(dtype), v.to(dtype))[0]
         keys, values = self.pool.gather_blocks(full_layer, self.prefix_blocks[i])
         return attend_after_prefix(
             q, keys[:start].to(dtype), values[:start].to(dtype), k.to(dtype), v.to(dtype)
