@@ -238,7 +238,7 @@ async def run_vllm(args: argparse.Namespace, result: BenchResult) -> SideResult:
     checkpoint = export_checkpoint(MODEL)
     bind = {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cores} if args.vllm_cores else {}
     server = VllmServer(checkpoint, MODEL, python=ensure_vllm(), block_size_tokens=args.block,
-                        env=bind)  # fmt: skip
+                        dtype=args.dtype, env=bind)  # fmt: skip
     with server:
         how = f"VLLM_CPU_OMP_THREADS_BIND={args.vllm_cores}" if args.vllm_cores else "its choice"
         cores = re.findall(r"core ids=\[([^\]]*)\]", server.log_tail(1 << 20))
@@ -247,7 +247,7 @@ async def run_vllm(args: argparse.Namespace, result: BenchResult) -> SideResult:
         client = _client(server.base_url, "unused")
         other = VllmServer(
             checkpoint, MODEL, python=ensure_vllm(), block_size_tokens=args.block, env=bind,
-            log_path=server.log_path.with_name("server-2.log"),
+            dtype=args.dtype, log_path=server.log_path.with_name("server-2.log"),
         )  # fmt: skip
 
         async def restart() -> None:
@@ -278,7 +278,8 @@ async def run_vllm_workers(args: argparse.Namespace, result: BenchResult) -> Sid
             state_dir=Path(state), nats_port=0, http_port=0, root=unique_root(),
             replicas={BILLING: 0, PREFILL: 0, DECODE: 0, VLLM_WORKER: 2}, models=(MODEL,),
             log_level="warning", dev_api_key=KEY,
-            extra_args={VLLM_WORKER: ["--kv-block-size-tokens", str(args.block)]},
+            extra_args={VLLM_WORKER: ["--kv-block-size-tokens", str(args.block),
+                                      "--dtype", args.dtype]},
         )  # fmt: skip
         cluster = Cluster(spec)
         cluster.start()
@@ -338,8 +339,8 @@ async def run_kvfabric(args: argparse.Namespace, result: BenchResult) -> SideRes
         spec = ClusterSpec(
             state_dir=Path(state), nats_port=0, http_port=0, root=unique_root(),
             replicas={BILLING: 0}, models=(MODEL,), log_level="warning", dev_api_key=KEY,
-            extra_args={PREFILL: ["--kv-block-size-tokens", str(args.block)],
-                        DECODE: ["--kv-block-size-tokens", str(args.block)]},
+            extra_args={PREFILL: ["--kv-block-size-tokens", str(args.block), "--dtype", args.dtype],
+                        DECODE: ["--kv-block-size-tokens", str(args.block), "--dtype", args.dtype]},
         )  # fmt: skip
         cluster = Cluster(spec)
         cluster.start()
@@ -469,7 +470,8 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     256-token task, and 4 sessions of 2 steps at concurrency 4."""
     defaults = {"sessions": 2, "steps": 5, "context": 1024, "growth": 192, "max_tokens": 48,
                 "concurrency": 4, "concurrent_steps": 3, "think_s": 1.0, "block": 64,
-                "vllm_cores": "", "vllm_workers": True, "move": True}  # fmt: skip
+                "dtype": "float32", "vllm_cores": "", "vllm_workers": True,
+                "move": True}  # fmt: skip
     if quick:
         defaults |= {"sessions": 2, "steps": 3, "context": 256, "growth": 64, "max_tokens": 24,
                      "concurrent_steps": 2}  # fmt: skip
@@ -481,7 +483,8 @@ def run(quick: bool = False, **options: object) -> BenchResult:
         f"{args.sessions} session(s) of {args.steps} steps at batch 1 ({args.steps - 1} before "
         f"the restart), task {args.context} tokens, +{args.growth} a step, {args.max_tokens} "
         f"new tokens, {args.think_s:g} s think time; then {args.concurrency} fresh sessions of "
-        f"{args.concurrent_steps} steps at once; KV blocks of {args.block} tokens on both sides"
+        f"{args.concurrent_steps} steps at once; KV blocks of {args.block} tokens and "
+        f"{args.dtype} arithmetic on every side"
     )
     load_before = os.getloadavg()[0]
     peer = asyncio.run(run_vllm(args, result))
@@ -506,6 +509,8 @@ def main() -> None:
     parser.add_argument("--concurrent-steps", type=int, default=3)
     parser.add_argument("--think-s", type=float, default=1.0)
     parser.add_argument("--block", type=int, default=64, help="KV block size, both sides")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="every side's weights, arithmetic and KV cache")  # fmt: skip
     parser.add_argument(
         "--vllm-cores",
         default="",

@@ -26,6 +26,7 @@ from shared.subjects import DEFAULT_ROOT, Subjects, check_token
 SHARED_ENV_PREFIX = "KVF_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENGINES = ("model", "mock")
+ENGINE_DTYPES = ("float32", "bfloat16")  # EngineWorkerConfig.dtype: torch dtypes by name
 
 
 class ConfigError(ValueError):
@@ -201,6 +202,12 @@ class EngineWorkerConfig(ServiceConfig):
     # one host then share the cores through the OS: a prefill with decode idle gets them
     # all, and both get about half while both compute (measured, docs/benchmarks.md).
     num_threads: int = 0
+    # The model's arithmetic and its KV pages: float32, or bfloat16 (a CPU with AVX-512 BF16
+    # or AMX runs its matmuls and attention in it: SmolLM2's 256-token prefill after 1,792
+    # cached tokens took 145 ms against 353 ms in float32 here, docs/engine-benchmarks.md).
+    # A page's bytes depend on it, so the workers of one model must agree: a block stored by
+    # a worker of the other dtype reads as a miss (its slot's payload size differs).
+    dtype: str = "float32"
     # Dummy tokens the worker runs through its model before it joins discovery (0: none):
     # a fresh process's first long forward pays for its thread's allocator arena and
     # OpenMP team (~100 ms on SmolLM2, shared/engine/worker.py), the warm-up instead of the
@@ -252,6 +259,9 @@ class EngineWorkerConfig(ServiceConfig):
             raise ConfigError("num_threads must be >= 0 (0: every core this process may use)")
         if self.warmup_tokens < 0:
             raise ConfigError(f"warmup_tokens must be >= 0 (0: none), got {self.warmup_tokens}")
+        if self.dtype not in ENGINE_DTYPES:
+            known = ", ".join(ENGINE_DTYPES)
+            raise ConfigError(f"dtype must be one of {known}, got {self.dtype!r}")
 
     @property
     def model_path(self) -> Path:

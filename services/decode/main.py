@@ -15,7 +15,6 @@ usage, no torch and no NIXL.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +29,7 @@ from shared.mock_engine import MockEngine, MockEngineConfig
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, DecodeJob, SuffixReady
 from shared.serving.metrics import observe_outbox
-from shared.serving.wiring import open_mock_kv, open_model_kv, start_worker, warm_model_thread
+from shared.serving.wiring import open_mock_kv, open_model_kv, start_model_thread, start_worker
 from shared.subjects import DECODE
 from shared.usage import adopt_orphans, ensure_usage_stream, open_usage_outbox
 from shared.usage_outbox import UsageOutbox
@@ -52,11 +51,10 @@ async def setup(runtime: ServiceRuntime) -> None:
     from shared.engine.drafter import SpecDecodeConfig
     from shared.engine.engine import Engine
     from shared.engine.scheduler import SchedulerConfig
-    from shared.engine.worker import build_runner, describe, handoff_staging_bytes, max_model_len
+    from shared.engine.worker import describe, handoff_staging_bytes, max_model_len
 
     bus = runtime.bus
-    runner = await asyncio.to_thread(build_runner, config)
-    model_thread = await warm_model_thread(runtime, runner, config)
+    runner, model_thread = await start_model_thread(runtime, config)
     runtime.metadata |= describe(runner, config)
     tokenizer = Checkpoint(config.model_path).tokenizer()
     engine = Engine(

@@ -28,8 +28,8 @@ from shared.serving.wiring import (
     node_swa_client,
     open_mock_kv,
     open_model_kv,
+    start_model_thread,
     start_worker,
-    warm_model_thread,
 )
 from shared.subjects import PREFILL
 
@@ -44,11 +44,10 @@ async def setup(runtime: ServiceRuntime) -> None:
     # Imported here: they import torch (2-10 s), which `--engine mock` never needs.
     from services.prefill.restore import PrefixRestorer, RestorePolicy
     from services.prefill.worker import PrefillWorker
-    from shared.engine.worker import build_runner, describe, handoff_staging_bytes, max_model_len
+    from shared.engine.worker import describe, handoff_staging_bytes, max_model_len
 
     bus = runtime.bus
-    runner = await asyncio.to_thread(build_runner, config)
-    model_thread = await warm_model_thread(runtime, runner, config)
+    runner, model_thread = await start_model_thread(runtime, config)
     runtime.metadata |= describe(runner, config)
     kv = await open_model_kv(
         runtime, config, PREFILL, runner.layout.block_nbytes,

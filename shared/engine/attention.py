@@ -141,8 +141,10 @@ def attend_after_prefix(
     out_n = out_n.reshape(num_q, num_kv_heads, n_rep, dim)
     lse_n = lse_n.reshape(num_q, num_kv_heads, n_rep)
     # softmax over both key sets = a weighted mean of the two, weights from the sums' ratio.
+    # The log-sum-exps are float32 whatever q's dtype; so is the merge (no-op casts in float32).
     weight = torch.sigmoid(lse_p - lse_n).unsqueeze(-1)
-    return torch.lerp(out_n, out_p, weight).reshape(num_q, num_heads, dim)
+    out = torch.lerp(out_n.float(), out_p.float(), weight)
+    return out.to(q.dtype).reshape(num_q, num_heads, dim)
 
 
 class _Backend:

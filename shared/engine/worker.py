@@ -25,10 +25,10 @@ T = TypeVar("T")
 
 
 def build_runner(config: EngineWorkerConfig) -> ModelRunner:
-    """Blocking (seconds): call it off the event loop."""
+    """Blocking (seconds): call it in the thread that will run the model (`ModelThread`)."""
     torch.set_num_threads(config.torch_threads)
-    model = load_model(config.model_path)
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = getattr(torch, config.dtype)
+    model = load_model(config.model_path, dtype)
     layout = KVBlockLayout.for_model(model.config, config.kv_block_size_tokens, dtype)
     return ModelRunner(
         model,
@@ -38,13 +38,17 @@ def build_runner(config: EngineWorkerConfig) -> ModelRunner:
 
 
 class ModelThread:
-    """The one thread a worker runs its model in, off the event loop.
+    """The one thread a worker loads and runs its model in, off the event loop.
 
-    asyncio's default pool hands each call to whichever of its threads is idle, and a thread's
-    first long forward pays for its own allocator arena and OpenMP team: a 261-token prefill
-    after 1,856 cached tokens (SmolLM2, 2 threads) took 660-710 ms in a thread new to it and
-    540-620 ms in one that had run the model before. One thread, warmed up at start
-    (`warm_up`), pays that once, before the worker takes requests.
+    Every thread that runs a parallel torch op gets an OpenMP team of its own, and once a
+    process holds more OpenMP threads than it has cores, libgomp stops spinning between
+    parallel regions: each later op pays a futex wake-up, ~50 us, in every thread. Measured
+    (SmolLM2, 257 tokens after 1,344 cached, 2 cores): loaded in one thread and run in another,
+    235-248 ms in bfloat16 and 431-461 ms in float32; loaded and run in one thread, 147-161 ms
+    and 355-381 ms. asyncio's default pool made it worse (whichever of its threads is idle).
+    So the model is built here (`build_runner`), warmed up here (`warm_up`: a thread's first
+    long forward also pays for its allocator arena), and every forward runs here; the event
+    loop's own torch calls stay small (under ATen's parallel grain), so it never starts a team.
     """
 
     def __init__(self) -> None:
@@ -116,6 +120,7 @@ def describe(runner: ModelRunner, config: EngineWorkerConfig) -> dict[str, str]:
         "model_path": str(config.model_path),
         "num_params": str(sum(p.numel() for p in runner.model.parameters())),
         "num_threads": str(torch.get_num_threads()),
+        "dtype": str(runner.dtype).removeprefix("torch."),
         "max_model_len": str(max_model_len(runner, config)),
         "kv_block_size_tokens": str(runner.layout.block_size_tokens),
         "kv_block_nbytes": str(runner.layout.block_nbytes),

@@ -170,15 +170,17 @@ def start_worker(
     runtime.on_stop(close)
 
 
-async def warm_model_thread(
-    runtime: ServiceRuntime, runner: ModelRunner, config: EngineWorkerConfig
-) -> ModelThread:
-    """The thread a model worker computes in, warmed up on `config.warmup_tokens` dummy
-    tokens before the worker joins discovery (shared/engine/worker.py), and closed last."""
-    from shared.engine.worker import ModelThread, warm_up
+async def start_model_thread(
+    runtime: ServiceRuntime, config: EngineWorkerConfig
+) -> tuple[ModelRunner, ModelThread]:
+    """The thread a model worker computes in, with the model built in it and warmed up on
+    `config.warmup_tokens` dummy tokens before the worker joins discovery
+    (shared/engine/worker.py: why one thread does all of it); closed last."""
+    from shared.engine.worker import ModelThread, build_runner, warm_up
 
     model_thread = ModelThread()
     runtime.on_stop(model_thread.close)  # registered before the worker's: runs after it
+    runner = await model_thread.run(build_runner, config)
     warmup_s = await model_thread.run(warm_up, runner, config.warmup_tokens)
     log.info("model warmed up", num_tokens=config.warmup_tokens, s=round(warmup_s, 2))
-    return model_thread
+    return runner, model_thread

@@ -4,7 +4,8 @@ window to restore, snapshot or hand off) and a Mistral-shaped one (every layer s
 KV blocks carry no bytes, the window is everything). Random weights, tiny-coder's tokenizer.
 
 Each serves a request, and an agent's next turn is served from the store with the very
-tokens a cold run of the same prompt gives (greedy).
+tokens a cold run of the same prompt gives (greedy). A copy of the Llama-shaped model is
+served in bfloat16 (`--dtype bfloat16`): half-size pages, its next turn from the store.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from services.admin.launcher import Cluster
 from shared.client import build_request, generate
 from shared.discovery import discover
 from shared.engine.bundled import BUNDLED_MODEL_DIR
+from shared.engine.config import ModelConfig
+from shared.engine.kv_cache import KVBlockLayout
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
 from tests.e2e.cluster_helpers import connect, run_cluster
 
@@ -58,7 +61,9 @@ def random_checkpoint(out: Path, family: str) -> Path:
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("shapes")
-    return {f: random_checkpoint(root / f"random-{f}", f) for f in ("llama", "mistral")}
+    paths = {f: random_checkpoint(root / f"random-{f}", f) for f in ("llama", "mistral")}
+    paths["bf16"] = shutil.copytree(paths["llama"], root / "random-bf16")
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +76,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, shapes: dict[str, Path]) -
             DECODE: WORKER_ARGS,
             ROUTER: ["--decode-page-size-tokens", str(BLOCK)],
         },
+        instance_args={f"{s}-random-bf16-0": ["--dtype", "bfloat16"] for s in (PREFILL, DECODE)},
         models=tuple(str(path) for path in shapes.values()),
         ready_timeout_s=120,
     )
@@ -105,5 +111,39 @@ async def test_a_model_of_this_shape_serves_and_reuses_its_prefix(
         assert warm.usage is not None and warm.usage.num_cached_tokens >= 9 * BLOCK
         assert cold.usage is not None and cold.usage.num_cached_tokens == 0
         assert warm.token_ids == cold.token_ids
+    finally:
+        await bus.close()
+
+
+async def test_a_bfloat16_worker_pair_serves_from_half_size_pages(
+    cluster: Cluster, shapes: dict[str, Path]
+) -> None:
+    model = "random-bf16"
+    float32_pages = KVBlockLayout.for_model(ModelConfig.from_hf(shapes["bf16"]), BLOCK)
+    bus = await connect(cluster)
+    try:
+        workers = [i for i in await discover(bus) if i.metadata.get("model") == model]
+        assert sorted(w.service for w in workers) == [DECODE, PREFILL]
+        assert {w.metadata["dtype"] for w in workers} == {"bfloat16"}
+        assert {int(w.metadata["kv_block_nbytes"]) for w in workers} == {
+            float32_pages.block_nbytes // 2
+        }
+        others = [i for i in await discover(bus) if i.metadata.get("model") == "random-llama"]
+        assert {w.metadata["dtype"] for w in others} == {"float32"}
+        prompt = [(11 * i) % 8000 + 3 for i in range(150)]
+
+        def request(tokens: list[int]):  # noqa: ANN202
+            return build_request(tokens, model=model, block_size_tokens=BLOCK, max_tokens=12)
+
+        first = await generate(bus, request(prompt))
+        assert first.finish_reason in ("stop", "length") and first.token_ids
+        follow = prompt + first.token_ids + [5, 6, 7, 8] * 10
+        for _ in range(50):  # kv-index learns the answer's blocks asynchronously
+            warm = await generate(bus, request(follow))
+            if warm.usage is not None and warm.usage.num_cached_tokens > len(prompt) // 2:
+                break
+        # Its half-size pages went to the store and came back for the next turn.
+        assert warm.usage is not None and warm.usage.num_cached_tokens >= 9 * BLOCK
+        assert warm.finish_reason in ("stop", "length") and warm.token_ids
     finally:
         await bus.close()
