@@ -29,7 +29,13 @@ from shared.mock_engine import MockEngine, MockEngineConfig
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, DecodeJob, SuffixReady
 from shared.serving.metrics import observe_outbox
-from shared.serving.wiring import open_mock_kv, open_model_kv, start_model_thread, start_worker
+from shared.serving.wiring import (
+    limit_openmp_spin,
+    open_mock_kv,
+    open_model_kv,
+    start_model_thread,
+    start_worker,
+)
 from shared.subjects import DECODE
 from shared.usage import adopt_orphans, ensure_usage_stream, open_usage_outbox
 from shared.usage_outbox import UsageOutbox
@@ -46,6 +52,7 @@ async def setup(runtime: ServiceRuntime) -> None:
     if config.engine == "mock":
         await setup_mock(runtime, config)
         return
+    limit_openmp_spin()
     # Imported here: they import torch (2-10 s), which `--engine mock` never needs.
     from services.decode.worker import DecodeWorker
     from shared.engine.drafter import SpecDecodeConfig

@@ -25,6 +25,7 @@ from shared.kvstore.store import KvStore
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, PrefillJob
 from shared.serving.wiring import (
+    limit_openmp_spin,
     node_swa_client,
     open_mock_kv,
     open_model_kv,
@@ -41,6 +42,7 @@ async def setup(runtime: ServiceRuntime) -> None:
     if config.engine == "mock":
         await setup_mock(runtime, config)
         return
+    limit_openmp_spin()
     # Imported here: they import torch (2-10 s), which `--engine mock` never needs.
     from services.prefill.restore import PrefixRestorer, RestorePolicy
     from services.prefill.worker import PrefillWorker
