@@ -16,6 +16,7 @@ import typer
 
 from loadtest.registry import BENCHMARKS, Benchmark, get
 from loadtest.results import UnknownOption
+from shared.logging import configure_logging
 
 QUICK_HELP = "small sizes, as CI runs them (a minute or so each; rough figures)"
 
@@ -39,6 +40,8 @@ def bench_command(
     ),  # fmt: skip
 ) -> None:
     """Run a benchmark (or `list` them, or run `all`)."""
+    # What the benchmark prints is the report; its in-process clients log warnings only.
+    configure_logging(service="bench", instance_id="bench", level="warning")
     options = parse_settings(settings)
     if options and name in ("list", "all"):
         raise typer.BadParameter("options are for one benchmark, not `list` or `all`",
