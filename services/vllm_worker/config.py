@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from shared.config import ConfigError, ServiceConfig
+from shared.config import ENGINE_DTYPES, ConfigError, ServiceConfig
 from shared.models import ModelError, model_path, served_name
 
 
@@ -21,7 +21,9 @@ class VllmWorkerConfig(ServiceConfig):
     model: str = "SmolLM2-135M-Instruct"
     kv_block_size_tokens: int = 64  # vLLM's --block-size: the store's blocks
     max_model_len: int = 8192
-    dtype: str = "float32"  # the kvfabric engine's: KV shared with it is bit-comparable
+    # vLLM's --dtype, and its pages': float32 or bfloat16. The workers of one model -- vLLM's
+    # and the kvfabric engine's (its --dtype) -- must agree to share blocks (docs/vllm.md).
+    dtype: str = "float32"
     max_num_seqs: int = 32  # requests this worker holds at once (more: OVERLOADED)
     retry_after_s: float = 5.0
     # The KV connector (shared/vllm_connector): kvfabric's SSD tier and kv-index under vLLM's
@@ -52,6 +54,9 @@ class VllmWorkerConfig(ServiceConfig):
             model_path(self.model)
         except ModelError as exc:
             raise ConfigError(str(exc)) from exc
+        if self.dtype not in ENGINE_DTYPES:
+            known = ", ".join(ENGINE_DTYPES)
+            raise ConfigError(f"dtype must be one of {known}, got {self.dtype!r}")
         for name in ("kv_block_size_tokens", "max_model_len", "max_num_seqs", "kv_cache_bytes",
                      "store_capacity_bytes", "store_file_nbytes", "kv_index_shards"):  # fmt: skip
             if getattr(self, name) <= 0:

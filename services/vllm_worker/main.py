@@ -1,17 +1,18 @@
 """vllm-worker: a vLLM engine behind kvfabric's messages, prefill and decode in one instance
-(an aggregated worker), its prefix cache extended by kvfabric's SSD tier and kv-index through
-the KV connector (shared/vllm_connector). DESIGN.md section 3; docs/vllm.md.
+(an aggregated worker), its prefix cache extended by kvfabric's SSD tier and kv-index
+through the KV connector (shared/vllm_connector). DESIGN.md section 3; docs/vllm.md.
 
 At start it exports the model's weights for vLLM (the GGUF's own tensors, once) and starts
 vLLM's OpenAI-compatible server from vLLM's own venv (`shared.vllm_env`: built on first use)
-with `--block-size`, float32 and the connector; the instance shows up in discovery once vLLM
-answers. Serves `<root>.vllm-worker.run.<id>` (`DecodeJob` -> `JobAccepted`: the router sends
-the whole request here, and no prefill job), listens for `CancelRequest`s, streams
-`TokenChunk`s to each request's inbox, and keeps a `UsageRecord` per request in its durable
-outbox until JetStream has it (worker.py). Heartbeats carry its load: requests waiting for
-their first token and their uncached prompt tokens, requests running, and vLLM's KV blocks
-in all and free (from vLLM's /metrics). If vLLM exits, the worker stops: its requests end
-with UNAVAILABLE and the router sends the next ones elsewhere.
+with `--block-size`, `--dtype` (float32 by default) and the connector; the instance shows up
+in discovery once vLLM answers. Serves `<root>.vllm-worker.run.<id>` (`DecodeJob` ->
+`JobAccepted`: the router sends the whole request here, and no prefill job), listens for
+`CancelRequest`s, streams `TokenChunk`s to each request's inbox, and keeps a `UsageRecord`
+per request in its durable outbox until JetStream has it (worker.py). Heartbeats carry its
+load: requests waiting for their first token and their uncached prompt tokens, requests
+running, and vLLM's KV blocks in all and free (from vLLM's /metrics). If vLLM exits, the
+worker stops: its requests end with UNAVAILABLE and the router sends the next ones
+elsewhere.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ from shared.kvstore.writer import KvEventPublisher
 from shared.logging import get_logger
 from shared.schema import ServiceError
 from shared.vllm_connector.config import ConnectorConfig, ConnectorConfigError
-from shared.vllm_connector.layout import VllmBlockConverter
+from shared.vllm_connector.layout import VllmBlockConverter, check_with_kernel
 from shared.vllm_connector.loading import BlockLoader
 from shared.vllm_connector.loop import LoopThread
 
@@ -288,7 +288,7 @@ class KvfabricConnector(KVConnectorBase_V1):
 
     # == worker side ===========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.converter = VllmBlockConverter.of(kv_caches, self.block_size)
+        self.converter = converter_for(kv_caches, self.block_size)
         config = self.config
         store_config = KvStoreConfig(
             root_dir=config.store_dir, writer_id=config.writer_id,
@@ -399,3 +399,22 @@ class KvfabricConnector(KVConnectorBase_V1):
         except Exception as exc:
             log.warning("bus close failed", error=repr(exc))
         self._loop.stop()
+
+
+def converter_for(kv_caches: dict[str, torch.Tensor], block_size: int) -> VllmBlockConverter:
+    """The converter for the kernels vLLM's CPU backend picked for these caches (by dtype,
+    block size and the CPU: the same choice its attention layers make), checked against its
+    own cache-write kernel before any block moves (layout.check_with_kernel)."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    first = next(iter(kv_caches.values()))
+    isa = _get_attn_isa(first.dtype, block_size, first.shape[-1] // 2)
+    converter = VllmBlockConverter.of(kv_caches, block_size, isa)
+
+    def write(key_cache, value_cache, slots, keys, values) -> None:  # noqa: ANN001
+        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
+
+    check_with_kernel(converter, write)
+    log.info("KV layout checked against vLLM's kernel", isa=isa, dtype=str(first.dtype))
+    return converter

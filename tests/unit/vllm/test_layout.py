@@ -2,8 +2,10 @@
 CPU backend's kernels fill it (per block and head, the keys transposed -- head_dim rows of B
 tokens -- then B rows of values) gathers to the kvfabric engine's page layout, and scatter
 puts it back bit for bit; layouts, dtypes and block sizes the converter does not know are
-refused at start. (tests/e2e/test_vllm.py checks the same layout against vLLM itself: KV one
-engine wrote gives the other's from-scratch answer.)"""
+refused at start. The same for the `amx` kernels' tiled layout (bfloat16), and the check
+every connector runs at start against vLLM's cache-write kernel, here against writers of
+each layout written out index by index. (tests/e2e/test_vllm.py runs it against vLLM itself,
+and KV one engine wrote gives the other's from-scratch answer.)"""
 
 from __future__ import annotations
 
@@ -11,9 +13,15 @@ import pytest
 import torch
 
 from shared.engine.kv_cache import KVBlockLayout
-from shared.vllm_connector.layout import VllmBlockConverter, VllmLayoutError, layer_order
+from shared.vllm_connector.layout import (
+    AMX_TILE,
+    VllmBlockConverter,
+    VllmLayoutError,
+    check_with_kernel,
+    layer_order,
+)
 
-LAYERS, BLOCKS, HEADS, BLOCK, DIM = 3, 6, 2, 32, 8
+LAYERS, BLOCKS, HEADS, BLOCK, DIM = 3, 6, 2, 32, 16  # the amx kernels tile by 16
 
 
 def cpu_caches(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -93,8 +101,64 @@ def test_refuses_what_it_does_not_know() -> None:
     mixed["model.layers.1.self_attn.attn"] = torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM + 2)
     with pytest.raises(VllmLayoutError, match="differs"):
         VllmBlockConverter.of(mixed, BLOCK)
-    with pytest.raises(VllmLayoutError, match="--dtype float32"):
-        VllmBlockConverter.of(cpu_caches(torch.bfloat16), BLOCK)  # AMX's kernels tile it
+    with pytest.raises(VllmLayoutError, match="'neon' kernels"):
+        VllmBlockConverter.of(cpu_caches(), BLOCK, "neon")
     converter = VllmBlockConverter.of(cpu_caches(), BLOCK)
     with pytest.raises(VllmLayoutError, match="payloads"):
         converter.scatter([0], torch.zeros(2, LAYERS, 2, BLOCK, HEADS, DIM))
+
+
+def amx_offset(k_or_v: int, token: int, dim: int) -> int:
+    """Where the `amx` kernels put K[token, dim] (0) or V[token, dim] (1) in one head's
+    [2, B * D] region, written out: keys in runs of 16 tokens, each [D/2, 16, 2] (dim
+    pairs); values in runs of 16 dims, each [B/2, 16, 2] (token pairs)."""
+    if k_or_v == 0:
+        run, t = divmod(token, AMX_TILE)
+        return ((run * (DIM // 2) + dim // 2) * AMX_TILE + t) * 2 + dim % 2
+    run, d = divmod(dim, AMX_TILE)
+    return BLOCK * DIM + ((run * (BLOCK // 2) + token // 2) * AMX_TILE + d) * 2 + token % 2
+
+
+def vec_offset(k_or_v: int, token: int, dim: int) -> int:
+    return dim * BLOCK + token if k_or_v == 0 else BLOCK * DIM + token * DIM + dim
+
+
+def writer(offset):  # noqa: ANN001, ANN201
+    """A cache write like vLLM's `cpu_attn_reshape_and_cache`, placing by `offset`."""
+
+    def write(key_cache, value_cache, slots, keys, values) -> None:  # noqa: ANN001
+        per_block = HEADS * 2 * BLOCK * DIM  # the halves are views of one [blocks, ...] tensor
+        blocks = key_cache.as_strided((key_cache.shape[0], per_block), (per_block, 1))
+        for i, slot in enumerate(slots.tolist()):
+            block, t = divmod(slot, BLOCK)
+            for h in range(HEADS):
+                for d in range(DIM):
+                    head = h * 2 * BLOCK * DIM
+                    blocks[block, head + offset(0, t, d)] = keys[i, h, d]
+                    blocks[block, head + offset(1, t, d)] = values[i, h, d]
+
+    return write
+
+
+@pytest.mark.parametrize(("isa", "offset"), [("vec", vec_offset), ("amx", amx_offset)])
+def test_each_layout_reads_what_its_kernel_writes(isa: str, offset) -> None:  # noqa: ANN001
+    caches = cpu_caches(torch.bfloat16)
+    converter = VllmBlockConverter.of(caches, BLOCK, isa)
+    assert converter.layout.dtype == torch.bfloat16  # the payload keeps the cache's dtype
+    check_with_kernel(converter, writer(offset))
+    other = amx_offset if offset is vec_offset else vec_offset
+    with pytest.raises(VllmLayoutError, match=f"'{isa}' layout reads them"):
+        check_with_kernel(converter, writer(other))
+
+
+def test_amx_blocks_round_trip_in_bfloat16() -> None:
+    source = cpu_caches(torch.bfloat16)
+    for i, cache in enumerate(source.values()):
+        cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(i)))
+    pages = VllmBlockConverter.of(source, BLOCK, "amx").gather([0, 3, 5])
+    assert pages.dtype == torch.bfloat16
+    target = cpu_caches(torch.bfloat16)
+    VllmBlockConverter.of(target, BLOCK, "amx").scatter([2, 0, 4], pages)
+    for name in source:
+        assert torch.equal(target[name][[2, 0, 4]], source[name][[0, 3, 5]])
+        assert not target[name][[1, 3, 5]].any()
