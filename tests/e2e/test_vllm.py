@@ -15,6 +15,9 @@ Each turn's prompt is the last one's ids, its answer's ids and the next message,
 prefixes are shared exactly; kv-index says who wrote the blocks each turn hit. The ledger
 holds every turn's usage with the worker that served it.
 
+Beside it: the connector's start-up check of both KV layouts (float32's `vec`, bfloat16's
+`amx`) against vLLM's own cache-write kernels.
+
 Marked `vllm` (builds vLLM's venv on first use, minutes); CI runs it once, eager vLLM
 (no torch.compile) so each start takes ~40 s here.
 """
@@ -22,8 +25,12 @@ Marked `vllm` (builds vLLM's venv on first use, minutes); CI runs it once, eager
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -39,7 +46,7 @@ from shared.kvstore.blocks import RequestBlocks
 from shared.models import model_path
 from shared.schema.control import InstanceState
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, VLLM_WORKER
-from shared.vllm_env import ensure_vllm
+from shared.vllm_env import SOURCE_ROOT, ensure_vllm
 from tests.e2e.cluster_helpers import connect, run_cluster, usage_records
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
@@ -252,3 +259,43 @@ async def test_one_prefix_cache_across_vllm_workers_restarts_and_kvfabric_engine
         assert len(vllm_rows) == 3 and all(r.num_cache_hit_tokens > 0 for r in vllm_rows)
     finally:
         await bus.close()
+
+
+KERNEL_CHECK = """
+import json, torch
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+from shared.vllm_connector.layout import HEAD_LAYOUTS, VllmBlockConverter, VllmLayoutError
+from shared.vllm_connector.layout import check_with_kernel
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    isa = _get_attn_isa(dtype, 64, 64)
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(4, 3, 64, 128, dtype=dtype)
+              for i in range(2)}
+    def write(kc, vc, slots, k, v, isa=isa):
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+    for layout in HEAD_LAYOUTS:
+        try:
+            check_with_kernel(VllmBlockConverter.of(caches, 64, layout), write)
+            out[f"{dtype} {isa} {layout}"] = "ok"
+        except VllmLayoutError:
+            out[f"{dtype} {isa} {layout}"] = "refused"
+print(json.dumps(out))
+"""
+
+
+def test_each_layout_is_the_one_vllms_own_cache_write_kernel_fills() -> None:
+    """The connector's start-up check run against vLLM's kernels for both dtypes: the layout
+    of the ISA vLLM picks reads back what the kernel wrote, the other layout is refused."""
+    python = ensure_vllm()
+    env = os.environ | {"PYTHONPATH": str(SOURCE_ROOT)}
+    done = subprocess.run([str(python), "-c", KERNEL_CHECK], env=env, capture_output=True,
+                          text=True, timeout=300, check=True)  # fmt: skip
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(found) == 4, found
+    for case, verdict in found.items():
+        dtype, isa, layout = case.split()
+        assert verdict == ("ok" if layout == isa else "refused"), found
+    # This CPU (AVX-512 with AMX) runs bfloat16 through the tiled amx kernels.
+    if "amx_tile" in Path("/proc/cpuinfo").read_text():
+        assert "torch.bfloat16 amx amx" in found
