@@ -15,14 +15,14 @@ from shared.engine import quant
 
 class Linear(nn.Linear):
     """nn.Linear that may also hold its weight as GGUF blocks (`quant`, set by weights.py):
-    decode-sized inputs then go through the block kernel (quant.py), others through the
-    float32 weight, which stays the parameter."""
+    decode-sized inputs then go through the block kernel (quant.py; float32 products, in the
+    input's dtype), others through the expanded weight, which stays the parameter."""
 
     quant: quant.QuantWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if quant.use_kernel(self.quant, x):
-            out = self.quant.matmul(x)
+            out = self.quant.matmul(x.float()).to(x.dtype)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
 

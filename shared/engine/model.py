@@ -113,6 +113,6 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if quant.use_kernel(self.logits_quant, hidden):
-            return self.logits_quant.matmul(hidden)
+            return self.logits_quant.matmul(hidden.float())
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

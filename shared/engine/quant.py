@@ -7,8 +7,10 @@ embedding as Q8_0); `kernels/cpu/quant_matmul.c` multiplies by those blocks dire
 expanding each weight in registers to exactly the float32 value dequantizing gives. A batch
 of up to `MAX_ROWS` rows (decode, draft scoring, logits) goes through it; a larger one
 (prefill) through the float32 GEMM, where the weights are reused across rows and the bytes
-matter less than the FLOPs. The float32 weights stay the model's parameters: state dicts,
-prefill and every other dtype use them unchanged.
+matter less than the FLOPs. The expanded weights stay the model's parameters (in its dtype:
+state dicts and prefill use them). A bfloat16 model's decode-sized rows go through the kernel
+too, widened to float32 and the product rounded back: SmolLM2's step at 1.8K tokens took
+40-47 ms through its bfloat16 weights (270 MB) against 32-39 ms through the blocks in float32.
 """
 
 from __future__ import annotations
@@ -104,14 +106,20 @@ class QuantWeight:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16 rows are widened first
+
+
 def use_kernel(quant: QuantWeight | None, x: torch.Tensor) -> bool:
     return (
-        quant is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
+        quant is not None
+        and x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
+        and x.dtype in KERNEL_INPUT_DTYPES
     )
 
 
 def block_formats(model: torch.nn.Module) -> list[str]:
-    """The block formats a model's layers and logits multiply by ([] : float32 only)."""
+    """The block formats a model's layers and logits multiply by ([] : dense weights only)."""
     held = [getattr(m, "quant", None) for m in model.modules()]
     held.append(getattr(model, "logits_quant", None))
     return sorted({q.fmt for q in held if q is not None})

@@ -28,7 +28,7 @@ from shared.engine.gguf import (
 )
 from shared.engine.layers import Linear
 from shared.engine.model import CausalLM
-from shared.engine.quant import QuantWeight
+from shared.engine.quant import KERNEL_INPUT_DTYPES, QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -188,15 +188,15 @@ def load_model(
     1.0 GB peak RSS (0.22 GB of it torch itself, 0.53 GB the model, the rest the mapped file
     and one tensor's temporaries); transformers takes 18.5 s and 1.13 GB for the same file.
 
-    With `block_kernel` (float32 only), a GGUF model's Q4_0/Q4_1/Q8_0 linear layers also keep
-    their blocks for decode-sized batches (quant.py; +0.11 GB for SmolLM2); without a C
-    compiler that is logged and skipped.
+    With `block_kernel` (float32 and bfloat16), a GGUF model's Q4_0/Q4_1/Q8_0 linear layers
+    also keep their blocks for decode-sized batches (quant.py; +0.11 GB for SmolLM2); without
+    a C compiler that is logged and skipped.
     """
     if is_gguf_path(path):
         gguf = read_gguf(path)
         model = CausalLM(config_from_gguf(gguf)).to(dtype)
         load_gguf_weights(model, gguf)
-        if block_kernel and dtype == torch.float32:
+        if block_kernel and dtype in KERNEL_INPUT_DTYPES:
             try:
                 attach_quant_weights(model, gguf)
             except cpu_kernels.KernelUnavailable as exc:

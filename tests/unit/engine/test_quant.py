@@ -83,8 +83,14 @@ def test_linear_sends_decode_rows_to_blocks_and_prefill_rows_to_float32() -> Non
     assert torch.equal(layer(small), blocks.matmul(small) + layer.bias)
     large = torch.randn(quant.MAX_ROWS + 1, 96)
     assert torch.equal(layer(large), torch.nn.functional.linear(large, weight, layer.bias))
+    # bfloat16 rows (a bfloat16 model's decode) are widened, multiplied, rounded back.
+    half = small.bfloat16()
+    assert layer.bfloat16()(half).dtype == torch.bfloat16
+    expected = (blocks.matmul(half.float()).bfloat16() + layer.bias).to(torch.bfloat16)
+    assert torch.equal(layer(half), expected)
     # Other dtypes never reach the float32 kernel.
-    assert not quant.use_kernel(blocks, small.bfloat16())
+    assert not quant.use_kernel(blocks, small.double())
+    assert not quant.use_kernel(blocks, small.half())
 
 
 def test_shape_and_dtype_mismatches_are_refused() -> None:
