@@ -335,12 +335,12 @@ async def _busiest_vllm_worker(bus: Bus) -> str:
 
 async def run_kvfabric(args: argparse.Namespace, result: BenchResult) -> SideResult:
     _say("kvfabric: starting the cluster")
+    worker_args = ["--kv-block-size-tokens", str(args.block), "--dtype", args.dtype]
     with tempfile.TemporaryDirectory(prefix="kvf-bench-peers-") as state:
         spec = ClusterSpec(
             state_dir=Path(state), nats_port=0, http_port=0, root=unique_root(),
             replicas={BILLING: 0}, models=(MODEL,), log_level="warning", dev_api_key=KEY,
-            extra_args={PREFILL: ["--kv-block-size-tokens", str(args.block), "--dtype", args.dtype],
-                        DECODE: ["--kv-block-size-tokens", str(args.block), "--dtype", args.dtype]},
+            extra_args={PREFILL: worker_args, DECODE: worker_args},
         )  # fmt: skip
         cluster = Cluster(spec)
         cluster.start()

@@ -33,6 +33,12 @@ class ConfigError(ValueError):
     """A config value is malformed or inconsistent; the message names its source."""
 
 
+def check_dtype(dtype: str) -> None:
+    """A worker's `dtype` setting (engine and vLLM workers alike)."""
+    if dtype not in ENGINE_DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(ENGINE_DTYPES)}, got {dtype!r}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServiceConfig:
     """Fields every service has."""
@@ -259,9 +265,7 @@ class EngineWorkerConfig(ServiceConfig):
             raise ConfigError("num_threads must be >= 0 (0: every core this process may use)")
         if self.warmup_tokens < 0:
             raise ConfigError(f"warmup_tokens must be >= 0 (0: none), got {self.warmup_tokens}")
-        if self.dtype not in ENGINE_DTYPES:
-            known = ", ".join(ENGINE_DTYPES)
-            raise ConfigError(f"dtype must be one of {known}, got {self.dtype!r}")
+        check_dtype(self.dtype)
 
     @property
     def model_path(self) -> Path:

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from shared.config import ENGINE_DTYPES, ConfigError, ServiceConfig
+from shared.config import ConfigError, ServiceConfig, check_dtype
 from shared.models import ModelError, model_path, served_name
 
 
@@ -54,9 +54,7 @@ class VllmWorkerConfig(ServiceConfig):
             model_path(self.model)
         except ModelError as exc:
             raise ConfigError(str(exc)) from exc
-        if self.dtype not in ENGINE_DTYPES:
-            known = ", ".join(ENGINE_DTYPES)
-            raise ConfigError(f"dtype must be one of {known}, got {self.dtype!r}")
+        check_dtype(self.dtype)
         for name in ("kv_block_size_tokens", "max_model_len", "max_num_seqs", "kv_cache_bytes",
                      "store_capacity_bytes", "store_file_nbytes", "kv_index_shards"):  # fmt: skip
             if getattr(self, name) <= 0:

@@ -36,6 +36,12 @@ SMALL = {
     "attn_implementation": "eager",  # its sliding-window mask is the reference
 }
 
+SLIDING = {  # qwen3 overrides: sliding layers first, then full ones (both kinds of state)
+    "use_sliding_window": True,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
+}
+
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),

@@ -11,6 +11,7 @@ import torch
 from shared.engine import ModelRunner, Sequence, load_model
 from shared.engine.attention import attend, attend_after_prefix, visible
 from shared.engine.worker import ModelThread, warm_up
+from tests.unit.engine.engine_helpers import SLIDING
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (9, 3), (2, 2)])
@@ -46,13 +47,6 @@ def test_model_thread_runs_every_call_in_one_thread_of_its_own() -> None:
     first, second, loop_thread = asyncio.run(main())
     assert first == second
     assert first != loop_thread
-
-
-SLIDING = {  # sliding layers first, then full ones: both kinds of state warm up
-    "use_sliding_window": True,
-    "sliding_window": 8,
-    "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
-}
 
 
 @pytest.mark.parametrize(("family", "overrides"), [("llama", {}), ("qwen3", SLIDING)])

@@ -16,15 +16,9 @@ import torch
 from shared.config import ConfigError, EngineWorkerConfig
 from shared.engine import ModelRunner, Sequence, load_model
 from shared.engine.attention import attend, attend_after_prefix, visible
-from tests.unit.engine.engine_helpers import hf_logits, random_tokens
+from tests.unit.engine.engine_helpers import SLIDING, hf_logits, random_tokens
 
 BF16_REL_TOL = 8e-2
-
-SLIDING = {
-    "use_sliding_window": True,
-    "sliding_window": 8,
-    "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
-}
 
 
 @pytest.mark.parametrize(("family", "overrides"), [("llama", {}), ("qwen3", SLIDING)])
