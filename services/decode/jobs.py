@@ -201,8 +201,8 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
 
     @abstractmethod
     async def _join(self, state: DecodeRequest, ready: SuffixReady) -> int:
-        """Add the request's sequence to the engine, its prompt computed up to n - 1;
-        returns its seq id."""
+        """Add the request's sequence to the engine, its prompt computed up to n - 1, or
+        all n with its first output token (`ready.first_token_id`); returns its seq id."""
 
     # -- cancellation and failure -------------------------------------------------------
     async def on_cancel(self, cancel: CancelRequest) -> None:

@@ -4,9 +4,10 @@ and usage over `shared.mock_engine.MockEngine` (docs/request-flow.md).
 `DecodeJob`: admit if the engine has the pages the request can grow to free (prompt +
 max_tokens: what MockEngine holds, so it never preempts), reserve them in the engine (its
 count of free pages is the one the heartbeats report), answer `JobAccepted`.
-`SuffixReady`: nothing to pull (mock prefill stages no bytes); the sequence joins the engine
-with the prompt's whole blocks up to token n - 1 counted as cached, so the engine charges
-their load and the short tail, not the prefill the prefill worker already simulated.
+`SuffixReady`: nothing to pull (mock prefill stages no bytes, and leaves the last prompt
+token to decode: it samples no first token); the sequence joins the engine with the prompt's
+whole blocks up to token n - 1 counted as cached, so the engine charges their load and the
+short tail, not the prefill the prefill worker already simulated.
 
 The batch loop runs `MockEngine.step` on the event loop (pure bookkeeping: no thread and no
 engine lock, unlike the model's) and sleeps the step's simulated duration before its tokens
@@ -92,6 +93,8 @@ class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
 
     async def _join(self, state: DecodeRequest, ready: SuffixReady) -> int:
         """Nothing to pull: the prompt's whole blocks up to n - 1 count as cached."""
+        if ready.first_token_id is not None:
+            raise BadRequest("the mock decode worker computes the first token itself")
         state.prefill = ready.timings
         state.num_cached_tokens = ready.first_block_index * self.block_size
         num_ready = state.blocks.num_prefill_blocks * self.block_size

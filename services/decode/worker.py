@@ -2,7 +2,8 @@
 
 `DecodeJob` (from the router): admit if the pool can hold the prompt, start reading the
 cached prefix from the store at once, answer `JobAccepted`. `SuffixReady` (from prefill):
-pull the staged suffix pages and window over NIXL, join the sequence to the running batch.
+pull the staged suffix pages and window over NIXL, join the sequence to the running batch;
+the first output token, which prefill sampled, leaves before the batch's next forward.
 The batch loop (`Engine.step` in a thread, one step at a time) streams each step's tokens as
 seq-numbered `TokenChunk`s with incrementally detokenized text; a finished sequence's complete
 blocks (output included) go to the store and its window at the last block boundary to
@@ -29,12 +30,12 @@ from shared.bus import Bus
 from shared.engine.engine import Engine, FinishReason, RequestError, StepOutput
 from shared.engine.kv_cache import SlidingWindowState
 from shared.engine.sampler import SamplingParams as EngineSampling
-from shared.engine.sampler import SamplingParamsError
 from shared.engine.sequence import Sequence
 from shared.engine.swa_restore import snapshot_from_bytes, snapshot_to_bytes
 from shared.engine.worker import ModelThread
 from shared.schema import BadRequest, SamplingParams, SuffixReady, Unavailable
 from shared.serving.pages import LoadedPrefix, load_prefix, unstage_pages
+from shared.serving.sampling import engine_sampling
 from shared.serving.staging import StagingSpace
 from shared.subjects import PREFILL
 from shared.transfer import ByteRange, KvTransferAgent
@@ -72,6 +73,9 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         # request id -> the read of its cached prefix, started at admission, awaited at join
         self._prefix_loads: dict[str, asyncio.Task[LoadedPrefix]] = {}
         self._engine_lock = asyncio.Lock()  # engine state changes only between steps
+        # The request being added to the engine: its first token (sampled by prefill) may
+        # end it inside `add_request`, before it is in `_by_seq` (see `_on_finish`).
+        self._joining: DecodeRequest | None = None
         self.engine.on_finish = self._on_finish
         self.counts.observe_engine(engine)
 
@@ -84,14 +88,7 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         return self.runner.block_manager.num_blocks_for(num_prompt_tokens + 1)
 
     def _sampling_params(self, sampling: SamplingParams) -> EngineSampling:
-        try:
-            return EngineSampling(
-                temperature=sampling.temperature, top_p=sampling.top_p,
-                top_k=sampling.top_k or 0, seed=sampling.seed, max_new_tokens=sampling.max_tokens,
-                stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
-            )  # fmt: skip
-        except SamplingParamsError as exc:
-            raise BadRequest(str(exc)) from exc
+        return engine_sampling(sampling)
 
     def _admit(self, state: DecodeRequest, num_pages: int) -> None:
         """Start reading the cached prefix now: it overlaps prefill's compute."""
@@ -147,6 +144,7 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         state.num_cached_tokens = ready.first_block_index * self.block_size
         params = state.params
         async with self._engine_lock:
+            self._joining = state
             try:
                 if ready.num_computed_tokens == 0:
                     seq_id = self.engine.add_request(state.token_ids, params)
@@ -154,10 +152,12 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
                     seq_id = self.engine.add_request(
                         state.token_ids, params, prefix_block_ids=pages, prefix_window=window,
                         num_prefix_tokens=ready.num_computed_tokens,
+                        first_token_id=ready.first_token_id, sampler_state=ready.sampler_state,
                     )  # fmt: skip
             except RequestError as exc:
                 raise BadRequest(str(exc)) from exc
             finally:
+                self._joining = None
                 allocator.free(pages)  # the sequence holds its own reference now
         return seq_id
 
@@ -206,7 +206,7 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
 
     def _on_finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Engine callback (step thread): copy what the store needs before pages are freed."""
-        state = self._by_seq.get(seq.seq_id)
+        state = self._by_seq.get(seq.seq_id) or self._joining
         if state is None:
             return
         first = state.blocks.num_prefill_blocks  # prefill wrote the ones before
@@ -223,7 +223,9 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
 
     async def _step(self) -> list[StepOutput]:
         async with self._engine_lock:
-            return await self.model_thread.run(self.engine.step)
+            # A joined request's first token (prefill sampled it) leaves before the next
+            # forward, not after it.
+            return self.engine.take_pending() or await self.model_thread.run(self.engine.step)
 
     def _take_finished(
         self, state: DecodeRequest, out: StepOutput, stopped_by_string: bool

@@ -36,7 +36,7 @@ async def tell_decode(
         prefill_worker_id=bus.instance_id, num_computed_tokens=entry.target,
         first_block_index=entry.num_cached_blocks, num_blocks=num_blocks,
         block_nbytes=block_nbytes, region_offset=region_offset, window_nbytes=window_nbytes,
-        timings=timings,
+        timings=timings, first_token_id=entry.first_token_id, sampler_state=entry.sampler_state,
     )  # fmt: skip
     decode_worker_id = entry.job.decision.decode_worker_id
     span = telemetry.current_span()  # prefill transfer
@@ -55,9 +55,9 @@ async def tell_decode(
 
 
 async def put_window(swa: SwaClient, entry: JobState, snapshot: bytes) -> bool:
-    """Put the window at the last block boundary before `entry`'s last prompt token (the one
-    prefill computes up to); False when it was not kept (logged: it only costs the next turn
-    a replay)."""
+    """Put the window at the last block boundary before `entry`'s last prompt token (where
+    the next turn's cache hit can end); False when it was not kept (logged: it only costs
+    the next turn a replay)."""
     blocks = entry.blocks
     boundary_hash = blocks.boundary_hash(blocks.num_prefill_blocks)
     if boundary_hash is None:

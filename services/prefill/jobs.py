@@ -21,7 +21,7 @@ import asyncio
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import msgspec
 from opentelemetry.trace import INVALID_SPAN, Span, StatusCode
@@ -68,6 +68,13 @@ class JobState(ABC):
     # The job's span (the bus's, of the `run` endpoint): the parent of the steps that run in the
     # compute loop's and the handoff's tasks.
     span: Span = field(default=INVALID_SPAN, kw_only=True)
+    # The first output token, sampled once the whole prompt is computed, and the sampler's
+    # state after it (b"": greedy); None where decode computes the last prompt token.
+    first_token_id: int | None = field(default=None, kw_only=True)
+    sampler_state: bytes = field(default=b"", kw_only=True)
+    # Whether this worker computes the last prompt token and samples the first output token
+    # (the model's worker), or leaves that token to decode (the mock).
+    SAMPLES_FIRST_TOKEN: ClassVar[bool] = False
 
     @property
     def request_id(self) -> str:
@@ -75,7 +82,8 @@ class JobState(ABC):
 
     @property
     def target(self) -> int:
-        return len(self.token_ids) - 1  # decode computes the last prompt token
+        """Prompt tokens this worker computes: all, or all but the last (decode's)."""
+        return len(self.token_ids) - (0 if self.SAMPLES_FIRST_TOKEN else 1)
 
     @property
     @abstractmethod

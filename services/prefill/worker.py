@@ -1,10 +1,13 @@
 """The prefill worker: jobs in, suffix KV out to decode (docs/request-flow.md).
 
-One job: restore the cached prefix (restore.py) -> compute every prompt token but the last,
-in chunks batched with other jobs under `max_batch_tokens` per forward pass -> stage the
-computed pages and the window at `n - 1` in the NIXL buffer and tell decode (`SuffixReady`;
-decode pulls, then answers) -> write the new complete blocks to the store (BlocksStored) and
-put the window snapshot at the last block boundary into swa-memcache -> reply `PrefillDone`.
+One job: restore the cached prefix (restore.py) -> compute every prompt token, in chunks
+batched with other jobs under `max_batch_tokens` per forward pass, and sample the first output
+token from the last one's logits -> stage the computed pages and the window at `n` in the NIXL
+buffer and tell decode, with that token (`SuffixReady`; decode pulls, then answers and streams
+the token before its next step) -> write the new complete blocks to the store (BlocksStored)
+and put the window snapshot at the last block boundary into swa-memcache -> reply
+`PrefillDone`. Sampling here saves decode a forward over the whole prefix for one token: the
+time to first token no longer waits for decode's pull and step.
 The job table, cancellation, deadlines, batching and the handoff's messages are in jobs.py,
 shared with the mock worker; this module is what runs on the model.
 
@@ -29,6 +32,8 @@ from services.prefill.restore import PrefixRestorer
 from shared import telemetry
 from shared.bus import Bus
 from shared.engine.runner import ModelRunner
+from shared.engine.sampler import SamplingParams as EngineSampling
+from shared.engine.sampler import generator_state, make_generator, sample_one
 from shared.engine.sequence import Sequence
 from shared.engine.swa_restore import snapshot_to_bytes
 from shared.engine.worker import ModelThread
@@ -37,6 +42,7 @@ from shared.kvstore.writer import KvEventPublisher
 from shared.metrics import Metrics
 from shared.schema import BadRequest, PrefillJob, PrefillTimings
 from shared.serving.pages import stage_pages, store_blocks
+from shared.serving.sampling import engine_sampling
 from shared.serving.staging import StagingSpace, StagingTooSmall
 from shared.swa_client import SwaClient
 from shared.transfer import KvTransferAgent
@@ -45,6 +51,9 @@ from shared.transfer import KvTransferAgent
 @dataclass(eq=False)
 class ModelJob(JobState):
     seq: Sequence
+    sampling: EngineSampling  # the request's, for its first output token
+
+    SAMPLES_FIRST_TOKEN = True
 
     @property
     def num_left(self) -> int:
@@ -97,6 +106,7 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         num_cached_blocks: int,
         accepted_s: float,
     ) -> ModelJob:
+        sampling = engine_sampling(job.request.sampling)  # BadRequest before any work
         restored = await self.restorer.restore(
             token_ids, blocks, job.cached_blocks, num_cached_blocks
         )
@@ -110,17 +120,8 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         )  # fmt: skip
         return ModelJob(
             job, token_ids, blocks, asyncio.get_running_loop().create_future(), accepted_s,
-            timings, restored.num_blocks, seq,
+            timings, restored.num_blocks, seq, sampling,
         )  # fmt: skip
-
-    def _enqueue(self, entry: ModelJob) -> None:
-        if entry.num_left > 0:
-            super()._enqueue(entry)
-            return
-        # The prefix covers all but the last token: nothing to compute, hand off at once
-        # (so a job in the queue always has tokens left, which `_next_chunk` relies on).
-        self._jobs[entry.request_id] = entry
-        self._start_finish(entry)
 
     def _release(self, entry: ModelJob) -> None:
         self.runner.release(entry.seq)
@@ -132,20 +133,30 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
     async def _forward(self, batch: list[tuple[ModelJob, int]]) -> float:
         started = time.perf_counter()
         async with self.compute_lock:
-            await self.model_thread.run(
-                self.runner.prefill,
-                [entry.seq for entry, _ in batch],
-                num_new_tokens=[n for _, n in batch],
-                keep_boundary_window=True,  # the window at the last block boundary
-            )
+            await self.model_thread.run(self._prefill, batch)
         return time.perf_counter() - started
+
+    def _prefill(self, batch: list[tuple[ModelJob, int]]) -> None:
+        """One pass (model thread); a job whose prompt it completes samples its first token
+        from the last token's logits, as decode's engine would have."""
+        logits = self.runner.prefill(
+            [entry.seq for entry, _ in batch],
+            num_new_tokens=[n for _, n in batch],
+            keep_boundary_window=True,  # the window at the last block boundary
+        )
+        for (entry, _), row in zip(batch, logits, strict=True):
+            if entry.num_left == 0:
+                sampling = entry.sampling
+                generator = None if sampling.is_greedy else make_generator(sampling.seed)
+                entry.first_token_id = sample_one(row, sampling, generator).token_id
+                entry.sampler_state = generator_state(generator)
 
     def _advance(self, entry: ModelJob, num_tokens: int) -> None:
         """Nothing to count: the runner advanced the sequence (and kept its boundary window)."""
 
     # -- handoff -------------------------------------------------------------------------
     async def _send_suffix(self, entry: ModelJob) -> tuple[PrefillTimings, float]:
-        """Stage the computed pages and the window at n - 1, and hold them until decode
+        """Stage the computed pages and the window at n, and hold them until decode
         answers that it pulled them."""
         seq = entry.seq
         pages = seq.block_table[entry.num_cached_blocks :]  # the blocks this worker computed

@@ -36,7 +36,13 @@ from shared.engine.errors import EngineError, OutOfBlocksError
 from shared.engine.kv_cache import SlidingWindowState
 from shared.engine.outputs import FinishReason
 from shared.engine.runner import DraftScore, ModelRunner
-from shared.engine.sampler import SampleOutput, SamplingParams, make_generator, sample
+from shared.engine.sampler import (
+    SampleOutput,
+    SamplingParams,
+    generator_from_state,
+    make_generator,
+    sample,
+)
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.sequence import Sequence
 
@@ -112,11 +118,20 @@ class Engine:
         prefix_block_ids: Seq[int] | None = None,
         prefix_window: SlidingWindowState | None = None,
         num_prefix_tokens: int | None = None,
+        first_token_id: int | None = None,
+        sampler_state: bytes = b"",
     ) -> int:
         """Queue a request; with a prefix, its blocks gain this sequence as an owner.
 
         The prefix is `num_prefix_tokens` long (default: its blocks' whole length); a partly
         filled last block must belong to this sequence alone (it is written on).
+
+        `first_token_id`: the first output token, already sampled from the last prompt
+        token's logits (prefill computed the whole prompt: the prefix must cover it).
+        `sampler_state` is the generator's state after that draw (`generator_state`), so
+        a seeded request draws the same tokens as if this engine had sampled it. The token
+        is this request's first output (`take_pending`, or the next step's); it may already
+        end the request.
         """
         params = params or SamplingParams()
         if not token_ids:
@@ -128,13 +143,31 @@ class Engine:
             )
         if (prefix_block_ids is None) != (prefix_window is None):
             raise RequestError("a cached prefix needs both its block ids and its window state")
+        if first_token_id is not None and (
+            prefix_block_ids is None or num_prefix_tokens != len(token_ids)
+        ):
+            raise RequestError(
+                f"a first token sampled elsewhere needs the whole prompt computed: prefix of "
+                f"{num_prefix_tokens} tokens, prompt of {len(token_ids)}"
+            )
+        if first_token_id is not None and not 0 <= first_token_id < self.runner.config.vocab_size:
+            raise RequestError(f"first token id {first_token_id} is outside the vocabulary")
         seq = Sequence(self._next_seq_id, list(token_ids), params)
         self._next_seq_id += 1
         if params.max_new_tokens == 0:
             self._pending.append(StepOutput(seq.seq_id, (), True, FinishReason.LENGTH))
             return seq.seq_id
         if not params.is_greedy:
-            seq.generator = make_generator(params.seed)
+            try:
+                seq.generator = (
+                    generator_from_state(sampler_state)
+                    if sampler_state
+                    else make_generator(params.seed)
+                )
+            except RuntimeError as exc:  # torch refuses a state of the wrong size or kind
+                raise RequestError(f"sampler state not usable: {exc}") from exc
+        if first_token_id is not None:
+            seq.append(first_token_id)  # still a prompt of len(token_ids): now decoding
         if prefix_block_ids is not None:
             self.runner.block_manager.attach_prefix(
                 seq, list(prefix_block_ids), prefix_window, num_prefix_tokens
@@ -143,7 +176,15 @@ class Engine:
         self._seqs[seq.seq_id] = seq
         self._drafters[seq.seq_id] = RequestDrafter(self.spec_decode)
         self.scheduler.add(seq)
+        if first_token_id is not None:
+            self._pending.append(self._advance(seq, [SampleOutput(first_token_id)], 0))
         return seq.seq_id
+
+    def take_pending(self) -> list[StepOutput]:
+        """Outputs no step has returned yet (first tokens sampled elsewhere, aborts,
+        requests of 0 tokens), now rather than after the next step's forward."""
+        outputs, self._pending = self._pending, []
+        return outputs
 
     def sequence(self, seq_id: int) -> Sequence | None:
         """An unfinished request's state (read it between steps only)."""

@@ -81,7 +81,9 @@ class ModelRunner:
 
     def _keep_boundary_window(self, seq: Sequence, new_kv: torch.Tensor) -> None:
         start, block_size = seq.num_computed_tokens, self.layout.block_size_tokens
-        boundary = (start + new_kv.shape[2]) // block_size * block_size
+        # A cache hit never covers the last token, so no later turn restores past it.
+        end = min(start + new_kv.shape[2], seq.num_tokens - 1)
+        boundary = end // block_size * block_size
         if boundary > start and seq.window is not None:
             seq.boundary_window = seq.window.appended(new_kv[:, :, : boundary - start])
 
@@ -101,9 +103,10 @@ class ModelRunner:
 
         `num_new_tokens[i]` caps the chunk of sequence i (chunked prefill); by default every
         uncomputed token is computed. The logits are those of the chunk's last token.
-        `keep_boundary_window`: when a chunk crosses a block boundary, set the sequence's
-        `boundary_window` to its window at the last boundary crossed (what swa-memcache keeps
-        for the next turn), so no chunk has to stop there.
+        `keep_boundary_window`: when a chunk crosses a block boundary before the sequence's
+        last token, set the sequence's `boundary_window` to its window at the last one
+        crossed (what swa-memcache keeps for the next turn, whose cache hit stops before its
+        last token), so no chunk has to stop there.
         """
         if num_new_tokens is None:
             chunks = [seq.token_ids[seq.num_computed_tokens :] for seq in seqs]

@@ -61,6 +61,18 @@ def make_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
+def generator_state(generator: torch.Generator | None) -> bytes:
+    """A generator's state as bytes (b"" for none: greedy), to resume its draws elsewhere."""
+    return b"" if generator is None else generator.get_state().numpy().tobytes()
+
+
+def generator_from_state(state: bytes) -> torch.Generator:
+    """The generator `generator_state` saved, ready for the next draw."""
+    generator = torch.Generator()
+    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return generator
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution tokens are drawn from, [..., vocab]; one-hot argmax when greedy."""
     logits = logits.float()

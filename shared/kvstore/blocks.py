@@ -6,9 +6,10 @@ ingress, `shared.client`); the chain then travels in `GenerateRequest.block_hash
 router checks it cheaply (`check`: the count and two blocks, not a rehash of 1,200 blocks),
 and every later hop takes it from the request (`of_request`) and asks this type:
 
-- `num_prefill_blocks`: the complete blocks before the prompt's last token. Decode computes
-  the last token (its logits give the first output token), so these are the most a cache hit
-  can reuse, exactly the blocks prefill computes and writes, and decode writes from here on.
+- `num_prefill_blocks`: the complete blocks before the prompt's last token. That token is
+  always computed (its logits give the first output token), so these are the most a cache
+  hit can reuse, exactly the blocks prefill writes to the store, and decode writes from here
+  on (the block holding the last token, once complete, with the answer's).
 - `num_reusable_blocks(hit)`: how many of a kv-index hit a job restores.
 - `boundary_hash(num_blocks)`: the block whose sliding-window snapshot restores a prefix.
 - `extend(token_ids, num_blocks)`: the chain continued over the answer, so the agent's next
@@ -105,8 +106,9 @@ class RequestBlocks:
 
     @property
     def num_prefill_blocks(self) -> int:
-        """Complete blocks before the prompt's last token (decode computes that one): the
-        most a hit reuses, what prefill computes and writes; decode writes from here on."""
+        """Complete blocks before the prompt's last token (always computed: its logits give
+        the first output token): the most a hit reuses, what prefill writes; decode writes
+        from here on."""
         return max(self.num_prompt_tokens - 1, 0) // self.block_size
 
     def num_reusable_blocks(self, num_hit_blocks: int) -> int:

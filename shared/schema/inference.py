@@ -175,7 +175,14 @@ class SuffixReady(Message, tag="suffix_ready"):
     NIXL region; decode pulls it and replies `JobAccepted`, after which prefill reuses the
     staging. The staged bytes are `num_blocks` whole pages (blocks `first_block_index`..) of
     `block_nbytes` each, then the sliding-window snapshot (`window_nbytes`) at
-    `num_computed_tokens`: every prompt token but the last, which decode computes."""
+    `num_computed_tokens`.
+
+    The model's prefill computes the whole prompt and samples the first output token from
+    the last token's logits (`first_token_id`; `sampler_state`: its torch generator's state
+    after that draw, empty when greedy), so decode streams that token as soon as it holds
+    the pages and its first step is already a decode step. Without `first_token_id` (the
+    mock prefill) `num_computed_tokens` is every prompt token but the last, which decode
+    computes."""
 
     request_id: str
     attempt: int
@@ -187,6 +194,8 @@ class SuffixReady(Message, tag="suffix_ready"):
     region_offset: int
     window_nbytes: int
     timings: PrefillTimings = PrefillTimings()
+    first_token_id: int | None = None
+    sampler_state: bytes = b""
 
 
 class PrefillDone(Message, tag="prefill_done"):

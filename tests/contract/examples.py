@@ -161,6 +161,8 @@ EXAMPLES: dict[str, Message] = {
         region_offset=8192,
         window_nbytes=1024,
         timings=_TIMINGS,
+        first_token_id=4021,
+        sampler_state=b"\x07\x00\x00\x00",
     ),
     "PrefillDone": PrefillDone(request_id="req-0001", timings=_TIMINGS),
     "CancelRequest": CancelRequest(

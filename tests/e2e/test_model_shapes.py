@@ -5,7 +5,9 @@ KV blocks carry no bytes, the window is everything). Random weights, tiny-coder'
 
 Each serves a request, and an agent's next turn is served from the store with the very
 tokens a cold run of the same prompt gives (greedy). A copy of the Llama-shaped model is
-served in bfloat16 (`--dtype bfloat16`): half-size pages, its next turn from the store.
+served in bfloat16 (`--dtype bfloat16`): half-size pages, its next turn from the store. A
+seeded, sampled request draws across prefill (its first token) and decode (the rest) exactly
+what one engine draws alone.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import transformers
 from services.admin.launcher import Cluster
 from shared.client import build_request, generate
 from shared.discovery import discover
+from shared.engine import Engine, ModelRunner, SamplingParams
 from shared.engine.bundled import BUNDLED_MODEL_DIR
 from shared.engine.config import ModelConfig
 from shared.engine.kv_cache import KVBlockLayout
+from shared.engine.weights import load_model
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
 from tests.e2e.cluster_helpers import connect, run_cluster
 
@@ -145,5 +149,30 @@ async def test_a_bfloat16_worker_pair_serves_from_half_size_pages(
         # Its half-size pages went to the store and came back for the next turn.
         assert warm.usage is not None and warm.usage.num_cached_tokens >= 9 * BLOCK
         assert warm.finish_reason in ("stop", "length") and warm.token_ids
+    finally:
+        await bus.close()
+
+
+async def test_a_seeded_request_draws_what_one_engine_draws_alone(
+    cluster: Cluster, shapes: dict[str, Path]
+) -> None:
+    """Prefill samples the first token and hands decode its generator's state: a seeded,
+    sampled answer is the one a single engine gives for the same seed."""
+    prompt = [(13 * i) % 8000 + 3 for i in range(150)]
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=7, max_new_tokens=12)
+    runner = ModelRunner(load_model(shapes["llama"]), num_blocks=64, block_size_tokens=BLOCK)
+    expected = Engine(runner).generate([prompt], params)[0].completion_token_ids
+    greedy = Engine(runner).generate([prompt], SamplingParams(temperature=0, max_new_tokens=12))
+    assert expected != greedy[0].completion_token_ids  # the draw matters, not only the argmax
+    bus = await connect(cluster)
+    try:
+        result = await generate(
+            bus,
+            build_request(
+                prompt, model="random-llama", block_size_tokens=BLOCK, max_tokens=12,
+                temperature=1.0, top_p=0.95, seed=7, cache_salt="seeded",
+            ),
+        )  # fmt: skip
+        assert result.token_ids == expected
     finally:
         await bus.close()
