@@ -11,6 +11,7 @@ or the disk full is skipped and counted; serving goes on without it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -60,6 +61,7 @@ class KvStoreConfig:
     read_chunk_nbytes: int = CHUNK_NBYTES  # per read request; two are in flight
     adopt_existing: bool = True  # keep (do not overwrite) valid slots found at open
     disk_full_backoff_s: float = 5.0
+    write_yield_s: float = 1.0  # the longest a write batch waits for running reads
     max_open_files: int = 1024
 
 
@@ -76,6 +78,11 @@ class KvStore:
         self._write_buffer = alloc_staging(self.batch_slots * self.slot_nbytes)
         backend.register_buffer(self._write_buffer)
         self._write_lock = asyncio.Lock()
+        # Reads go first: they are on a request's path (a prefix load before its prefill),
+        # writes are not. A write waits between batches while a read runs (`_no_reads`).
+        self._num_reads = 0
+        self._no_reads = asyncio.Event()
+        self._no_reads.set()
         self._counters: Counter[str] = Counter()
         self._reader = SlotReader(
             self._files, backend, self.geometry, batch_slots=self.batch_slots,
@@ -116,9 +123,21 @@ class KvStore:
         results: list[StoredBlock | None] = [None] * len(blocks)
         async with self._write_lock:
             for start in range(0, len(blocks), self.batch_slots):
+                await self._wait_for_reads()
                 chunk = blocks[start : start + self.batch_slots]
                 results[start : start + len(chunk)] = await self._write_chunk(chunk)
         return results
+
+    async def _wait_for_reads(self) -> None:
+        """Let running reads finish before the next write batch, so a read waits for one
+        batch at most rather than the whole write (measured: 123 blocks of 2.9 MB read in
+        115 ms alone, 870-950 ms behind a write of as many, 114 ms with this wait). Never
+        longer than `write_yield_s`: a steady stream of reads does not starve the writes."""
+        if self._no_reads.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.write_yield_s):
+                await self._no_reads.wait()
 
     async def _write_chunk(
         self, chunk: Sequence[tuple[int, bytes | memoryview]]
@@ -223,9 +242,14 @@ class KvStore:
         if into is not None and len(into) != len(refs):
             raise ValueError(f"{len(into)} destination buffers for {len(refs)} blocks")
         started_ns = time.perf_counter_ns()
+        self._num_reads += 1
+        self._no_reads.clear()
         try:
             return await self._reader.read(refs, into)
         finally:
+            self._num_reads -= 1
+            if self._num_reads == 0:
+                self._no_reads.set()
             self._counters["read_time_ns"] += time.perf_counter_ns() - started_ns
 
     # -- the rest ------------------------------------------------------------------------

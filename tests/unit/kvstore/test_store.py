@@ -1,8 +1,10 @@
 """KvStore over real files through each backend: round trip, every kind of damage reads as
-a miss with its counter, full disks and exhausted shares skip writes, scans find slots."""
+a miss with its counter, full disks and exhausted shares skip writes, reads go before the
+rest of a running write, scans find slots."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import subprocess
@@ -215,6 +217,92 @@ async def test_enospc_at_the_backend_skips_and_serving_goes_on(tmp_path: Path, b
         stats = s.stats()
         assert stats["num_skipped.disk_full"] == 3 and stats["num_slots_used"] == 0
         assert await s.read_blocks([SlotRef(1, "w1", 0, 0, 1)]) == [None]  # reads still run
+    finally:
+        s.close()
+
+
+class GatedIO:
+    """A real backend whose calls are logged and may be held until a test lets them go."""
+
+    def __init__(self, inner: BlockIO) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.calls: list[str] = []
+        self.hold = {"read": asyncio.Event(), "write": asyncio.Event()}
+        for gate in self.hold.values():
+            gate.set()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    async def read(self, buffer: np.ndarray, ops: Sequence[IoOp]) -> None:
+        self.calls.append("read")
+        await self.hold["read"].wait()
+        await self.inner.read(buffer, ops)
+        self.calls.append("read done")
+
+    async def write(self, buffer: np.ndarray, ops: Sequence[IoOp]) -> None:
+        self.calls.append("write")
+        await self.hold["write"].wait()
+        await self.inner.write(buffer, ops)
+        self.calls.append("write done")
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def _until(predicate, timeout_s: float = 10.0) -> None:  # noqa: ANN001
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+async def test_a_read_goes_before_the_rest_of_a_write(tmp_path: Path, backend_name: str):
+    """A prefix load waits for the write batch in flight, not for the whole write."""
+    io = GatedIO(make_backend(backend_name, agent_name="gated-test"))
+    s = KvStore.open(config(tmp_path, backend_name, staging_nbytes=2 * SLOT_NBYTES), io)
+    try:
+        stored = await write(s, [1, 2])
+        io.calls.clear()
+        io.hold["write"].clear()
+        writing = asyncio.create_task(write(s, range(10, 16)))  # three batches of two
+        await _settle()
+        io.hold["read"].clear()
+        reading = asyncio.create_task(s.read_blocks(stored))
+        await _settle()
+        io.hold["write"].set()  # the first batch lands; the read is still running
+        await _until(lambda: "write done" in io.calls)
+        await asyncio.sleep(0.1)
+        assert io.calls.count("write") == 1  # the second batch waits for the read
+        io.hold["read"].set()
+        assert await reading == [payload(1), payload(2)]
+        refs = await writing
+        second_write = io.calls.index("write", 1)
+        last_read = len(io.calls) - 1 - io.calls[::-1].index("read done")
+        assert io.calls.count("write") == 3 and second_write > last_read
+        assert await s.read_blocks(refs) == [payload(h) for h in range(10, 16)]
+    finally:
+        s.close()
+
+
+async def test_reads_never_hold_a_write_back_longer_than_write_yield_s(
+    tmp_path: Path, backend_name: str
+):
+    io = GatedIO(make_backend(backend_name, agent_name="gated-test"))
+    cfg = config(tmp_path, backend_name, staging_nbytes=2 * SLOT_NBYTES, write_yield_s=0.05)
+    s = KvStore.open(cfg, io)
+    try:
+        stored = await write(s, [1])
+        io.hold["read"].clear()
+        reading = asyncio.create_task(s.read_blocks(stored))  # held: a read that never ends
+        await _settle()
+        refs = await asyncio.wait_for(write(s, range(10, 14)), timeout=10)
+        assert not reading.done()
+        io.hold["read"].set()
+        assert await reading == [payload(1)]
+        assert await s.read_blocks(refs) == [payload(h) for h in range(10, 14)]
     finally:
         s.close()
 
