@@ -146,6 +146,8 @@ class DecodeJob(Message, tag="decode_job"):
     request: GenerateRequest
     decision: RouteDecision
     cached_blocks: BlockLocations = BlockLocations()
+    # Not set by any sender: the router sends this job before prefill runs, so the first
+    # token and the KV reach decode in `SuffixReady`. Kept for the wire's sake.
     first_token_id: int | None = None
     kv_transfer: KvTransfer | None = None
 
