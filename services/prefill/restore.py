@@ -44,6 +44,7 @@ class Restored:
     num_replay_tokens: int
     load_ms: float
     restore_ms: float
+    num_local_blocks: int = 0  # of `pages`, the leading ones the pool still held
 
     @property
     def num_blocks(self) -> int:
@@ -81,7 +82,7 @@ class PrefixRestorer:
         num_blocks: int,
     ) -> Restored:
         started = time.perf_counter()
-        prefix = await self._load(locations, num_blocks)
+        prefix = await self._load(blocks, locations, num_blocks)
         loaded = time.perf_counter()
         if prefix.num_blocks < num_blocks:
             log.warning("cached prefix cut short by a store miss", asked=num_blocks,
@@ -103,23 +104,35 @@ class PrefixRestorer:
         restored = time.perf_counter()
         return Restored(
             prefix.pages, window, mode, num_replayed,
-            (loaded - started) * 1000, (restored - loaded) * 1000,
+            (loaded - started) * 1000, (restored - loaded) * 1000, prefix.num_local,
         )  # fmt: skip
 
-    async def _load(self, locations: BlockLocations, num_blocks: int) -> LoadedPrefix:
-        """The first `num_blocks` cached blocks from the store (fewer after a miss)."""
+    async def _load(
+        self, blocks: RequestBlocks, locations: BlockLocations, num_blocks: int
+    ) -> LoadedPrefix:
+        """The first `num_blocks` cached blocks (fewer after a miss): the leading ones this
+        worker's pool still holds from an earlier job (tagged in `tag_blocks`), the rest
+        from the store."""
         if num_blocks == 0:
             return LoadedPrefix([])
+        allocator = self.runner.allocator
+        local = allocator.revive(blocks.hashes[:num_blocks])
         with telemetry.span("prefill load") as span:
-            prefix = await load_prefix(
-                self.store, self.runner.pool, self.runner.allocator, locations, num_blocks
-            )
+            try:
+                rest = await load_prefix(
+                    self.store, self.runner.pool, allocator, locations, num_blocks,
+                    first_block=len(local),
+                )  # fmt: skip
+            except BaseException:
+                allocator.free(local)
+                raise
             if span.is_recording():
                 span.set_attributes({
-                    "kvfabric.tier": locations.tier, "kvfabric.num_blocks": prefix.num_blocks,
-                    "kvfabric.bytes": prefix.num_blocks * self.runner.layout.block_nbytes,
+                    "kvfabric.tier": locations.tier, "kvfabric.num_blocks": rest.num_blocks,
+                    "kvfabric.bytes": rest.num_blocks * self.runner.layout.block_nbytes,
+                    "kvfabric.num_local_blocks": len(local),
                 })  # fmt: skip
-        return prefix
+        return LoadedPrefix(local + rest.pages, num_local=len(local))
 
     async def _window(
         self, token_ids: list[int], boundary_hash: int, pages: list[int], boundary: int

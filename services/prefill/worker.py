@@ -117,6 +117,7 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         timings = PrefillTimings(
             load_ms=restored.load_ms, restore_ms=restored.restore_ms,
             swa_restore=restored.mode, num_replay_tokens=restored.num_replay_tokens,
+            num_local_blocks=restored.num_local_blocks,
         )  # fmt: skip
         return ModelJob(
             job, token_ids, blocks, asyncio.get_running_loop().create_future(), accepted_s,
@@ -186,6 +187,11 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
 
     async def _persist(self, entry: ModelJob) -> None:
         seq, blocks = entry.seq, entry.blocks
+        # The prompt's complete blocks stay in the pool, found by hash, until their pages are
+        # handed out again: the next turn routed here takes them from there (restore.py).
+        num_complete = len(entry.token_ids) // self.block_size
+        for i, block_hash in enumerate(blocks.hashes[:num_complete]):
+            self.runner.allocator.tag(seq.block_table[i], block_hash)
         num_stored = await store_blocks(
             self.publisher, self.runner.pool, seq.block_table, entry.token_ids, blocks,
             entry.num_cached_blocks, blocks.num_prefill_blocks,

@@ -170,6 +170,9 @@ class PrefillTimings(msgspec.Struct, frozen=True, kw_only=True):
     compute_ms: float = 0.0  # the uncached suffix
     store_ms: float = 0.0  # new complete blocks written to the store
     transfer_ms: float = 0.0  # staged for decode -> decode pulled it (NIXL)
+    # Of the cached prefix's blocks, the leading ones prefill's own pool still held from an
+    # earlier job (the device tier): not read from the store.
+    num_local_blocks: int = 0
 
 
 class SuffixReady(Message, tag="suffix_ready"):

@@ -24,6 +24,7 @@ from shared.serving.kv_io import store_payloads
 @dataclass(frozen=True)
 class LoadedPrefix:
     pages: list[int]  # pool pages holding blocks 0..len(pages)-1 of the prompt
+    num_local: int = 0  # of them, the leading ones found in the pool, not read from the store
 
     @property
     def num_blocks(self) -> int:
@@ -36,16 +37,19 @@ async def load_prefix(
     allocator: BlockAllocator,
     locations: BlockLocations,
     num_blocks: int,
+    first_block: int = 0,
 ) -> LoadedPrefix:
-    """Read the first `num_blocks` cached blocks into freshly allocated pages.
+    """Read cached blocks `first_block`..`num_blocks - 1` into freshly allocated pages (the
+    caller holds the ones before: the pool's own, `BlockAllocator.revive`).
 
     A block that reads as a miss (evicted, torn, corrupt) ends the prefix there: the pages
     after it are freed and the caller computes from that block on.
     """
-    num_blocks = min(num_blocks, len(locations))
-    if num_blocks == 0:
+    num_blocks = min(num_blocks, len(locations)) - first_block
+    if num_blocks <= 0:
         return LoadedPrefix([])
-    refs = [SlotRef.from_location(row) for row in locations.rows()[:num_blocks]]
+    rows = locations.rows()[first_block : first_block + num_blocks]
+    refs = [SlotRef.from_location(row) for row in rows]
     pages = allocator.allocate(num_blocks)
     try:
         results = await store.read_blocks(refs, [memoryview(pool.block_view(p)) for p in pages])

@@ -3,8 +3,9 @@ decode processes in one cluster: a Llama-shaped model (every layer full attentio
 window to restore, snapshot or hand off) and a Mistral-shaped one (every layer sliding: its
 KV blocks carry no bytes, the window is everything). Random weights, tiny-coder's tokenizer.
 
-Each serves a request, and an agent's next turn is served from the store with the very
-tokens a cold run of the same prompt gives (greedy). A copy of the Llama-shaped model is
+Each serves a request, and an agent's next turn is served from the cache (its first blocks
+from the prefill worker's own pool, the rest from the store) with the very tokens a cold run
+of the same prompt gives (greedy). A copy of the Llama-shaped model is
 served in bfloat16 (`--dtype bfloat16`): half-size pages, its next turn from the store. A
 seeded, sampled request draws across prefill (its first token) and decode (the rest) exactly
 what one engine draws alone.
@@ -115,6 +116,10 @@ async def test_a_model_of_this_shape_serves_and_reuses_its_prefix(
         assert warm.usage is not None and warm.usage.num_cached_tokens >= 9 * BLOCK
         assert cold.usage is not None and cold.usage.num_cached_tokens == 0
         assert warm.token_ids == cold.token_ids
+        # The first request's prompt blocks were still in the prefill worker's pool: taken
+        # from there, not read from the store, with the same answer.
+        assert warm.stats is not None
+        assert warm.stats.prefill.num_local_blocks >= len(prompt) // BLOCK
     finally:
         await bus.close()
 

@@ -43,6 +43,34 @@ def test_allocator_counts_and_refuses_when_full() -> None:
         allocator.free(first[:1])
 
 
+def test_tagged_blocks_are_revived_until_handed_out_again() -> None:
+    allocator = BlockAllocator(4)
+    blocks = allocator.allocate(3)
+    for block_id, block_hash in zip(blocks, (11, 12, 13), strict=True):
+        allocator.tag(block_id, block_hash)
+    allocator.free(blocks)
+    assert allocator.num_free_blocks == 4
+    # The leading run it still holds, each taken back with one owner; a gap ends the run.
+    assert allocator.revive([11, 12, 99, 13]) == blocks[:2]
+    assert allocator.num_free_blocks == 2
+    assert [allocator.ref_count(b) for b in blocks[:2]] == [1, 1]
+    assert allocator.revive([11]) == blocks[:1]  # in use: shared, not taken twice
+    assert allocator.ref_count(blocks[0]) == 2
+    # Free blocks are handed out oldest first: the never-used one, then block 13's page,
+    # which loses its tag (it is about to be written over).
+    handed = allocator.allocate(2)
+    assert blocks == [0, 1, 2] and handed == [3, 2]
+    assert allocator.revive([13]) == []
+    assert allocator.num_free_blocks == 0
+    allocator.free(blocks[:1])
+    allocator.free(blocks[:2])
+    allocator.free(handed)
+    assert allocator.num_free_blocks == 4
+    assert allocator.revive([11, 12]) == blocks[:2]  # freed again, still tagged
+    with pytest.raises(SequenceStateError):
+        allocator.tag(handed[0], 14)  # a free block holds nothing to name
+
+
 def test_block_layout_holds_only_full_layers() -> None:
     config = ModelConfig(
         model_type="qwen3",
