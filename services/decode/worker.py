@@ -34,7 +34,7 @@ from shared.engine.sequence import Sequence
 from shared.engine.swa_restore import snapshot_from_bytes, snapshot_to_bytes
 from shared.engine.worker import ModelThread
 from shared.schema import BadRequest, SamplingParams, SuffixReady, Unavailable
-from shared.serving.pages import LoadedPrefix, load_prefix, unstage_pages
+from shared.serving.pages import LoadedPrefix, tag_blocks, take_prefix, unstage_pages
 from shared.serving.sampling import engine_sampling
 from shared.serving.staging import StagingSpace
 from shared.subjects import PREFILL
@@ -105,13 +105,16 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         started = time.perf_counter()
         with telemetry.span("decode load", parent=state.span) as span:
             locations = state.job.cached_blocks
-            prefix = await load_prefix(
-                self.finisher.store, self.runner.pool, self.runner.allocator, locations, num_blocks
-            )
+            prefix = await take_prefix(
+                self.finisher.store, self.runner.pool, self.runner.allocator, locations,
+                state.blocks.hashes, num_blocks,
+            )  # fmt: skip
             if span.is_recording():
+                num_read = prefix.num_blocks - prefix.num_local
                 span.set_attributes({
-                    "kvfabric.tier": locations.tier, "kvfabric.num_blocks": prefix.num_blocks,
-                    "kvfabric.bytes": prefix.num_blocks * self.runner.layout.block_nbytes,
+                    "kvfabric.tier": locations.tier, "kvfabric.num_blocks": num_read,
+                    "kvfabric.bytes": num_read * self.runner.layout.block_nbytes,
+                    "kvfabric.num_local_blocks": prefix.num_local,
                 })  # fmt: skip
         state.prefix_load_ms = (time.perf_counter() - started) * 1000
         return prefix
@@ -213,6 +216,9 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         end = seq.num_computed_tokens // self.block_size
         pool = self.runner.pool
         blocks = [(i, bytes(pool.block_view(seq.block_table[i]))) for i in range(first, end)]
+        # Prompt and answer stay in the pool by hash: the agent's next turn, routed here,
+        # takes its prefix from there before the store (`_load_prefix`).
+        tag_blocks(self.runner.allocator, seq.block_table, state.blocks.extend(seq.token_ids, end))
         window = seq.boundary_window
         at_last_block = window is not None and window.end_position == end * self.block_size
         has_window = at_last_block and bool(self.runner.config.sliding_layer_ids)

@@ -23,7 +23,7 @@ from shared.kvstore.store import KvStore
 from shared.logging import get_logger
 from shared.schema import ServiceError
 from shared.schema.inference import BlockLocations
-from shared.serving.pages import LoadedPrefix, load_prefix
+from shared.serving.pages import LoadedPrefix, take_prefix
 from shared.swa_client import SwaClient
 
 log = get_logger(__name__)
@@ -115,24 +115,19 @@ class PrefixRestorer:
         from the store."""
         if num_blocks == 0:
             return LoadedPrefix([])
-        allocator = self.runner.allocator
-        local = allocator.revive(blocks.hashes[:num_blocks])
         with telemetry.span("prefill load") as span:
-            try:
-                rest = await load_prefix(
-                    self.store, self.runner.pool, allocator, locations, num_blocks,
-                    first_block=len(local),
-                )  # fmt: skip
-            except BaseException:
-                allocator.free(local)
-                raise
+            prefix = await take_prefix(
+                self.store, self.runner.pool, self.runner.allocator, locations, blocks.hashes,
+                num_blocks,
+            )  # fmt: skip
             if span.is_recording():
+                num_read = prefix.num_blocks - prefix.num_local
                 span.set_attributes({
-                    "kvfabric.tier": locations.tier, "kvfabric.num_blocks": rest.num_blocks,
-                    "kvfabric.bytes": rest.num_blocks * self.runner.layout.block_nbytes,
-                    "kvfabric.num_local_blocks": len(local),
+                    "kvfabric.tier": locations.tier, "kvfabric.num_blocks": num_read,
+                    "kvfabric.bytes": num_read * self.runner.layout.block_nbytes,
+                    "kvfabric.num_local_blocks": prefix.num_local,
                 })  # fmt: skip
-        return LoadedPrefix(local + rest.pages, num_local=len(local))
+        return prefix
 
     async def _window(
         self, token_ids: list[int], boundary_hash: int, pages: list[int], boundary: int

@@ -41,7 +41,7 @@ from shared.kvstore.blocks import RequestBlocks
 from shared.kvstore.writer import KvEventPublisher
 from shared.metrics import Metrics
 from shared.schema import BadRequest, PrefillJob, PrefillTimings
-from shared.serving.pages import stage_pages, store_blocks
+from shared.serving.pages import stage_pages, store_blocks, tag_blocks
 from shared.serving.sampling import engine_sampling
 from shared.serving.staging import StagingSpace, StagingTooSmall
 from shared.swa_client import SwaClient
@@ -190,8 +190,7 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         # The prompt's complete blocks stay in the pool, found by hash, until their pages are
         # handed out again: the next turn routed here takes them from there (restore.py).
         num_complete = len(entry.token_ids) // self.block_size
-        for i, block_hash in enumerate(blocks.hashes[:num_complete]):
-            self.runner.allocator.tag(seq.block_table[i], block_hash)
+        tag_blocks(self.runner.allocator, seq.block_table, blocks.hashes[:num_complete])
         num_stored = await store_blocks(
             self.publisher, self.runner.pool, seq.block_table, entry.token_ids, blocks,
             entry.num_cached_blocks, blocks.num_prefill_blocks,

@@ -61,6 +61,37 @@ async def load_prefix(
     return LoadedPrefix(pages[:num_loaded])
 
 
+async def take_prefix(
+    store: KvStore,
+    pool: PagedKVPool,
+    allocator: BlockAllocator,
+    locations: BlockLocations,
+    block_hashes: Sequence[int],
+    num_blocks: int,
+) -> LoadedPrefix:
+    """The first `num_blocks` cached blocks (fewer after a store miss): the leading ones the
+    pool still holds from an earlier request (tagged with `tag_blocks`), the rest read from
+    the store (`load_prefix`)."""
+    if num_blocks == 0:
+        return LoadedPrefix([])
+    local = allocator.revive(list(block_hashes[:num_blocks]))
+    try:
+        rest = await load_prefix(store, pool, allocator, locations, num_blocks, len(local))
+    except BaseException:
+        allocator.free(local)
+        raise
+    return LoadedPrefix(local + rest.pages, num_local=len(local))
+
+
+def tag_blocks(
+    allocator: BlockAllocator, pages: Sequence[int], block_hashes: Sequence[int]
+) -> None:
+    """Name pages[i] by block_hashes[i] (complete blocks only), so that `take_prefix` finds
+    them in the pool until their pages are handed out again."""
+    for page, block_hash in zip(pages, block_hashes, strict=False):
+        allocator.tag(page, block_hash)
+
+
 async def store_blocks(
     publisher: KvEventPublisher,
     pool: PagedKVPool,

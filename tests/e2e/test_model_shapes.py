@@ -4,8 +4,8 @@ window to restore, snapshot or hand off) and a Mistral-shaped one (every layer s
 KV blocks carry no bytes, the window is everything). Random weights, tiny-coder's tokenizer.
 
 Each serves a request, and an agent's next turn is served from the cache (its first blocks
-from the prefill worker's own pool, the rest from the store) with the very tokens a cold run
-of the same prompt gives (greedy). A copy of the Llama-shaped model is
+from the prefill and decode workers' own pools, the rest from the store) with the very
+tokens a cold run of the same prompt gives (greedy). A copy of the Llama-shaped model is
 served in bfloat16 (`--dtype bfloat16`): half-size pages, its next turn from the store. A
 seeded, sampled request draws across prefill (its first token) and decode (the rest) exactly
 what one engine draws alone.
@@ -14,6 +14,7 @@ what one engine draws alone.
 from __future__ import annotations
 
 import shutil
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,6 +88,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, shapes: dict[str, Path]) -
     )
 
 
+def _store_blocks_read(cluster: Cluster, instance_id: str) -> float:
+    """The worker's `kvfabric_store_read_blocks_total` from its /metrics."""
+    with urllib.request.urlopen(cluster.metrics_urls[instance_id], timeout=10) as response:
+        text = response.read().decode()
+    [line] = [x for x in text.splitlines() if x.startswith("kvfabric_store_read_blocks_total")]
+    return float(line.rsplit(" ", 1)[1])
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 async def test_a_model_of_this_shape_serves_and_reuses_its_prefix(
     cluster: Cluster, family: str
@@ -120,6 +129,13 @@ async def test_a_model_of_this_shape_serves_and_reuses_its_prefix(
         # from there, not read from the store, with the same answer.
         assert warm.stats is not None
         assert warm.stats.prefill.num_local_blocks >= len(prompt) // BLOCK
+        # Decode's pool kept the finished turns too (prompt and answer): the same turn again
+        # reads fewer blocks from the store than it has cached.
+        read_before = _store_blocks_read(cluster, f"{DECODE}-{model}-0")
+        again = await generate(bus, request(follow))
+        assert again.token_ids == cold.token_ids and again.usage is not None
+        num_read = _store_blocks_read(cluster, f"{DECODE}-{model}-0") - read_before
+        assert num_read < again.usage.num_cached_tokens // BLOCK
     finally:
         await bus.close()
 
