@@ -103,19 +103,11 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         if num_blocks == 0:
             return LoadedPrefix([])
         started = time.perf_counter()
-        with telemetry.span("decode load", parent=state.span) as span:
-            locations = state.job.cached_blocks
+        with telemetry.span("decode load", parent=state.span):
             prefix = await take_prefix(
-                self.finisher.store, self.runner.pool, self.runner.allocator, locations,
-                state.blocks.hashes, num_blocks,
+                self.finisher.store, self.runner.pool, self.runner.allocator,
+                state.job.cached_blocks, state.blocks.hashes, num_blocks,
             )  # fmt: skip
-            if span.is_recording():
-                num_read = prefix.num_blocks - prefix.num_local
-                span.set_attributes({
-                    "kvfabric.tier": locations.tier, "kvfabric.num_blocks": num_read,
-                    "kvfabric.bytes": num_read * self.runner.layout.block_nbytes,
-                    "kvfabric.num_local_blocks": prefix.num_local,
-                })  # fmt: skip
         state.prefix_load_ms = (time.perf_counter() - started) * 1000
         return prefix
 

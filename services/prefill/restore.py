@@ -115,19 +115,11 @@ class PrefixRestorer:
         from the store."""
         if num_blocks == 0:
             return LoadedPrefix([])
-        with telemetry.span("prefill load") as span:
-            prefix = await take_prefix(
+        with telemetry.span("prefill load"):
+            return await take_prefix(
                 self.store, self.runner.pool, self.runner.allocator, locations, blocks.hashes,
                 num_blocks,
             )  # fmt: skip
-            if span.is_recording():
-                num_read = prefix.num_blocks - prefix.num_local
-                span.set_attributes({
-                    "kvfabric.tier": locations.tier, "kvfabric.num_blocks": num_read,
-                    "kvfabric.bytes": num_read * self.runner.layout.block_nbytes,
-                    "kvfabric.num_local_blocks": prefix.num_local,
-                })  # fmt: skip
-        return prefix
 
     async def _window(
         self, token_ids: list[int], boundary_hash: int, pages: list[int], boundary: int

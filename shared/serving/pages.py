@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shared import telemetry
 from shared.engine.block_manager import BlockAllocator
 from shared.engine.kv_cache import PagedKVPool
 from shared.kvstore.blocks import RequestBlocks
@@ -71,7 +72,7 @@ async def take_prefix(
 ) -> LoadedPrefix:
     """The first `num_blocks` cached blocks (fewer after a store miss): the leading ones the
     pool still holds from an earlier request (tagged with `tag_blocks`), the rest read from
-    the store (`load_prefix`)."""
+    the store (`load_prefix`). Recorded on the current span (the caller's load span)."""
     if num_blocks == 0:
         return LoadedPrefix([])
     local = allocator.revive(list(block_hashes[:num_blocks]))
@@ -80,6 +81,13 @@ async def take_prefix(
     except BaseException:
         allocator.free(local)
         raise
+    span = telemetry.current_span()
+    if span.is_recording():
+        span.set_attributes({
+            "kvfabric.tier": locations.tier, "kvfabric.num_blocks": rest.num_blocks,
+            "kvfabric.bytes": rest.num_blocks * pool.layout.block_nbytes,
+            "kvfabric.num_local_blocks": len(local),
+        })  # fmt: skip
     return LoadedPrefix(local + rest.pages, num_local=len(local))
 
 
