@@ -33,6 +33,7 @@ from shared.discovery import DiscoveryResponder
 from shared.logging import configure_logging, get_logger
 from shared.metrics import CONTENT_TYPE, Metrics
 from shared.schema import ErrorCode, InstanceState, LoadReport, ServiceError
+from shared.tasks import cancel_and_wait
 
 VERSION = "0.1.0"
 log = get_logger(__name__)
@@ -244,17 +245,13 @@ class ServiceRuntime:
             return
         self._is_shut_down = True
         self.state = InstanceState.DRAINING
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            await asyncio.gather(self._heartbeat, return_exceptions=True)
+        await cancel_and_wait(self._heartbeat)
         await self.publish_load_report()  # draining: routers stop sending work at once
         if self._discovery is not None:
             await self._discovery.stop()
         if self._bus is not None:
             await self._bus.stop_serving(self.config.shutdown_grace_s)
-        for duty in self._duties:
-            duty.cancel()
-        await asyncio.gather(*self._duties, return_exceptions=True)
+        await cancel_and_wait(*self._duties)
         for cleanup in reversed(self._cleanups):
             try:
                 await cleanup()

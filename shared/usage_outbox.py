@@ -34,6 +34,7 @@ import msgspec
 
 from shared.logging import get_logger
 from shared.schema import ServiceError, UsageRecord, decode, encode
+from shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -199,8 +200,7 @@ class UsageOutbox:
             log.warning("usage outbox closing with records pending; kept for the next open",
                         path=str(self._path), num_pending=len(self._pending))  # fmt: skip
         sender, self._sender = self._sender, None
-        sender.cancel()
-        await asyncio.gather(sender, return_exceptions=True)
+        await cancel_and_wait(sender)
         async with self._io:  # waits for a shielded write in flight
             fd, lock_fd, self._fd, self._lock_fd = self._fd, self._lock_fd, None, None
             if fd is not None:
@@ -215,8 +215,7 @@ class UsageOutbox:
             raise OutboxError(f"usage outbox {self._path} still holds {len(self._pending)}")
         if self._sender is not None:
             sender, self._sender = self._sender, None
-            sender.cancel()
-            await asyncio.gather(sender, return_exceptions=True)
+            await cancel_and_wait(sender)
         async with self._io:
             self._path.unlink(missing_ok=True)
             self._lock_path.unlink(missing_ok=True)

@@ -48,6 +48,7 @@ from shared.schema import (
 )
 from shared.serving.checks import checked_prompt
 from shared.streams import StreamWriter
+from shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -113,9 +114,7 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
     async def stop(self) -> None:
         for state in list(self.requests.values()):
             await self._fail(state, Unavailable("decode worker stopping"))
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        await cancel_and_wait(self._loop_task)
         await self.finisher.drain()
 
     @abstractmethod

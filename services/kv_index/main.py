@@ -33,6 +33,7 @@ from shared.runtime import ServiceRuntime, service_main
 from shared.schema import KvEventBatch
 from shared.schema.kv_index import CacheCommand, MatchRequest, RebuildBatch
 from shared.subjects import KV_INDEX
+from shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 CATCH_UP_POLL_S = 0.01
@@ -89,8 +90,7 @@ async def setup(runtime: ServiceRuntime) -> None:
         catch_up = asyncio.create_task(until_caught_up())
 
         async def stop_catch_up() -> None:
-            catch_up.cancel()
-            await asyncio.gather(catch_up, return_exceptions=True)
+            await cancel_and_wait(catch_up)
 
         runtime.on_stop(stop_catch_up)
     else:

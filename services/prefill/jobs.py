@@ -47,6 +47,7 @@ from shared.schema import (
 from shared.serving.checks import checked_prompt
 from shared.subjects import PREFILL
 from shared.swa_client import SwaClient
+from shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -135,9 +136,7 @@ class PrefillJobsBase(ABC, Generic[JobT]):
         self._loop_task = asyncio.create_task(self._compute_loop())
 
     async def stop(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        await cancel_and_wait(self._loop_task)
         await asyncio.gather(*self._finishing, return_exceptions=True)
 
     @abstractmethod

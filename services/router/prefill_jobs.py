@@ -26,6 +26,7 @@ from shared.bus import Bus
 from shared.logging import get_logger
 from shared.schema import Cancelled, NoResponders, ServiceError, Unavailable
 from shared.schema.inference import CancelRequest, PrefillDone, PrefillJob
+from shared.tasks import cancel_and_wait
 from shared.telemetry import REQUEST_ID
 
 log = get_logger(__name__)
@@ -94,9 +95,7 @@ class PrefillJobs:
         tasks = list(self._tasks)
         if tasks:
             log.warning("prefill jobs abandoned at shutdown", num_jobs=len(tasks))
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*tasks)
 
     async def _drive(
         self, job: PrefillJob, facts: RequestFacts, swa_node_ids: frozenset[str]

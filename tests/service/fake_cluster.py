@@ -22,6 +22,7 @@ from shared.schema import (
 )
 from shared.streams import StreamWriter
 from shared.subjects import DECODE
+from shared.tasks import cancel_and_wait
 from shared.testing.fixtures import BusFactory
 
 DECODE_ID = "decode-a"
@@ -101,9 +102,7 @@ async def cluster(
     finally:
         if decode is not None:
             decode.beating = False
-            for task in [beat, *decode.tasks]:
-                task.cancel()
-            await asyncio.gather(beat, *decode.tasks, return_exceptions=True)
+            await cancel_and_wait(beat, *decode.tasks)
 
 
 async def collect(bus: Bus, subject: str, message_type: type) -> asyncio.Queue:

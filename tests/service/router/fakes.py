@@ -4,7 +4,6 @@ and record the jobs they get, a kv-index shard, a node's swa-memcache."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -36,6 +35,7 @@ from shared.schema import (
     unpack_block_hashes,
 )
 from shared.subjects import PREFILL
+from shared.tasks import cancel_and_wait
 
 StartRouter = Callable[..., Awaitable[Router]]  # the `start_router` fixture
 
@@ -142,10 +142,7 @@ class FakeWorker:
         self._beating = asyncio.create_task(loop())
 
     async def stop_beating(self) -> None:
-        if self._beating is not None:
-            self._beating.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beating
+        await cancel_and_wait(self._beating)
 
     def release(self) -> None:
         """Let held jobs answer (so the bus drains at once when the test ends)."""
