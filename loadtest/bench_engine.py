@@ -12,6 +12,10 @@ after a cached prefix against a cold prefill, side by side in one run on the sam
     transformers' forward over the whole prompt at once, and against the same prompt resumed
     after 123 cached blocks of 64 (7872 tokens, 96%) + the sliding window at 7872, computing
     the last 320. Ideal speedup 1 / (1 - 0.96) = 25x.
+(c) Linear layers: a warm agent step's prefill (256 new tokens after up to 1,600 cached)
+    with every linear layer through oneDNN's packed weights (the engine's default,
+    layers.pack_linears) against the same model through F.linear (MKL), interleaved, the
+    median of 5 each; outputs compared.
 
 `--model` is a name (`kvfabric models list`: tiny-coder, SmolLM2-135M-Instruct) or a path (an
 HF directory or a .gguf file; transformers loads the same file).
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sysconfig
 import tempfile
 import time
@@ -40,6 +45,7 @@ from shared.engine import (
     Sequence,
     load_model,
 )
+from shared.engine.layers import Linear
 from shared.engine.quant import block_formats
 from shared.models import model_path
 
@@ -278,6 +284,41 @@ def bench_prefix(  # noqa: ANN001
                   "bool", 1.0)  # fmt: skip
 
 
+def bench_linears(model_dir: Path, ids: list[int], result: BenchResult, block_kernel: bool) -> None:
+    packed = load_model(model_dir, block_kernel=block_kernel)
+    if not any(m.packed is not None for m in packed.modules() if isinstance(m, Linear)):
+        result.note("linear layers: oneDNN cannot pack them here (layers.can_pack); skipped")
+        return
+    plain = load_model(model_dir, block_kernel=block_kernel, onednn=False)
+    num_new = 256
+    num_cached = min(1600, packed.config.max_position_embeddings - num_new - 1)
+    prompt = (ids * ((num_cached + num_new) // len(ids) + 1))[: num_cached + num_new + 1]
+    runners = [ModelRunner(m, num_blocks=64, block_size_tokens=BLOCK_SIZE_TOKENS)
+               for m in (plain, packed)]  # fmt: skip
+
+    def step(runner: ModelRunner) -> tuple[float, torch.Tensor]:
+        seq = Sequence(-1, prompt)
+        try:
+            runner.prefill([seq], num_new_tokens=[num_cached])
+            start = time.perf_counter()
+            [logits] = runner.prefill([seq], num_new_tokens=[num_new])
+            return time.perf_counter() - start, logits
+        finally:
+            runner.release(seq)
+
+    times: list[list[float]] = [[], []]
+    for _ in range(6):  # the first of each pair is a warm-up
+        for side, runner in enumerate(runners):
+            times[side].append(step(runner)[0])
+    mkl_s, onednn_s = (statistics.median(t[1:]) for t in times)
+    result.ratio(f"warm-step prefill, {num_new} tokens after {num_cached}: oneDNN packed "
+                 "linears vs F.linear", 1 / onednn_s, 1 / mkl_s, "F.linear (MKL)", "steps/s",
+                 1.0)  # fmt: skip
+    logits = [step(runner)[1] for runner in runners]
+    result.figure("packed vs F.linear: max |logit difference|",
+                  float((logits[0] - logits[1]).abs().max()), "")  # fmt: skip
+
+
 def run(  # noqa: PLR0913
     quick: bool = False,
     *,
@@ -290,6 +331,7 @@ def run(  # noqa: PLR0913
     skip_decode: bool = False,
     skip_prefill: bool = False,
     skip_hf_prefill: bool = False,
+    skip_linears: bool = False,
     block_kernel: bool = True,
 ) -> BenchResult:
     """Quick: batches 1 and 4 of 16 new tokens, a 1,024-token prefill."""
@@ -321,6 +363,8 @@ def run(  # noqa: PLR0913
         if not skip_prefill:
             hf = None if skip_hf_prefill else load_hf(model_dir, ("sdpa",))["sdpa"]
             bench_prefix(args, runner, ids, result, hf)
+        if not skip_linears:
+            bench_linears(model_dir, ids, result, block_kernel)
     return result.finish()
 
 
@@ -338,6 +382,8 @@ def main() -> None:
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--skip-hf-prefill", action="store_true", help="no transformers forward")
+    parser.add_argument("--skip-linears", action="store_true",
+                        help="no oneDNN-packed vs F.linear comparison")  # fmt: skip
     parser.add_argument(
         "--no-block-kernel",
         action="store_true",
@@ -352,7 +398,8 @@ def main() -> None:
     run(args.quick, model=args.model, chunk_tokens=args.chunk_tokens,
         num_threads=args.num_threads, skip_decode=args.skip_decode,
         skip_prefill=args.skip_prefill, skip_hf_prefill=args.skip_hf_prefill,
-        block_kernel=not args.no_block_kernel, **sizes).print()  # fmt: skip
+        skip_linears=args.skip_linears, block_kernel=not args.no_block_kernel,
+        **sizes).print()  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from shared.engine.gguf import (
     read_gguf,
     read_tensor,
 )
-from shared.engine.layers import Linear
+from shared.engine.layers import Linear, pack_linears
 from shared.engine.model import CausalLM
 from shared.engine.quant import KERNEL_INPUT_DTYPES, QuantWeight
 
@@ -178,7 +178,11 @@ def attach_quant_weights(model: CausalLM, gguf: GGUFFile) -> int:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, *, block_kernel: bool = True
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    *,
+    block_kernel: bool = True,
+    onednn: bool = True,
 ) -> CausalLM:
     """Read the config (config.json, or a GGUF file's metadata), build the model, load and
     check every tensor.
@@ -191,6 +195,9 @@ def load_model(
     With `block_kernel` (float32 and bfloat16), a GGUF model's Q4_0/Q4_1/Q8_0 linear layers
     also keep their blocks for decode-sized batches (quant.py; +0.11 GB for SmolLM2); without
     a C compiler that is logged and skipped.
+
+    With `onednn` (where `can_pack`), every linear layer also keeps its weight in oneDNN's
+    blocked layout for the inputs the block kernel does not take (`pack_linears`).
     """
     if is_gguf_path(path):
         gguf = read_gguf(path)
@@ -201,8 +208,10 @@ def load_model(
                 attach_quant_weights(model, gguf)
             except cpu_kernels.KernelUnavailable as exc:
                 log.warning("block kernel unavailable, decoding from float32 weights: %s", exc)
-        return model.eval()
-    config = ModelConfig.from_hf(path)
-    model = CausalLM(config)
-    load_weights(model, path)
-    return model.to(dtype).eval()
+    else:
+        model = CausalLM(ModelConfig.from_hf(path))
+        load_weights(model, path)
+        model = model.to(dtype)
+    if onednn:
+        pack_linears(model)
+    return model.eval()
