@@ -45,7 +45,8 @@ from shared.engine import (
     Sequence,
     load_model,
 )
-from shared.engine.layers import Linear
+from shared.engine.layers import can_pack
+from shared.engine.model import CausalLM
 from shared.engine.quant import block_formats
 from shared.models import model_path
 
@@ -284,9 +285,12 @@ def bench_prefix(  # noqa: ANN001
                   "bool", 1.0)  # fmt: skip
 
 
-def bench_linears(model_dir: Path, ids: list[int], result: BenchResult, block_kernel: bool) -> None:
-    packed = load_model(model_dir, block_kernel=block_kernel)
-    if not any(m.packed is not None for m in packed.modules() if isinstance(m, Linear)):
+def bench_linears(
+    packed: CausalLM, model_dir: Path, ids: list[int], result: BenchResult, block_kernel: bool
+) -> None:
+    """`packed`: the model as `load_model` gives it; the same weights are loaded again without
+    oneDNN's copies for the other side."""
+    if not can_pack(packed.model.embed_tokens.weight.dtype, torch.device("cpu")):
         result.note("linear layers: oneDNN cannot pack them here (layers.can_pack); skipped")
         return
     plain = load_model(model_dir, block_kernel=block_kernel, onednn=False)
@@ -364,7 +368,7 @@ def run(  # noqa: PLR0913
             hf = None if skip_hf_prefill else load_hf(model_dir, ("sdpa",))["sdpa"]
             bench_prefix(args, runner, ids, result, hf)
         if not skip_linears:
-            bench_linears(model_dir, ids, result, block_kernel)
+            bench_linears(loaded, model_dir, ids, result, block_kernel)
     return result.finish()
 
 
