@@ -16,6 +16,10 @@ after a cached prefix against a cold prefill, side by side in one run on the sam
     with every linear layer through oneDNN's packed weights (the engine's default,
     layers.pack_linears) against the same model through F.linear (MKL), interleaved, the
     median of 5 each; outputs compared.
+(d) Attention: the same warm step with full layers' attention read from the pool in place
+    (kernels/cpu/paged_attention.c, the engine's default where it is built) against the SDPA
+    path, interleaved, the median of 5 each, outputs compared; then one layer alone, 256
+    queries after 1,600 and 8,000 keys (not in quick mode).
 
 `--model` is a name (`kvfabric models list`: tiny-coder, SmolLM2-135M-Instruct) or a path (an
 HF directory or a .gguf file; transformers loads the same file).
@@ -44,6 +48,12 @@ from shared.engine import (
     SchedulerConfig,
     Sequence,
     load_model,
+)
+from shared.engine.attention import (
+    attend_after_prefix,
+    paged_attention,
+    paged_attention_scratch,
+    paged_attention_serves,
 )
 from shared.engine.layers import can_pack
 from shared.engine.model import CausalLM
@@ -285,20 +295,15 @@ def bench_prefix(  # noqa: ANN001
                   "bool", 1.0)  # fmt: skip
 
 
-def bench_linears(
-    packed: CausalLM, model_dir: Path, ids: list[int], result: BenchResult, block_kernel: bool
-) -> None:
-    """`packed`: the model as `load_model` gives it; the same weights are loaded again without
-    oneDNN's copies for the other side."""
-    if not can_pack(packed.model.embed_tokens.weight.dtype, torch.device("cpu")):
-        result.note("linear layers: oneDNN cannot pack them here (layers.can_pack); skipped")
-        return
-    plain = load_model(model_dir, block_kernel=block_kernel, onednn=False)
+def warm_steps(
+    runners: list[ModelRunner], ids: list[int], max_positions: int
+) -> tuple[int, int, list[float], list[torch.Tensor]]:
+    """A warm agent step's prefill (256 new tokens after up to 1,600 cached) on each runner,
+    interleaved, six rounds of which the first is a warm-up: (new, cached, the median
+    seconds of each runner, each runner's logits)."""
     num_new = 256
-    num_cached = min(1600, packed.config.max_position_embeddings - num_new - 1)
+    num_cached = min(1600, max_positions - num_new - 1)
     prompt = (ids * ((num_cached + num_new) // len(ids) + 1))[: num_cached + num_new + 1]
-    runners = [ModelRunner(m, num_blocks=64, block_size_tokens=BLOCK_SIZE_TOKENS)
-               for m in (plain, packed)]  # fmt: skip
 
     def step(runner: ModelRunner) -> tuple[float, torch.Tensor]:
         seq = Sequence(-1, prompt)
@@ -310,17 +315,82 @@ def bench_linears(
         finally:
             runner.release(seq)
 
-    times: list[list[float]] = [[], []]
-    for _ in range(6):  # the first of each pair is a warm-up
+    times: list[list[float]] = [[] for _ in runners]
+    for _ in range(6):
         for side, runner in enumerate(runners):
             times[side].append(step(runner)[0])
-    mkl_s, onednn_s = (statistics.median(t[1:]) for t in times)
+    logits = [step(runner)[1] for runner in runners]
+    return num_new, num_cached, [statistics.median(t[1:]) for t in times], logits
+
+
+def bench_linears(
+    packed: CausalLM, model_dir: Path, ids: list[int], result: BenchResult, block_kernel: bool
+) -> None:
+    """`packed`: the model as `load_model` gives it; the same weights are loaded again without
+    oneDNN's copies for the other side."""
+    if not can_pack(packed.model.embed_tokens.weight.dtype, torch.device("cpu")):
+        result.note("linear layers: oneDNN cannot pack them here (layers.can_pack); skipped")
+        return
+    plain = load_model(model_dir, block_kernel=block_kernel, onednn=False)
+    runners = [ModelRunner(m, num_blocks=64, block_size_tokens=BLOCK_SIZE_TOKENS)
+               for m in (plain, packed)]  # fmt: skip
+    num_new, num_cached, (mkl_s, onednn_s), logits = warm_steps(
+        runners, ids, packed.config.max_position_embeddings
+    )
     result.ratio(f"warm-step prefill, {num_new} tokens after {num_cached}: oneDNN packed "
                  "linears vs F.linear", 1 / onednn_s, 1 / mkl_s, "F.linear (MKL)", "steps/s",
                  1.0)  # fmt: skip
-    logits = [step(runner)[1] for runner in runners]
     result.figure("packed vs F.linear: max |logit difference|",
                   float((logits[0] - logits[1]).abs().max()), "")  # fmt: skip
+
+
+def bench_attention(model: CausalLM, ids: list[int], result: BenchResult, quick: bool) -> None:
+    """Full layers' attention over the pool in place (kernels/cpu/paged_attention.c) against
+    the SDPA path (a gather of the prefix, SDPA's flash kernel twice, a merge): a whole warm
+    step, then one layer alone at deeper contexts (not in quick mode)."""
+    runners = [ModelRunner(model, num_blocks=64, block_size_tokens=BLOCK_SIZE_TOKENS,
+                           paged_kernel=kernel) for kernel in (False, True)]  # fmt: skip
+    if not paged_attention_serves(runners[1].pool):
+        result.note("attention: kernels/cpu/paged_attention.c does not serve this pool here "
+                    "(it needs AVX-512F, float32 and 64-token blocks); skipped")  # fmt: skip
+        return
+    num_new, num_cached, (sdpa_s, kernel_s), logits = warm_steps(
+        runners, ids, model.config.max_position_embeddings
+    )
+    result.ratio(f"warm-step prefill, {num_new} tokens after {num_cached}: attention over the "
+                 "pool in place vs SDPA", 1 / kernel_s, 1 / sdpa_s, "SDPA flash + merge",
+                 "steps/s", 1.0)  # fmt: skip
+    result.figure("attention in place vs SDPA: max |logit difference|",
+                  float((logits[0] - logits[1]).abs().max()), "")  # fmt: skip
+    if quick:
+        return
+    cfg = model.config
+    for num_cached in (1600, 8000):
+        pool = runners[1].pool.__class__(runners[1].layout, -(-(num_cached + num_new) // 64))
+        pool.kv.normal_()
+        table = torch.arange(pool.num_blocks)
+        q = torch.randn(num_new, cfg.num_heads, cfg.head_dim)
+        scratch = paged_attention_scratch(pool, num_cached + num_new)
+
+        def sdpa(num_cached=num_cached, pool=pool, table=table, q=q) -> None:
+            keys, values = pool.gather_blocks(0, table)
+            attend_after_prefix(q, keys[:num_cached], values[:num_cached],
+                                keys[num_cached:num_cached + num_new],
+                                values[num_cached:num_cached + num_new])  # fmt: skip
+
+        def kernel(num_cached=num_cached, pool=pool, table=table, q=q, scratch=scratch) -> None:
+            paged_attention(pool, 0, table, num_cached, q, scratch)
+
+        times: list[list[float]] = [[], []]
+        for _ in range(11):
+            for side, call in enumerate((sdpa, kernel)):
+                start = time.perf_counter()
+                call()
+                times[side].append(time.perf_counter() - start)
+        sdpa_s, kernel_s = (statistics.median(t[1:]) for t in times)
+        result.ratio(f"one layer's attention, {num_new} queries after {num_cached} keys: in "
+                     "place vs SDPA", 1 / kernel_s, 1 / sdpa_s, "SDPA flash + merge", "calls/s",
+                     1.0)  # fmt: skip
 
 
 def run(  # noqa: PLR0913
@@ -336,6 +406,7 @@ def run(  # noqa: PLR0913
     skip_prefill: bool = False,
     skip_hf_prefill: bool = False,
     skip_linears: bool = False,
+    skip_attention: bool = False,
     block_kernel: bool = True,
 ) -> BenchResult:
     """Quick: batches 1 and 4 of 16 new tokens, a 1,024-token prefill."""
@@ -369,6 +440,8 @@ def run(  # noqa: PLR0913
             bench_prefix(args, runner, ids, result, hf)
         if not skip_linears:
             bench_linears(loaded, model_dir, ids, result, block_kernel)
+        if not skip_attention:
+            bench_attention(loaded, ids, result, quick)
     return result.finish()
 
 
@@ -388,6 +461,8 @@ def main() -> None:
     parser.add_argument("--skip-hf-prefill", action="store_true", help="no transformers forward")
     parser.add_argument("--skip-linears", action="store_true",
                         help="no oneDNN-packed vs F.linear comparison")  # fmt: skip
+    parser.add_argument("--skip-attention", action="store_true",
+                        help="no in-place paged attention vs SDPA comparison")  # fmt: skip
     parser.add_argument(
         "--no-block-kernel",
         action="store_true",
@@ -402,8 +477,8 @@ def main() -> None:
     run(args.quick, model=args.model, chunk_tokens=args.chunk_tokens,
         num_threads=args.num_threads, skip_decode=args.skip_decode,
         skip_prefill=args.skip_prefill, skip_hf_prefill=args.skip_hf_prefill,
-        skip_linears=args.skip_linears, block_kernel=not args.no_block_kernel,
-        **sizes).print()  # fmt: skip
+        skip_linears=args.skip_linears, skip_attention=args.skip_attention,
+        block_kernel=not args.no_block_kernel, **sizes).print()  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ BENCHMARKS = {
                   "request/reply and events through shared.bus against raw nats-py"),
         Benchmark("engine", "loadtest.bench_engine",
                   "decode and prefill tokens/s against transformers on the same weights; "
-                  "oneDNN-packed linear layers against F.linear"),
+                  "oneDNN-packed linear layers against F.linear; attention over the pool in "
+                  "place against SDPA"),
         Benchmark("kv", "loadtest.bench_kv",
                   "store GB/s against raw file I/O; NIXL transfers against memcpy"),
         Benchmark("kv-index", "loadtest.bench_kv_index",

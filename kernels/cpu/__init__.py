@@ -1,15 +1,19 @@
 """CPU kernels in C, built on first use with the system's C compiler and called through ctypes.
 
-`quant_matmul.c` multiplies by weights kept in a GGUF block format (Q4_0, Q4_1, Q8_0). It is
-compiled for this CPU (`-march=native`, AVX2 + FMA where present, a scalar loop elsewhere)
-into `$KVF_KERNEL_CACHE`, else `~/.cache/kvfabric/kernels`, under a name that hashes the
-source, the flags, the compiler and the CPU's feature flags, so a shared home directory never
-hands one machine another's build. The build takes about a second; concurrent builders each
-write their own temporary file and rename it into place. No compiler, or a failed build,
-raises KernelUnavailable with the compiler's message; callers fall back to float32 weights.
+- `quant_matmul.c` multiplies by weights kept in a GGUF block format (Q4_0, Q4_1, Q8_0),
+  with AVX2 + FMA where present and a scalar loop elsewhere.
+- `paged_attention.c` runs a prefill chunk's causal attention over the paged KV pool in
+  place; only AVX-512F builds have it (`attention_simd()`), else the engine uses SDPA.
+
+Both go into one library, compiled for this CPU (`-march=native`) into `$KVF_KERNEL_CACHE`,
+else `~/.cache/kvfabric/kernels`, under a name that hashes the sources, the flags, the
+compiler and the CPU's feature flags, so a shared home directory never hands one machine
+another's build. The build takes a few seconds; concurrent builders each write their own
+temporary file and rename it into place. No compiler, or a failed build, raises
+KernelUnavailable with the compiler's message; callers fall back to float32 weights and SDPA.
 
 Not torch's C++ extension machinery: that compiles against the torch headers (a minute on two
-cores) for what is a plain C function over raw pointers.
+cores) for what are plain C functions over raw pointers.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("quant_matmul.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_matmul.c", "paged_attention.c"))
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")
 FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 BLOCK = 32  # weights per block in every format here
@@ -70,9 +74,11 @@ def build() -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"{compiler} --version failed: {exc}") from exc
     key = hashlib.sha256(
-        "\0".join((SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_flags())).encode()
+        "\0".join(
+            (*(s.read_text() for s in SOURCES), " ".join(CFLAGS), version, _cpu_flags())
+        ).encode()
     ).hexdigest()[:16]
-    target = cache_dir() / f"quant_matmul-{key}.so"
+    target = cache_dir() / f"kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -80,11 +86,15 @@ def build() -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
+            [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if result.returncode != 0:
+            names = ", ".join(source.name for source in SOURCES)
             raise KernelUnavailable(
-                f"building {SOURCE.name} with {compiler} failed:\n{result.stderr.strip()}"
+                f"building {names} with {compiler} failed:\n{result.stderr.strip()}"
             )
         os.replace(tmp, target)
     finally:
@@ -114,6 +124,12 @@ def library() -> ctypes.CDLL:
         lib.kvf_quant_dequantize.argtypes = [ctypes.c_int, i64, i64, ptr, ptr, ptr, ptr]
         lib.kvf_quant_dequantize.restype = None
         lib.kvf_quant_simd.restype = ctypes.c_int
+        i32, f32 = ctypes.c_int, ctypes.c_float
+        lib.kvf_paged_attention.argtypes = [
+            ptr, i64, i64, i32, i32, i32, ptr, i64, i64, i32, ptr, f32, ptr, ptr, i32
+        ]  # fmt: skip
+        lib.kvf_paged_attention.restype = ctypes.c_int
+        lib.kvf_attention_simd.restype = ctypes.c_int
         _library = lib
         return lib
 
@@ -129,3 +145,8 @@ def available() -> bool:
 def simd() -> bool:
     """Whether the build took the AVX2 + FMA path (else the portable scalar loop)."""
     return bool(library().kvf_quant_simd())
+
+
+def attention_simd() -> bool:
+    """Whether `kvf_paged_attention` is built (AVX-512F); without it the engine uses SDPA."""
+    return bool(library().kvf_attention_simd())

@@ -4,7 +4,9 @@ The model computes q/k/v for the packed tokens of a batch and hands them to one 
 
 - DenseAttention: no cache, every sequence starts at position 0 (the contiguous reference).
 - PrefillAttention: variable-length chunks, each resuming after a prefix whose full-layer K/V
-  is in the paged pool and whose sliding-layer K/V is in a window buffer.
+  is in the paged pool and whose sliding-layer K/V is in a window buffer. Full layers in
+  float32 read the pool in place through kernels/cpu/paged_attention.c where it is built
+  (`paged_attention`), else go through SDPA.
 - DecodeAttention: one token per sequence, batched into one padded attention call.
 
 Masks follow transformers: causal is `key_pos <= query_pos`; a sliding layer of window W adds
@@ -15,11 +17,13 @@ window only what it accepts (all of a prefill, the accepted prefix of a speculat
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
+from kernels import cpu as cpu_kernels
 from shared.engine.config import FULL, ModelConfig
 from shared.engine.kv_cache import PagedKVPool, SlidingWindowState, slots_for
 
@@ -147,6 +151,70 @@ def attend_after_prefix(
     return out.to(q.dtype).reshape(num_q, num_heads, dim)
 
 
+@functools.cache
+def _attention_kernel():
+    try:
+        lib = cpu_kernels.library()
+    except cpu_kernels.KernelUnavailable:
+        return None
+    return lib if lib.kvf_attention_simd() else None
+
+
+def paged_attention_serves(pool: PagedKVPool) -> bool:
+    """Whether `paged_attention` takes this pool's full layers: float32 on the CPU, 64-token
+    blocks, head_dim a multiple of 64 (up to 256), and a kernel build with AVX-512F."""
+    layout = pool.layout
+    return (
+        pool.kv.dtype == torch.float32
+        and pool.kv.device.type == "cpu"
+        and layout.block_size_tokens == 64
+        and layout.head_dim % 64 == 0
+        and layout.head_dim <= 256
+        and _attention_kernel() is not None
+    )
+
+
+def paged_attention_scratch(pool: PagedKVPool, num_keys: int) -> torch.Tensor:
+    """The kernel's buffer for K transposed per block and KV head, for up to num_keys keys."""
+    layout = pool.layout
+    num_blocks = -(-num_keys // layout.block_size_tokens)
+    return torch.empty(layout.num_kv_heads * num_blocks * layout.head_dim * 64)
+
+
+def paged_attention(
+    pool: PagedKVPool,
+    full_layer: int,
+    block_table: torch.Tensor,
+    start: int,
+    q: torch.Tensor,
+    scratch: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of a chunk at positions start .. start + Tq - 1 whose own K/V is
+    already in the pool: every key is read from the sequence's blocks in place (no gather, no
+    per-head copy, no mask; see kernels/cpu/paged_attention.c). q: float32 [Tq, H, D] ->
+    [Tq, H, D]. Only where `paged_attention_serves(pool)`."""
+    num_q, num_heads, dim = q.shape
+    layout = pool.layout
+    num_keys = start + num_q
+    num_blocks = -(-num_keys // layout.block_size_tokens)
+    if block_table.dtype != torch.int64 or block_table.numel() < num_blocks:
+        raise ValueError(f"block table of {block_table.numel()} blocks for {num_keys} keys")
+    if scratch.numel() < layout.num_kv_heads * num_blocks * dim * 64:
+        raise ValueError(f"scratch of {scratch.numel()} floats is too small for {num_keys} keys")
+    q = q.contiguous()
+    table = block_table.contiguous()
+    out = torch.empty_like(q)
+    kv = pool.kv
+    failed = _attention_kernel().kvf_paged_attention(
+        q.data_ptr(), num_q, start, num_heads, layout.num_kv_heads, dim, kv.data_ptr(),
+        kv[0].numel(), full_layer * kv[0, 0].numel(), layout.block_size_tokens,
+        table.data_ptr(), dim**-0.5, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise ValueError(f"paged attention does not serve {list(q.shape)} over {layout}")
+    return out
+
+
 class _Backend:
     def __init__(self, config: ModelConfig, num_tokens_per_seq: list[int]) -> None:
         self.config = config
@@ -196,10 +264,23 @@ class DenseAttention(_Backend):
 class PrefillAttention(_Backend):
     """Variable-length chunks, each after a cached prefix (pool + window buffer)."""
 
-    def __init__(self, config: ModelConfig, pool: PagedKVPool, seqs: list[SeqInput]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        pool: PagedKVPool,
+        seqs: list[SeqInput],
+        paged_kernel: bool = True,
+    ) -> None:
         super().__init__(config, [s.num_tokens for s in seqs])
         self.pool = pool
         self.seqs = seqs
+        # Full layers through kernels/cpu/paged_attention.c where it serves (float32 pool,
+        # AVX-512): measured in `kvfabric bench engine` against the SDPA path below.
+        self.scratch = (
+            paged_attention_scratch(pool, max(s.start_position + s.num_tokens for s in seqs))
+            if paged_kernel and paged_attention_serves(pool)
+            else None
+        )
         block = pool.layout.block_size_tokens
         self.q_pos = [torch.arange(s.start_position, s.start_position + s.num_tokens) for s in seqs]
         all_pos = [torch.arange(s.start_position + s.num_tokens) for s in seqs]
@@ -240,6 +321,11 @@ class PrefillAttention(_Backend):
             if self.layer_kind[layer_id] == FULL:
                 f = self.full_index[layer_id]
                 self.pool.write(f, self.new_slots[i], k[lo:hi], v[lo:hi])
+                if self.scratch is not None and q.dtype == torch.float32:
+                    outs.append(paged_attention(
+                        self.pool, f, seq.block_table, seq.start_position, q[lo:hi], self.scratch
+                    ))  # fmt: skip
+                    continue
                 if self.split_full:
                     outs.append(self._after_prefix(f, i, q[lo:hi], k[lo:hi], v[lo:hi]))
                     continue

@@ -49,8 +49,12 @@ class ModelRunner:
         num_blocks: int,
         block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS,
         kv_dtype: torch.dtype | None = None,
+        paged_kernel: bool = True,
     ) -> None:
+        """paged_kernel: full layers of a prefill read the pool in place through
+        kernels/cpu/paged_attention.c where it serves (False: always SDPA)."""
         self.model = model
+        self.paged_kernel = paged_kernel
         self.config = model.config
         self.dtype = kv_dtype or model.model.embed_tokens.weight.dtype
         self.layout = KVBlockLayout.for_model(self.config, block_size_tokens, self.dtype)
@@ -122,7 +126,7 @@ class ModelRunner:
                     f"least the last one uncomputed so there is a token to predict from"
                 )
         inputs, token_ids, positions = self._inputs(seqs, chunks)
-        backend = PrefillAttention(self.config, self.pool, inputs)
+        backend = PrefillAttention(self.config, self.pool, inputs, self.paged_kernel)
         hidden = self.model(token_ids, positions, backend)
         out = []
         for i, seq in enumerate(seqs):
@@ -171,7 +175,7 @@ class ModelRunner:
         """Score [last token] + draft per sequence; nothing is committed to the window yet."""
         chunks = [[seq.last_token_id, *draft] for seq, draft in zip(seqs, drafts, strict=True)]
         inputs, token_ids, positions = self._inputs(seqs, chunks)
-        backend = PrefillAttention(self.config, self.pool, inputs)
+        backend = PrefillAttention(self.config, self.pool, inputs, self.paged_kernel)
         hidden = self.model(token_ids, positions, backend)
         return [
             DraftScore(
