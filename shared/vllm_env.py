@@ -48,6 +48,7 @@ from shared.engine.config import ModelConfig
 from shared.engine.gguf import config_from_gguf, engine_name, read_gguf, read_tensor
 from shared.engine.gguf_tokenizer import special_token, tokenizer_from_gguf
 from shared.logging import get_logger
+from shared.malloc import MALLOC_ENV
 from shared.models import model_path, served_name
 from shared.natsd import die_with_parent
 from shared.venvs import VenvUnavailable, ensure_venv, venvs_dir
@@ -283,6 +284,7 @@ class VllmServer:
                 # here); without AOT a second start reuses inductor's cache (67 s against 142 s).
                 "VLLM_USE_AOT_COMPILE": "0",
             }
+            | MALLOC_ENV  # as our own workers' malloc (shared/malloc.py)
             | self.env
         )
         if self.kv_transfer_config is not None:

@@ -19,7 +19,8 @@ SCRIPT = """
 import json, resource, sys, threading
 import torch
 from shared.engine import ModelRunner, Sequence, load_model
-from shared.engine.worker import keep_freed_memory, warm_up
+from shared.engine.worker import warm_up
+from shared.malloc import keep_freed_memory
 
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
