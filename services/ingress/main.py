@@ -70,6 +70,7 @@ async def setup(runtime: ServiceRuntime) -> None:
     host, port = sock.getsockname()[:2]
     runtime.metadata["http_url"] = f"http://{host}:{port}"
     await models.refresh()
+    await models.follow_heartbeats()
     runtime.every(5.0, models.refresh)
 
     async def stop() -> None:

@@ -5,7 +5,9 @@ Decode workers name their model, its checkpoint path, context length and KV bloc
 discovery metadata. Ingress reads the same checkpoint (a shared filesystem in a cluster; the
 model cache on one machine) for its tokenizer and chat template, never the weights. The table
 refreshes every few seconds in the background, and at once when a request names a model it
-does not know yet, so a model whose workers just came up is served without waiting.
+does not know yet, so a model whose workers just came up is served without waiting. Between
+rounds, the workers' heartbeats (`LoadReport`, one a second) keep a known model marked as
+served: a model stays served while any of its workers beats.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from shared.bus import Bus
 from shared.discovery import discover
 from shared.engine.checkpoint import Checkpoint
 from shared.logging import get_logger
+from shared.schema.control import InstanceState, LoadReport
 from shared.subjects import DECODE, VLLM_WORKER
 from shared.tokenizer import ChatFormat, PromptTokenizer, format_for
 
@@ -58,6 +61,21 @@ class ModelTable:
     def served(self) -> list[ServedModel]:
         return sorted((self._models[n] for n in self._served() if n in self._models),
                       key=lambda m: m.name)  # fmt: skip
+
+    async def follow_heartbeats(self) -> None:
+        """Mark a known model seen at each heartbeat of a worker serving it. Without this, a
+        model was seen only by discovery rounds: after its workers restarted, a request could
+        find the last round's sighting older than `forget_after_s` and wait a whole round
+        (1 s) for its model, though the restarted workers were beating again."""
+        await self.bus.subscribe(self.bus.subjects.load_all, LoadReport, self.on_load_report)
+
+    async def on_load_report(self, report: LoadReport) -> None:
+        if (
+            report.service in STREAMERS
+            and report.state == InstanceState.SERVING
+            and report.model in self._models
+        ):
+            self._seen_at[report.model] = time.monotonic()
 
     async def get(self, name: str) -> ServedModel | None:
         """The model, asking discovery again if it is not (or no longer) known."""
