@@ -42,10 +42,9 @@ class VllmWorkerConfig(ServiceConfig):
     enforce_eager: bool = False
     kv_cache_bytes: int = 2 << 30  # vLLM's KV cache (--kv-cache-memory-bytes)
     # A prompt of this many tokens sent to vLLM once it answers and before the worker joins
-    # discovery (0: none), then the same with a quarter more new tokens: a fresh vLLM's first
-    # long prompt, its connector's first load and its first chunk after a cached prefix cost
-    # more than the same ones later (docs/vllm.md); paid here instead of by the first request
-    # routed to it.
+    # discovery (0: none): a fresh vLLM's first long prompt, and its connector's first load,
+    # cost more than the same ones later (docs/vllm.md); paid here instead of by the first
+    # request routed to it.
     warmup_tokens: int = 1024
     usage_outbox_dir: Path = Path("/tmp/kvfabric/outbox")
 
@@ -65,11 +64,10 @@ class VllmWorkerConfig(ServiceConfig):
                 f"kv_block_size_tokens must be a multiple of 32 (vLLM's CPU attention), got "
                 f"{self.kv_block_size_tokens}"
             )
-        # The warm-up's longer prompt is a quarter longer, and 4 tokens are generated.
-        if self.warmup_tokens < 0 or self.warmup_tokens * 5 // 4 + 4 > self.max_model_len:
+        if not 0 <= self.warmup_tokens < self.max_model_len:
             raise ConfigError(
-                f"warmup_tokens must be >= 0 and its prompts (up to 1.25x its tokens, + 4 "
-                f"generated) fit max_model_len ({self.max_model_len}), got {self.warmup_tokens}"
+                f"warmup_tokens must be >= 0 and below max_model_len ({self.max_model_len}), "
+                f"got {self.warmup_tokens}"
             )
         for name in ("retry_after_s", "vllm_startup_timeout_s"):
             if getattr(self, name) <= 0:

@@ -114,28 +114,21 @@ class VllmClient:
                 yield _delta(json.loads(data))
 
     async def warm_up(self, model: str, num_tokens: int) -> float:
-        """Two greedy completions, in a block namespace of their own (`WARMUP_CACHE_SALT`:
-        no client prompt shares their blocks); the seconds they took.
-
-        The first is the same `num_tokens` prompt at every start: the first start computes
-        it and the connector saves its blocks; every later start, of any worker of the
-        model, loads them back from the store, so the connector's load path is warm too.
-        The second adds a quarter as many tokens new at each start, so that vLLM also
-        computes a chunk after a cached prefix -- what a routed agent step does -- before
-        the first one arrives."""
+        """One greedy completion of the same `num_tokens` prompt at every start, in a block
+        namespace of its own (`WARMUP_CACHE_SALT`: no client prompt shares its blocks); the
+        seconds it took. The first start computes it and the connector saves its blocks;
+        every later start, of any worker of the model, loads them back from the store, so
+        the connector's load path is warm too."""
         # Ids past the first thousand: no special tokens, every one a distinct text piece.
         prompt = [1000 + (i * 7919) % 30000 for i in range(num_tokens)]
-        start = time.time_ns() % 30000  # a tail no earlier start sent
-        tail = [1000 + (start + i * 104729) % 30000 for i in range(num_tokens // 4)]
         sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        body = completion_body(
+            model, prompt, sampling, request_id=f"kvfabric-warmup-{time.time_ns()}",
+            cache_salt=WARMUP_CACHE_SALT,
+        )  # fmt: skip
         started = time.perf_counter()
-        for ids in (prompt, prompt + tail):
-            body = completion_body(
-                model, ids, sampling, request_id=f"kvfabric-warmup-{time.time_ns()}",
-                cache_salt=WARMUP_CACHE_SALT,
-            )  # fmt: skip
-            async for _ in self.generate(body):
-                pass
+        async for _ in self.generate(body):
+            pass
         return time.perf_counter() - started
 
     async def load(self) -> VllmLoad:
