@@ -25,7 +25,7 @@ def keep_freed_memory() -> bool:
 
     A pass allocates and frees its activations (a few MiB each, dozens live at once). By
     default glibc serves the larger ones with fresh mmaps and hands a freed heap top back to
-    the OS, so every pass faults its working set in again: ~35,000 minor faults (~140 MB of
+    the OS, so every pass faults its working set in again: ~36,000 minor faults (~140 MB of
     zeroed pages) per 263-token SmolLM2 chunk after 1,856 restored tokens. Its threshold also
     adapts only as chunks are freed, so the first passes after a start, which see new sizes,
     were the slowest. Measured (float32, 2 threads, in a model thread as a worker runs): the

@@ -26,7 +26,7 @@ def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 def main(out):
-    out["kept"] = keep_freed_memory() if sys.argv[2] == "keep" else False
+    out["kept"] = keep_freed_memory()
     torch.set_num_threads(2)
     runner = ModelRunner(load_model(sys.argv[1], torch.float32), num_blocks=40,
                          block_size_tokens=64)
@@ -53,12 +53,12 @@ print(json.dumps(out))
 """
 
 
-def run_passes(mode: str) -> dict:
+def run_passes() -> dict:
     path = model_path(SMOL)
     if not path.exists():
         pytest.fail(f"{SMOL} is not fetched: run `kvfabric models fetch` (make models)")
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(path), mode],
+        [sys.executable, "-c", SCRIPT, str(path)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -66,7 +66,7 @@ def run_passes(mode: str) -> dict:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc (Linux)")
-def test_later_prefill_passes_fault_in_no_fresh_memory() -> None:
-    kept = run_passes("keep")
+def test_prefill_passes_fault_in_no_fresh_memory() -> None:
+    kept = run_passes()
     assert kept["kept"] is True
     assert max(kept["faults"]) < 2_000, kept["faults"]
