@@ -13,10 +13,13 @@ cached metadata is then dropped so the next transfer asks again.
 Progress: NIXL's UCX progress thread polls without pause (measured: one whole core per idle
 agent; three agents took the 2-core machine's compute 3x slower), so it is off. Whoever waits
 for a transfer progresses the agent instead: the initiator while it polls the request's
-state, the target through `serve()`'s pump -- every 10 ms while idle (connection set-up and
-stray traffic), every 0.5 ms inside `busy()` or `expect_traffic(s)`, the windows in which a
-peer is known to read or write our region (prefill waiting for decode's pull, a snapshot
-lease, a put the memcache pulls).
+state, the target through `serve()`'s pump -- every 0.5 ms inside `busy()` or
+`expect_traffic(s)`, the windows in which a peer is known to read or write our region
+(prefill waiting for decode's pull, a snapshot lease, a put the memcache pulls), and every
+100 ms outside them (stray traffic). The idle pump used to run every 5 ms: in a worker, in
+decode beside it and in swa-memcache that was ~600 wake-ups a second on 2 cores, each
+preempting an OpenMP thread of the prefill forward (~200 involuntary context switches a
+263-token SmolLM2 pass, against ~5 in a process of its own).
 
 UCX reads its transports from the environment (UCX_TLS) when the agent starts; this module
 does not override them. Measured on one 2-core host (loadtest/bench_kv.py, without the
@@ -50,7 +53,7 @@ log = get_logger(__name__)
 _POLL_MIN_S = 0.00005
 _POLL_MAX_S = 0.001
 # The target side's pump (see the module docstring).
-_PUMP_IDLE_S = 0.005
+_PUMP_IDLE_S = 0.1
 _PUMP_BUSY_S = 0.0005
 _CLOSE_PROGRESS_ROUNDS = 20
 

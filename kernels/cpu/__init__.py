@@ -4,8 +4,10 @@
   with AVX2 + FMA where present and a scalar loop elsewhere.
 - `paged_attention.c` runs a prefill chunk's causal attention over the paged KV pool in
   place; only AVX-512F builds have it (`attention_simd()`), else the engine uses SDPA.
+- `fused_ops.c` does a decoder layer's elementwise steps (residual add + RMSNorm, RoPE,
+  SiLU * up) in one pass each, for float32 activations (shared/engine/fused_ops.py).
 
-Both go into one library, compiled for this CPU (`-march=native`) into `$KVF_KERNEL_CACHE`,
+All go into one library, compiled for this CPU (`-march=native`) into `$KVF_KERNEL_CACHE`,
 else `~/.cache/kvfabric/kernels`, under a name that hashes the sources, the flags, the
 compiler and the CPU's feature flags, so a shared home directory never hands one machine
 another's build. The build takes a few seconds; concurrent builders each write their own
@@ -28,7 +30,10 @@ import tempfile
 import threading
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_matmul.c", "paged_attention.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("quant_matmul.c", "paged_attention.c", "fused_ops.c")
+)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")
 FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 BLOCK = 32  # weights per block in every format here
@@ -130,6 +135,12 @@ def library() -> ctypes.CDLL:
         ]  # fmt: skip
         lib.kvf_paged_attention.restype = ctypes.c_int
         lib.kvf_attention_simd.restype = ctypes.c_int
+        lib.kvf_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+        lib.kvf_add_rms_norm.restype = None
+        lib.kvf_rope.argtypes = [ptr, i64, ptr, i64, i64, i32, i32, ptr, ptr, i32]
+        lib.kvf_rope.restype = None
+        lib.kvf_silu_mul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i32]
+        lib.kvf_silu_mul.restype = None
         _library = lib
         return lib
 

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from shared.engine import quant
+from shared.engine import fused_ops, quant
 from shared.engine.config import ModelConfig
-from shared.engine.layers import Linear, RMSNorm, SwiGLU
+from shared.engine.layers import Linear, RMSNorm, SwiGLU, packed_linear
 from shared.engine.rope import RotaryEmbedding, apply_rotary
 
 
@@ -44,17 +44,31 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # q, k and v in one oneDNN product (weights concatenated and packed by
+        # layers.pack_linears), for the rows the block kernel does not take.
+        self.qkv_packed: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_packed is not None and not quant.use_kernel(self.q_proj.quant, x):
+            q, k, v = packed_linear(x, self.qkv_packed, self.qkv_bias).split(
+                [q_dim, kv_dim, kv_dim], dim=-1
+            )
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if fused_ops.serves(q, k, cos, sin):
+            q, k = fused_ops.rope(q, cos, sin), fused_ops.rope(k, cos, sin)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = backend(self.layer_id, q, k, v)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -68,10 +82,20 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        pending: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream, still without `pending`, the last layer's MLP output (None
+        before the first layer). Returns the stream with that and this layer's attention
+        added, and this layer's MLP output, pending: each residual add is done by the next
+        RMSNorm, in the same pass (RMSNorm.add_and_norm; x may be updated in place)."""
+        x, h = self.input_layernorm.add_and_norm(x, pending)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos, sin, backend))
+        return x, self.mlp(h)
 
 
 class Transformer(nn.Module):
@@ -106,9 +130,10 @@ class CausalLM(nn.Module):
         """token_ids, positions: [num_tokens] int64 (packed) -> [num_tokens, hidden]."""
         x = self.model.embed_tokens(token_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
+        pending = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, backend)
-        return self.model.norm(x)
+            x, pending = layer(x, pending, cos, sin, backend)
+        return self.model.norm.add_and_norm(x, pending)[1]
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -131,8 +131,10 @@ class ModelRunner:
         out = []
         for i, seq in enumerate(seqs):
             lo, hi = backend.offsets[i], backend.offsets[i + 1]
-            rows = hidden[lo:hi] if return_all_logits else hidden[hi - 1]
-            out.append(self.model.compute_logits(rows))
+            if return_all_logits:
+                out.append(self.model.compute_logits(hidden[lo:hi]))
+            else:  # one row, as a [1, hidden] batch: the block kernel takes it (12 -> 1 ms)
+                out.append(self.model.compute_logits(hidden[hi - 1 : hi])[0])
             new_kv = backend.new_window_kv(i)
             if keep_boundary_window:
                 self._keep_boundary_window(seq, new_kv)

@@ -112,8 +112,9 @@ def replay_window(
     x = model.model.embed_tokens(torch.tensor(token_ids[start:boundary]))
     cos, sin = model.model.rotary_emb(torch.arange(start, boundary), x.dtype)
     # Layers after the last sliding one cannot change any sliding K/V: skip them.
+    pending = None
     for layer in model.model.layers[: config.sliding_layer_ids[-1] + 1]:
-        x = layer(x, cos, sin, backend)
+        x, pending = layer(x, pending, cos, sin, backend)
     return empty.appended(backend.new_window_kv(0))
 
 
