@@ -56,6 +56,23 @@ static inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, xi);
 }
 
+/* Lane r (r < 8) of the result: the largest of v[r]'s 16 lanes. Halves, then quarters of
+ * pairs of vectors are folded together, then each quarter within itself. */
+static inline __m512 row_maxima(const __m512 v[8]) {
+    __m512 a[4], b[2];
+    for (int i = 0; i < 4; i++) /* quarters: v[2i] (2), v[2i+1] (2) */
+        a[i] = _mm512_max_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++) { /* quarters: v[4i] .. v[4i+3], one each */
+        b[i] = _mm512_max_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+        b[i] = _mm512_max_ps(b[i], _mm512_permute_ps(b[i], _MM_SHUFFLE(2, 3, 0, 1)));
+        b[i] = _mm512_max_ps(b[i], _mm512_permute_ps(b[i], _MM_SHUFFLE(1, 0, 3, 2)));
+    }
+    const __m512i first = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+    return _mm512_permutex2var_ps(b[0], first, b[1]);
+}
+
 /* Lanes of 16 keys from key0 that a query at position pos may see. */
 static inline __mmask16 visible(int64_t key0, int64_t pos) {
     const int64_t n = pos - key0 + 1;
@@ -66,7 +83,8 @@ static inline __mmask16 visible(int64_t key0, int64_t pos) {
 struct tile_state {
     float qs[RT][MAX_DIM] __attribute__((aligned(64)));
     float o[RT][MAX_DIM] __attribute__((aligned(64)));
-    float m[RT], l[RT];
+    float l[RT][16] __attribute__((aligned(64))); /* running sums, 16 lanes a row */
+    float m[16] __attribute__((aligned(64)));     /* running maxima, rows' lanes 0 .. RT-1 */
     int64_t pos[RT];
     float *orow[RT];
 };
@@ -76,7 +94,7 @@ static inline __attribute__((always_inline)) void tile_block(
     struct tile_state *st, int dim, int num_kv_heads, int64_t key0, const float *ktb,
     const float *vb) {
     float pr[RT][KT] __attribute__((aligned(64)));
-    float alpha[RT];
+    float alpha[16] __attribute__((aligned(64)));
     __m512 s[RT][4];
 #pragma GCC unroll 6
     for (int r = 0; r < RT; r++)
@@ -95,29 +113,40 @@ static inline __attribute__((always_inline)) void tile_block(
             s[r][3] = _mm512_fmadd_ps(x, k3, s[r][3]);
         }
     }
-    /* Online softmax, row by row; lanes after a row's position are -inf, then 0. */
+    /* Online softmax. The rows' maxima over this block together (lanes after a row's
+     * position are -inf), then the rows' new maxima and rescale factors as one vector, then
+     * the probabilities, whose sums stay in 16 lanes a row until the end. */
     const int full = key0 + KT - 1 <= st->pos[0];
+    float m_new[16] __attribute__((aligned(64)));
+    __mmask16 mk[RT][4];
+    __m512 mx[8];
 #pragma GCC unroll 6
     for (int r = 0; r < RT; r++) {
-        __mmask16 mk[4];
         for (int c = 0; c < 4; c++) {
-            mk[c] = full ? (__mmask16)0xFFFF : visible(key0 + 16 * c, st->pos[r]);
-            s[r][c] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mk[c], s[r][c]);
+            mk[r][c] = full ? (__mmask16)0xFFFF : visible(key0 + 16 * c, st->pos[r]);
+            s[r][c] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mk[r][c], s[r][c]);
         }
-        const __m512 mx4 = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]),
-                                         _mm512_max_ps(s[r][2], s[r][3]));
-        const float mx = _mm512_reduce_max_ps(mx4);
-        const float m_new = mx > st->m[r] ? mx : st->m[r];
-        alpha[r] = exp2f(st->m[r] - m_new); /* m = -inf before the first block: 0 */
-        const __m512 mn = _mm512_set1_ps(m_new);
+        mx[r] = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]), _mm512_max_ps(s[r][2], s[r][3]));
+    }
+    for (int r = RT; r < 8; r++) mx[r] = _mm512_set1_ps(-INFINITY);
+    const __mmask16 rows = (__mmask16)((1u << RT) - 1);
+    const __m512 m_old = _mm512_maskz_load_ps(rows, st->m);
+    const __m512 m_max = _mm512_max_ps(m_old, row_maxima(mx));
+    _mm512_store_ps(m_new, m_max);
+    _mm512_mask_store_ps(st->m, rows, m_max);
+    /* m = -inf before the first block: alpha 0 */
+    _mm512_store_ps(alpha, exp2_ps(_mm512_sub_ps(m_old, m_max)));
+#pragma GCC unroll 6
+    for (int r = 0; r < RT; r++) {
+        const __m512 mn = _mm512_set1_ps(m_new[r]);
         __m512 sum = _mm512_setzero_ps();
         for (int c = 0; c < 4; c++) {
-            const __m512 p = _mm512_maskz_mov_ps(mk[c], exp2_ps(_mm512_sub_ps(s[r][c], mn)));
+            const __m512 p = _mm512_maskz_mov_ps(mk[r][c], exp2_ps(_mm512_sub_ps(s[r][c], mn)));
             _mm512_store_ps(pr[r] + 16 * c, p);
             sum = _mm512_add_ps(sum, p);
         }
-        st->l[r] = st->l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-        st->m[r] = m_new;
+        _mm512_store_ps(st->l[r], _mm512_add_ps(
+            _mm512_mul_ps(_mm512_load_ps(st->l[r]), _mm512_set1_ps(alpha[r])), sum));
     }
     /* O = alpha O + P V over the keys some row of the tile sees. */
     const int64_t seen = st->pos[RT - 1] - key0 + 1;
@@ -162,6 +191,8 @@ static void group(const float *q, float *out, int64_t num_q, int64_t start, int 
     const int64_t num_rows = num_q * n_rep;
     const int64_t v_offset = (int64_t)KT * num_kv_heads * dim;
     int num_tiles = 0;
+    for (int g = 0; g < GT; g++)
+        for (int j = 0; j < 16; j++) states[g].m[j] = -INFINITY;
     for (int g = 0; g < GT && row0 + g * RT < num_rows; g++, num_tiles++) {
         struct tile_state *st = &states[g];
         for (int r = 0; r < RT; r++) {
@@ -176,8 +207,7 @@ static void group(const float *q, float *out, int64_t num_q, int64_t start, int 
                 st->qs[r][d] = qrow[d] * scale_log2;
                 st->o[r][d] = 0.0f;
             }
-            st->m[r] = -INFINITY;
-            st->l[r] = 0.0f;
+            for (int j = 0; j < 16; j++) st->l[r][j] = 0.0f;
         }
     }
     const int64_t last_block = states[num_tiles - 1].pos[RT - 1] / KT;
@@ -194,7 +224,7 @@ static void group(const float *q, float *out, int64_t num_q, int64_t start, int 
         for (int r = 0; r < RT; r++) {
             const struct tile_state *st = &states[g];
             if (!st->orow[r]) continue;
-            const float inv = 1.0f / st->l[r];
+            const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_load_ps(st->l[r]));
             for (int d = 0; d < dim; d++) st->orow[r][d] = st->o[r][d] * inv;
         }
 }

@@ -65,6 +65,21 @@ def test_kernel_equals_the_masked_reference(num_heads, num_kv_heads, dim, start,
         torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize(("start", "num_new"), [(0, 70), (1600, 40)])
+def test_scores_far_apart_stay_finite(start, num_new) -> None:
+    """Scores hundreds apart (in base 2): every row's softmax must subtract its true running
+    maximum, or exp2 of the difference overflows and the output turns inf or NaN."""
+    num_keys = start + num_new
+    pool, table, keys, values = scattered_pool(1, 3, 64, num_keys, seed=7)
+    q = torch.randn(num_new, 9, 64) * 100  # q.k / 8 spans thousands
+    positions = torch.arange(num_keys)
+    expected = attend(q, keys[0], values[0], visible(positions[start:], positions, None))
+    got = paged_attention(pool, 0, table, start, q, paged_attention_scratch(pool, num_keys))
+    assert torch.isfinite(got).all()
+    # Scores in the thousands carry float32 round-off of ~1e-4 into the exponent.
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-3)
+
+
 def test_bad_block_table_or_scratch_is_refused() -> None:
     pool, table, _, _ = scattered_pool(1, 2, 64, 130, seed=0)
     q = torch.randn(2, 4, 64)
