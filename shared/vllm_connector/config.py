@@ -30,6 +30,8 @@ class ConnectorConfig:
     load: bool = True
     save: bool = True
     log_level: str = "info"  # the connector's own lines, in vLLM's log
+    # How long vLLM's model process busy-polls for its next step (vLLM: 1 s); None: vLLM's.
+    idle_spin_s: float | None = 0.05
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -48,4 +50,6 @@ class ConnectorConfig:
         config = cls(**values)
         if config.block_size_tokens <= 0 or config.kv_index_shards <= 0:
             raise ConnectorConfigError("block_size_tokens and kv_index_shards must be positive")
+        if config.idle_spin_s is not None and not 0 <= config.idle_spin_s <= 10:
+            raise ConnectorConfigError(f"idle_spin_s must be 0-10 s, got {config.idle_spin_s}")
         return config

@@ -39,6 +39,8 @@ kv_connector_extra_config:
 - `kv_index_shards` (1), `match_timeout_s` (0.5): a match that fails or is late is a miss.
 - `load`, `save` (true): either direction can be turned off.
 - `log_level` (info): the level of the connector's own lines in vLLM's log.
+- `idle_spin_s` (0.05; null: vLLM's own 1 s): how long vLLM's model process busy-polls for
+  its next step after each one (`spin.py`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from shared.vllm_connector.config import ConnectorConfig, ConnectorConfigError
 from shared.vllm_connector.layout import VllmBlockConverter, check_with_kernel
 from shared.vllm_connector.loading import BlockLoader
 from shared.vllm_connector.loop import LoopThread
+from shared.vllm_connector.spin import shorten_idle_spin
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -308,6 +311,9 @@ class KvfabricConnector(KVConnectorBase_V1):
 
         self.store, self.publisher = self._loop.call(open_store(), timeout_s=STORE_TIMEOUT_S)
         self.loader = BlockLoader(self.store, self.converter, self._loop)
+        if config.idle_spin_s is not None:
+            spinning = shorten_idle_spin(config.idle_spin_s)
+            log.info("vLLM's idle spin shortened", readers=spinning, s=config.idle_spin_s)
         log.info(
             "kvfabric store open", writer_id=config.writer_id,
             block_nbytes=self.converter.layout.block_nbytes,

@@ -299,3 +299,38 @@ def test_each_layout_is_the_one_vllms_own_cache_write_kernel_fills() -> None:
     # This CPU (AVX-512 with AMX) runs bfloat16 through the tiled amx kernels.
     if "amx_tile" in Path("/proc/cpuinfo").read_text():
         assert "torch.bfloat16 amx amx" in found
+
+
+SPIN_CHECK = """
+import json, time, zmq
+from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+from vllm.utils.network_utils import get_open_zmq_ipc_path
+from shared.vllm_connector.spin import shorten_idle_spin
+context = zmq.Context()
+address = get_open_zmq_ipc_path()
+writer = SpinCondition(is_reader=False, context=context, notify_address=address)
+reader = SpinCondition(is_reader=True, context=context, notify_address=address)
+def waited_ms():
+    reader.record_read()
+    time.sleep(0.1)
+    started = time.perf_counter()
+    reader.wait(timeout_ms=300)  # spinning: returns at once; idle: sleeps until the timeout
+    return (time.perf_counter() - started) * 1000
+before = waited_ms()
+changed = shorten_idle_spin(0.05)
+print(json.dumps({"before_ms": before, "changed": changed, "after_ms": waited_ms(),
+                  "reader_s": reader.busy_loop_s, "writer_s": writer.busy_loop_s}))
+"""
+
+
+def test_the_connector_shortens_vllms_idle_spin() -> None:
+    """vLLM's shared-memory queue reader spins 1 s after each read (it answers at once 0.1 s
+    after one); after `shorten_idle_spin(0.05)` it sleeps on its socket by then."""
+    python = ensure_vllm()
+    env = os.environ | {"PYTHONPATH": str(SOURCE_ROOT)}
+    done = subprocess.run([str(python), "-c", SPIN_CHECK], env=env, capture_output=True,
+                          text=True, timeout=300, check=True)  # fmt: skip
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["changed"] == 1 and found["reader_s"] == 0.05, found
+    assert found["writer_s"] == 0, found  # a writer never spins: left alone
+    assert found["before_ms"] < 100 and found["after_ms"] >= 250, found

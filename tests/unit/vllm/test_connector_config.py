@@ -26,6 +26,10 @@ def test_connector_config_needs_its_fields_and_names_unknown_ones() -> None:
         ConnectorConfig.from_extra(REQUIRED | {"shared_storage_path": "/x"})
     with pytest.raises(ConnectorConfigError, match="positive"):
         ConnectorConfig.from_extra(REQUIRED | {"kv_index_shards": 0})
+    assert config.idle_spin_s == 0.05  # vLLM's own 1 s only when asked for (None)
+    assert ConnectorConfig.from_extra(REQUIRED | {"idle_spin_s": None}).idle_spin_s is None
+    with pytest.raises(ConnectorConfigError, match="idle_spin_s must be 0-10 s, got -1"):
+        ConnectorConfig.from_extra(REQUIRED | {"idle_spin_s": -1})
 
 
 def test_completion_body_carries_ids_sampling_and_salt_but_no_stop_strings() -> None:
