@@ -117,7 +117,6 @@ static inline __attribute__((always_inline)) void tile_block(
      * position are -inf), then the rows' new maxima and rescale factors as one vector, then
      * the probabilities, whose sums stay in 16 lanes a row until the end. */
     const int full = key0 + KT - 1 <= st->pos[0];
-    float m_new[16] __attribute__((aligned(64)));
     __mmask16 mk[RT][4];
     __m512 mx[8];
 #pragma GCC unroll 6
@@ -132,13 +131,12 @@ static inline __attribute__((always_inline)) void tile_block(
     const __mmask16 rows = (__mmask16)((1u << RT) - 1);
     const __m512 m_old = _mm512_maskz_load_ps(rows, st->m);
     const __m512 m_max = _mm512_max_ps(m_old, row_maxima(mx));
-    _mm512_store_ps(m_new, m_max);
     _mm512_mask_store_ps(st->m, rows, m_max);
     /* m = -inf before the first block: alpha 0 */
     _mm512_store_ps(alpha, exp2_ps(_mm512_sub_ps(m_old, m_max)));
 #pragma GCC unroll 6
     for (int r = 0; r < RT; r++) {
-        const __m512 mn = _mm512_set1_ps(m_new[r]);
+        const __m512 mn = _mm512_set1_ps(st->m[r]);
         __m512 sum = _mm512_setzero_ps();
         for (int c = 0; c < 4; c++) {
             const __m512 p = _mm512_maskz_mov_ps(mk[r][c], exp2_ps(_mm512_sub_ps(s[r][c], mn)));

@@ -43,6 +43,20 @@ def pack_weight(*weights: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
 
 
+def project(
+    x: torch.Tensor,
+    parts: tuple[Linear, ...],
+    packed: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """Each of `parts` (linears of the same input) applied to x: as one oneDNN product of
+    their stacked weights (`packed`, `bias`, from pack_linears), split back into the parts'
+    outputs, unless that is missing or the block kernel takes these rows."""
+    if packed is not None and not quant.use_kernel(parts[0].quant, x):
+        return list(packed_linear(x, packed, bias).split([m.out_features for m in parts], -1))
+    return [m(x) for m in parts]
+
+
 def _stacked_bias(*linears: Linear) -> torch.Tensor | None:
     if all(m.bias is None for m in linears):
         return None
@@ -146,10 +160,9 @@ class SwiGLU(nn.Module):
         self.gate_up_bias: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_packed is not None and not quant.use_kernel(self.gate_proj.quant, x):
-            gate, up = packed_linear(x, self.gate_up_packed, self.gate_up_bias).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = project(
+            x, (self.gate_proj, self.up_proj), self.gate_up_packed, self.gate_up_bias
+        )
         if fused_ops.serves(gate, up) and gate.dim() == 2:
             return self.down_proj(fused_ops.silu_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)

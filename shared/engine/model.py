@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from shared.engine import fused_ops, quant
 from shared.engine.config import ModelConfig
-from shared.engine.layers import Linear, RMSNorm, SwiGLU, packed_linear
+from shared.engine.layers import Linear, RMSNorm, SwiGLU, project
 from shared.engine.rope import RotaryEmbedding, apply_rotary
 
 
@@ -53,13 +53,9 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.qkv_packed is not None and not quant.use_kernel(self.q_proj.quant, x):
-            q, k, v = packed_linear(x, self.qkv_packed, self.qkv_bias).split(
-                [q_dim, kv_dim, kv_dim], dim=-1
-            )
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = project(
+            x, (self.q_proj, self.k_proj, self.v_proj), self.qkv_packed, self.qkv_bias
+        )
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
