@@ -240,11 +240,18 @@ class Dynamo:
 
 
 def resident_bytes() -> int:
-    """This process's resident memory after gc, once glibc has returned freed heap."""
+    """This process's anonymous resident memory after gc, once glibc has returned freed
+    heap."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: what the heap kept counts
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/statm") as statm:
+    # Anonymous pages only (heap, private mappings): file-backed ones (libraries, mapped
+    # files) come and go as the kernel reclaims them, which swamped the growth of a small index.
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    with open("/proc/self/statm") as statm:  # a kernel without RssAnon (before 4.5)
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 

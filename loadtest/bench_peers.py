@@ -1,33 +1,38 @@
 """Peer benchmark: vLLM's CPU build against kvfabric serving SmolLM2-135M-Instruct (the same
 weights: vLLM loads shared.vllm_env's export of our GGUF), under the same agent workload
-through the same client, one side after the other in one run. Three sides:
+through the same client, side by side in one run. Three sides:
 (a) vLLM alone, with its own prefix caching; (b) kvfabric with two vLLM workers, kvfabric's
 store as their KV connector; (c) kvfabric on its own engine (a prefill and a decode worker).
 
-    python -m loadtest.bench_peers [--quick] [--sessions 2] [--steps 5] [--context 1024]
-                                   [--no-vllm-workers] [--no-move]
+    python -m loadtest.bench_peers [--quick] [--sessions 3] [--steps 5] [--context 1024]
+                                   [--gap-s 1.5] [--no-vllm-workers] [--no-move]
 
 The workload: agent sessions, each step re-sending the whole conversation (a shared system
 prompt, a task with a slice of stdlib Python source, then per step the model's answer and a
-tool result of `--growth` tokens), streamed through `openai.AsyncOpenAI` at temperature 0;
-`--think-s` between an answer and the next step, as a tool runs. Measured on each side:
+tool result of `--growth` tokens), streamed through `openai.AsyncOpenAI` at temperature 0.
+Every side is started first (one after another) and stays up; then each step goes to every
+side in turn, the order rotating from one step to the next, one request on the machine at a
+time after `--gap-s` of quiet (vLLM's engine busy-polls a core for 1 s after each step). So
+a change in the load of this shared machine falls on every side alike, and each side's step
+sees the same conversation (each its own answers, greedy: the same text). Measured:
 - TTFT of each session's first step (cold) and of its later steps (warm: the previous
   step's prompt and answer are cached), and decode tokens/s after the first token, at
   batch 1 (one session at a time);
-- then every side's model workers restart (vLLM: the server process, whose prefix cache is
-  in its memory; kvfabric: the worker processes, whose KV is in the SSD store) and each
-  session's next step is timed: TTFT after a restart;
+- then every side's model workers restart, one side after another (vLLM: the server
+  process, whose prefix cache is in its memory; kvfabric: the worker processes, whose KV is
+  in the SSD store) and each session's next step is timed: TTFT after a restart;
 - (a) and (b): the sessions move to another worker for one more step each (vLLM: a second
   server, started after the first stops; kvfabric + vLLM workers: the worker that served them
   is stopped and the router sends them to the other): TTFT on another worker;
-- requests/s with `--concurrency` fresh sessions at once.
+- requests/s with `--concurrency` fresh sessions at once (`--think-s` between a session's
+  steps), one side at a time.
 Targets: (c) against (a): warm-step TTFT <= 1x, after a restart <= 0.2x (vLLM's >= 5x ours),
 decode tokens/s >= 0.8x. (b) against (a): warm-step TTFT <= 1.1x; after the restart and on
 another worker <= 0.2x.
 
 The sessions are driven here (`drive`), not by loadtest.agent's runner: a restart must fall
-between two steps of a session. Only one side runs at a time; this 2-core machine is shared,
-so only ratios from the same run mean anything.
+between two steps of a session. This 2-core machine is shared: only ratios from the same run
+mean anything.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +65,7 @@ from shared.models import model_path
 from shared.natsd import die_with_parent
 from shared.subjects import BILLING, DECODE, PREFILL, VLLM_WORKER
 from shared.testing import unique_root
+from shared.venvs import venvs_dir
 from shared.vllm_env import VllmServer, ensure_vllm, export_checkpoint
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -69,6 +76,8 @@ SYSTEM = (
 )
 STDLIB_FILES = ("argparse.py", "dataclasses.py", "pathlib.py", "inspect.py", "typing.py")
 PROBE = [{"role": "user", "content": "Say hi."}]  # untimed; shares no prefix with the sessions
+VLLM_KV_CACHE_BYTES = 2 << 30  # every vLLM's (the workers' default): three stacks share the RAM
+OURS, WORKERS, PEER = "kvfabric", "kvfabric + vLLM workers", "vLLM"
 
 
 @dataclass(frozen=True)
@@ -155,52 +164,70 @@ class SideResult:
     requests_per_s: float = 0.0
 
 
-async def drive(
-    client: openai.AsyncOpenAI,
-    args: argparse.Namespace,
-    restart: Callable[[], Awaitable[None]],
-    move: Callable[[], Awaitable[openai.AsyncOpenAI]] | None = None,
-) -> SideResult:
-    """The whole measurement against one server (see the module's docstring). `move`: put
-    the sessions on another worker (returns the client that reaches it), for one more step
-    each after the restart."""
-    out = SideResult()
-    _say("batch 1: sessions one at a time")
-    await send(client, PROBE, 4)  # first-use costs of the client and the server, untimed
-    num_steps = max(args.steps + 1, args.concurrent_steps)
-    every = make_sessions(args.sessions + args.concurrency, num_steps, args.context, args.growth)
+@dataclass
+class Side:
+    """One stack under test, started and answering: what `drive` needs of it."""
+
+    name: str
+    client: openai.AsyncOpenAI
+    restart: Callable[[], Awaitable[None]]  # its model workers, until it answers again
+    # Put its sessions on another worker; returns the client that reaches it (None: no move).
+    move: Callable[[], Awaitable[openai.AsyncOpenAI]] | None = None
+    result: SideResult = field(default_factory=SideResult)
+
+
+async def drive(sides: list[Side], args: argparse.Namespace) -> None:
+    """The whole measurement (see the module's docstring), every side up at once and the same
+    step sent to each in turn, the order rotating from one step to the next: a change in the
+    machine's load falls on every side alike. Each timed request starts after `gap_s` of quiet
+    (nothing else timed runs meanwhile); the concurrent phase runs one side at a time."""
+    every = make_sessions(args.sessions + args.concurrency, max(args.steps + 1,
+                          args.concurrent_steps), args.context, args.growth)  # fmt: skip
     sessions, fresh = every[: args.sessions], every[args.sessions :]
-    answers: list[list[str]] = [[] for _ in sessions]
-    for session, done in zip(sessions, answers, strict=True):
-        for index in range(args.steps - 1):
-            if index:
-                await asyncio.sleep(args.think_s)
-            step = await send(client, session.messages(done), args.max_tokens)
-            (out.warm if index else out.cold).append(step)
+    answers = {side.name: [[] for _ in sessions] for side in sides}
+    clients = {side.name: side.client for side in sides}
+    rounds = 0
+
+    async def round_of(index: int, taking: list[Side], into: Callable[[Side], list[Step]]) -> None:
+        """Session `index`'s next step on each side of `taking`, one after another."""
+        nonlocal rounds
+        shift = rounds % len(taking)
+        rounds += 1
+        for side in taking[shift:] + taking[:shift]:
+            await asyncio.sleep(args.gap_s)
+            done = answers[side.name][index]
+            step = await send(clients[side.name], sessions[index].messages(done), args.max_tokens)
+            into(side).append(step)
             done.append(step.text)
-    await asyncio.sleep(args.think_s)
-    _say("restarting the model workers")
-    started = time.perf_counter()
-    await restart()
-    await _until_answered(client)
-    out.restart_s = time.perf_counter() - started
-    for session, done in zip(sessions, answers, strict=True):
-        step = await send(client, session.messages(done), args.max_tokens)
-        out.after_restart.append(step)
-        done.append(step.text)
-    if move is not None:
-        _say("moving the sessions to another worker")
-        moved = await move()
-        await send(moved, PROBE, 1)  # untimed: its first-use costs
-        for session, done in zip(sessions, answers, strict=True):
-            await asyncio.sleep(args.think_s)
-            out.moved.append(await send(moved, session.messages(done), args.max_tokens))
-        client = moved
-    _say(f"{args.concurrency} sessions at once")
-    started = time.perf_counter()
-    num_done = await asyncio.gather(*(_session(client, s, args) for s in fresh))
-    out.requests_per_s = sum(num_done) / (time.perf_counter() - started)
-    return out
+
+    _say("batch 1: sessions one at a time, each step on every side in turn")
+    for side in sides:
+        await send(side.client, PROBE, 4)  # first-use costs of the client and the server, untimed
+    for index in range(len(sessions)):
+        for k in range(args.steps - 1):
+            await round_of(index, sides, lambda s, k=k: s.result.warm if k else s.result.cold)
+    for side in sides:
+        _say(f"{side.name}: restarting the model workers")
+        started = time.perf_counter()
+        await side.restart()
+        await _until_answered(side.client)
+        side.result.restart_s = time.perf_counter() - started
+    for index in range(len(sessions)):
+        await round_of(index, sides, lambda s: s.result.after_restart)
+    movers = [side for side in sides if side.move is not None]
+    for side in movers:
+        _say(f"{side.name}: moving the sessions to another worker")
+        assert side.move is not None
+        clients[side.name] = await side.move()
+        await send(clients[side.name], PROBE, 1)  # untimed: its first-use costs
+    for index in range(len(sessions) if movers else 0):
+        await round_of(index, movers, lambda s: s.result.moved)
+    for side in sides:
+        _say(f"{side.name}: {args.concurrency} sessions at once")
+        await asyncio.sleep(args.gap_s)
+        started = time.perf_counter()
+        num_done = await asyncio.gather(*(_session(clients[side.name], s, args) for s in fresh))
+        side.result.requests_per_s = sum(num_done) / (time.perf_counter() - started)
 
 
 async def _session(client: openai.AsyncOpenAI, session: Session, args: argparse.Namespace) -> int:
@@ -233,45 +260,51 @@ def _client(base_url: str, api_key: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
 
 
-async def run_vllm(args: argparse.Namespace, result: BenchResult) -> SideResult:
+@asynccontextmanager
+async def vllm_side(args: argparse.Namespace, result: BenchResult) -> AsyncIterator[Side]:
+    """(a) vLLM alone: restarted = its server process; moved = a second server, started
+    after the first stops."""
     _say("vLLM: starting (its first start compiles the model: minutes)")
     checkpoint = export_checkpoint(MODEL)
     bind = {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cores} if args.vllm_cores else {}
-    server = VllmServer(checkpoint, MODEL, python=ensure_vllm(), block_size_tokens=args.block,
-                        dtype=args.dtype, env=bind)  # fmt: skip
-    with server:
+    # A KV cache of a set size, as each vLLM worker has: its default (a share of the host's
+    # RAM) does not fit beside the other sides.
+    servers = [
+        VllmServer(checkpoint, MODEL, python=ensure_vllm(), block_size_tokens=args.block,
+                   dtype=args.dtype, env=bind, kv_cache_bytes=VLLM_KV_CACHE_BYTES,
+                   log_path=venvs_dir() / "vllm" / name)
+        for name in ("server.log", "server-2.log")
+    ]  # fmt: skip
+    server, other = servers
+    async with AsyncExitStack() as stack:
+        stack.callback(other.stop)
+        stack.callback(server.stop)
+        await asyncio.to_thread(server.start)
         how = f"VLLM_CPU_OMP_THREADS_BIND={args.vllm_cores}" if args.vllm_cores else "its choice"
         cores = re.findall(r"core ids=\[([^\]]*)\]", server.log_tail(1 << 20))
         result.note(f"vLLM: ready {server.startup_s:.0f} s after start; OpenMP threads on "
                     f"core(s) {cores[-1] if cores else '?'} ({how})")  # fmt: skip
         client = _client(server.base_url, "unused")
-        other = VllmServer(
-            checkpoint, MODEL, python=ensure_vllm(), block_size_tokens=args.block, env=bind,
-            dtype=args.dtype, log_path=server.log_path.with_name("server-2.log"),
-        )  # fmt: skip
+        stack.push_async_callback(client.close)
 
         async def restart() -> None:
             await asyncio.to_thread(server.restart)
 
-        moved: list[openai.AsyncOpenAI] = []
-
         async def move() -> openai.AsyncOpenAI:  # another vLLM: its own prefix cache, empty
-            await asyncio.to_thread(server.stop)  # one engine on the machine at a time
+            await asyncio.to_thread(server.stop)  # one engine of this side at a time
             await asyncio.to_thread(other.start)
-            moved.append(_client(other.base_url, "unused"))
-            return moved[0]
+            moved = _client(other.base_url, "unused")
+            stack.push_async_callback(moved.close)
+            return moved
 
-        try:
-            return await drive(client, args, restart, move if args.move else None)
-        finally:
-            for c in (client, *moved):
-                await c.close()
-            other.stop()
+        yield Side(PEER, client, restart, move if args.move else None)
 
 
-async def run_vllm_workers(args: argparse.Namespace, result: BenchResult) -> SideResult:
-    """kvfabric's cluster with two vLLM workers (its store as their KV connector) in place of
-    prefill and decode: restarted both; moved = the worker that served the sessions stopped."""
+@asynccontextmanager
+async def vllm_workers_side(args: argparse.Namespace, result: BenchResult) -> AsyncIterator[Side]:
+    """(b) kvfabric's cluster with two vLLM workers (its store as their KV connector) in
+    place of prefill and decode: restarted both; moved = the worker that served the sessions
+    stopped."""
     _say("kvfabric + vLLM workers: starting the cluster (each worker starts a vLLM)")
     with tempfile.TemporaryDirectory(prefix="kvf-bench-peers-vllm-") as state:
         spec = ClusterSpec(
@@ -279,7 +312,8 @@ async def run_vllm_workers(args: argparse.Namespace, result: BenchResult) -> Sid
             replicas={BILLING: 0, PREFILL: 0, DECODE: 0, VLLM_WORKER: 2}, models=(MODEL,),
             log_level="warning", dev_api_key=KEY,
             extra_args={VLLM_WORKER: ["--kv-block-size-tokens", str(args.block),
-                                      "--dtype", args.dtype]},
+                                      "--dtype", args.dtype,
+                                      "--kv-cache-bytes", str(VLLM_KV_CACHE_BYTES)]},
         )  # fmt: skip
         cluster = Cluster(spec)
         cluster.start()
@@ -313,7 +347,7 @@ async def run_vllm_workers(args: argparse.Namespace, result: BenchResult) -> Sid
                     return client
 
                 try:
-                    return await drive(client, args, restart, move if args.move else None)
+                    yield Side(WORKERS, client, restart, move if args.move else None)
                 finally:
                     await client.close()
             finally:
@@ -333,7 +367,9 @@ async def _busiest_vllm_worker(bus: Bus) -> str:
     return max(sorted(counted), key=lambda i: counted[i])
 
 
-async def run_kvfabric(args: argparse.Namespace, result: BenchResult) -> SideResult:
+@asynccontextmanager
+async def kvfabric_side(args: argparse.Namespace, result: BenchResult) -> AsyncIterator[Side]:
+    """(c) kvfabric on its own engine: restarted = the prefill and decode processes."""
     _say("kvfabric: starting the cluster")
     worker_args = ["--kv-block-size-tokens", str(args.block), "--dtype", args.dtype]
     with tempfile.TemporaryDirectory(prefix="kvf-bench-peers-") as state:
@@ -345,34 +381,30 @@ async def run_kvfabric(args: argparse.Namespace, result: BenchResult) -> SideRes
         cluster = Cluster(spec)
         cluster.start()
         try:
-            return await _drive_cluster(cluster, args, result)
+            bus = await Bus.connect(cluster.nats_url, service="bench", root=spec.root)
+            try:
+                started = time.perf_counter()
+                await cluster.wait_ready(bus, timeout_s=300)
+                threads = [f"{i.instance_id} {i.metadata.get('num_threads', '?')}"
+                           for i in await discover(bus)
+                           if i.service in (PREFILL, DECODE)]  # fmt: skip
+                result.note(f"kvfabric: ready {time.perf_counter() - started:.0f} s after start;"
+                            " torch threads (cores shared through the OS): "
+                            f"{', '.join(threads)}")  # fmt: skip
+                client = _client(cluster.http_urls[0] + "/v1", KEY)
+
+                async def restart() -> None:
+                    await asyncio.to_thread(restart_workers, cluster)
+                    await cluster.wait_ready(bus, timeout_s=300)
+
+                try:
+                    yield Side(OURS, client, restart)
+                finally:
+                    await client.close()
+            finally:
+                await bus.close()
         finally:
             cluster.stop()
-
-
-async def _drive_cluster(
-    cluster: Cluster, args: argparse.Namespace, result: BenchResult
-) -> SideResult:
-    bus = await Bus.connect(cluster.nats_url, service="bench", root=cluster.spec.root)
-    try:
-        started = time.perf_counter()
-        await cluster.wait_ready(bus, timeout_s=300)
-        threads = [f"{i.instance_id} {i.metadata.get('num_threads', '?')}"
-                   for i in await discover(bus) if i.service in (PREFILL, DECODE)]  # fmt: skip
-        result.note(f"kvfabric: ready {time.perf_counter() - started:.0f} s after start; torch "
-                    f"threads (cores shared through the OS): {', '.join(threads)}")  # fmt: skip
-        client = _client(cluster.http_urls[0] + "/v1", KEY)
-
-        async def restart() -> None:
-            await asyncio.to_thread(restart_workers, cluster)
-            await cluster.wait_ready(bus, timeout_s=300)
-
-        try:
-            return await drive(client, args, restart)
-        finally:
-            await client.close()
-    finally:
-        await bus.close()
 
 
 def restart_workers(cluster: Cluster) -> None:
@@ -445,10 +477,14 @@ def report(
         result.figure(f"{side}: restart until the first answer", r.restart_s, "s")
         # The medians above hide which session paid what: the first step a restarted worker
         # serves has been the slow one (docs/vllm.md).
-        for label, steps in (("after the restart", r.after_restart), ("moved", r.moved)):
+        for label, steps in (
+            ("warm", r.warm),
+            ("after the restart", r.after_restart),
+            ("moved", r.moved),
+        ):
             if steps:
                 each = ", ".join(f"{s.ttft_s * 1e3:,.0f}" for s in steps)
-                result.note(f"{side}: TTFT {label}, session by session: {each} ms")
+                result.note(f"{side}: TTFT {label}, step by step: {each} ms")
     tokenizer = Checkpoint(model_path(MODEL)).tokenizer()
     first = [tokenizer.encode(r.cold[0].text, add_special_tokens=False).ids for r in (ours, peer)]
     result.figure(f"first greedy answer: share of kvfabric's {len(first[0])} tokens that vLLM's "
@@ -468,8 +504,8 @@ def hit_share(steps: list[Step]) -> float:
 def run(quick: bool = False, **options: object) -> BenchResult:
     """Options: the CLI's. Quick: two sessions of 3 steps (2 before the restart) from a
     256-token task, and 4 sessions of 2 steps at concurrency 4."""
-    defaults = {"sessions": 2, "steps": 5, "context": 1024, "growth": 192, "max_tokens": 48,
-                "concurrency": 4, "concurrent_steps": 3, "think_s": 1.0, "block": 64,
+    defaults = {"sessions": 3, "steps": 5, "context": 1024, "growth": 192, "max_tokens": 48,
+                "concurrency": 4, "concurrent_steps": 3, "think_s": 1.0, "gap_s": 1.5, "block": 64,
                 "dtype": "float32", "vllm_cores": "", "vllm_workers": True,
                 "move": True}  # fmt: skip
     if quick:
@@ -482,32 +518,47 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     result.note(
         f"{args.sessions} session(s) of {args.steps} steps at batch 1 ({args.steps - 1} before "
         f"the restart), task {args.context} tokens, +{args.growth} a step, {args.max_tokens} "
-        f"new tokens, {args.think_s:g} s think time; then {args.concurrency} fresh sessions of "
-        f"{args.concurrent_steps} steps at once; KV blocks of {args.block} tokens and "
-        f"{args.dtype} arithmetic on every side"
+        f"new tokens, each step sent to every side in turn (all up at once, the order rotating) "
+        f"after {args.gap_s:g} s of quiet; then per side {args.concurrency} fresh sessions of "
+        f"{args.concurrent_steps} steps at once, {args.think_s:g} s think time; KV blocks of "
+        f"{args.block} tokens and {args.dtype} arithmetic on every side, every vLLM's KV "
+        f"cache {VLLM_KV_CACHE_BYTES >> 30} GiB"
     )
     load_before = os.getloadavg()[0]
-    peer = asyncio.run(run_vllm(args, result))
-    workers = asyncio.run(run_vllm_workers(args, result)) if args.vllm_workers else None
-    ours = asyncio.run(run_kvfabric(args, result))
-    report(ours, peer, workers, args.concurrency, result)
+    sides = asyncio.run(_run_sides(args, result))
+    report(sides[OURS], sides[PEER], sides.get(WORKERS), args.concurrency, result)
     result.note(
         f"load average (1 min) {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, "
-        f"on {os.cpu_count()} CPUs: other jobs on this machine make every figure noisy"
+        f"on {os.cpu_count()} CPUs (the sides' own processes count in it)"
     )
     return result.finish()
 
 
+async def _run_sides(args: argparse.Namespace, result: BenchResult) -> dict[str, SideResult]:
+    """Every side started (one after another), driven together, stopped."""
+    async with AsyncExitStack() as stack:
+        sides = [await stack.enter_async_context(vllm_side(args, result))]
+        if args.vllm_workers:
+            sides.append(await stack.enter_async_context(vllm_workers_side(args, result)))
+        sides.append(await stack.enter_async_context(kvfabric_side(args, result)))
+        await drive(sides, args)
+        return {side.name: side.result for side in sides}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=2)
+    parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="per session, >= 3")
     parser.add_argument("--context", type=int, default=1024, help="first task's tokens")
     parser.add_argument("--growth", type=int, default=192, help="tool-result tokens a step")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--concurrent-steps", type=int, default=3)
-    parser.add_argument("--think-s", type=float, default=1.0)
+    parser.add_argument("--think-s", type=float, default=1.0,
+                        help="between a session's steps at concurrency")  # fmt: skip
+    parser.add_argument("--gap-s", type=float, default=1.5,
+                        help="quiet before each timed step at batch 1 (vLLM's engine "
+                        "busy-polls for 1 s after a step)")  # fmt: skip
     parser.add_argument("--block", type=int, default=64, help="KV block size, both sides")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="every side's weights, arithmetic and KV cache")  # fmt: skip

@@ -15,7 +15,8 @@ One JSON command a line on stdin, one JSON reply a line on stdout:
   of the packed u64 hashes in P (what our MatchRequest carries), each timed from those bytes
   to the scores: array('Q') -> list -> find_matches -> .scores. Worker W must score E.
   Reply: wall_s and cpu_s, one per match (process CPU: the tree works in its own thread).
-- {"op": "memory"}: the process's resident bytes (after gc and malloc_trim). {"op": "quit"}.
+- {"op": "memory"}: the process's anonymous resident bytes (after gc and malloc_trim).
+- {"op": "quit"}.
 
 The event file: records of a little-endian (worker u32, num_blocks u32, parent u64; 0 for
 none) header and num_blocks u64 block hashes. A block's `tokens_hash` is its block hash:
@@ -102,12 +103,18 @@ class Indexer:
 
 
 def resident_bytes() -> int:
-    """Resident memory once the allocator has handed back what it could (the events' JSON
-    is freed by then, but glibc keeps freed heap until asked)."""
+    """Anonymous resident memory once the allocator has handed back what it could (the
+    events' JSON is freed by then, but glibc keeps freed heap until asked)."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: what the heap kept counts
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/statm") as statm:
+    # Anonymous pages only (heap, private mappings): file-backed ones (libraries, mapped
+    # files) come and go as the kernel reclaims them, which swamped the growth of a small index.
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    with open("/proc/self/statm") as statm:  # a kernel without RssAnon (before 4.5)
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
