@@ -5,16 +5,19 @@ through the same client, side by side in one run. Three sides:
 store as their KV connector; (c) kvfabric on its own engine (a prefill and a decode worker).
 
     python -m loadtest.bench_peers [--quick] [--sessions 3] [--steps 5] [--context 1024]
-                                   [--gap-s 1.5] [--no-vllm-workers] [--no-move]
+                                   [--gap-s 1.5] [--together] [--no-vllm-workers] [--no-move]
 
 The workload: agent sessions, each step re-sending the whole conversation (a shared system
 prompt, a task with a slice of stdlib Python source, then per step the model's answer and a
 tool result of `--growth` tokens), streamed through `openai.AsyncOpenAI` at temperature 0.
-Every side is started first (one after another) and stays up; then each step goes to every
-side in turn, the order rotating from one step to the next, one request on the machine at a
-time after `--gap-s` of quiet (vLLM's engine busy-polls a core for 1 s after each step). So
-a change in the load of this shared machine falls on every side alike, and each side's step
-sees the same conversation (each its own answers, greedy: the same text). Measured:
+One side runs at a time, as a user would deploy it: started, driven through the whole
+measurement, stopped; then the next. Each timed request at batch 1 starts after `--gap-s` of
+quiet (vLLM's engine busy-polls a core for 1 s after each step). With `--together` every side
+is started first (one after another) and stays up; then each step goes to every side in
+turn, the order rotating from one step to the next: a change in the load of this shared
+machine then falls on every side alike, but every side also runs beside the others' idle
+processes (in the one such run so far, 2026-12-03, every side's times to first token were
+6-65% above those of the runs one side at a time: docs/benchmarks.md). Measured:
 - TTFT of each session's first step (cold) and of its later steps (warm: the previous
   step's prompt and answer are cached), and decode tokens/s after the first token, at
   batch 1 (one session at a time);
@@ -505,9 +508,9 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     """Options: the CLI's. Quick: two sessions of 3 steps (2 before the restart) from a
     256-token task, and 4 sessions of 2 steps at concurrency 4."""
     defaults = {"sessions": 3, "steps": 5, "context": 1024, "growth": 192, "max_tokens": 48,
-                "concurrency": 4, "concurrent_steps": 3, "think_s": 1.0, "gap_s": 1.5, "block": 64,
-                "dtype": "float32", "vllm_cores": "", "vllm_workers": True,
-                "move": True}  # fmt: skip
+                "concurrency": 4, "concurrent_steps": 3, "think_s": 1.0, "gap_s": 1.5,
+                "together": False, "block": 64, "dtype": "float32", "vllm_cores": "",
+                "vllm_workers": True, "move": True}  # fmt: skip
     if quick:
         defaults |= {"sessions": 2, "steps": 3, "context": 256, "growth": 64, "max_tokens": 24,
                      "concurrent_steps": 2}  # fmt: skip
@@ -518,8 +521,13 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     result.note(
         f"{args.sessions} session(s) of {args.steps} steps at batch 1 ({args.steps - 1} before "
         f"the restart), task {args.context} tokens, +{args.growth} a step, {args.max_tokens} "
-        f"new tokens, each step sent to every side in turn (all up at once, the order rotating) "
-        f"after {args.gap_s:g} s of quiet; then per side {args.concurrency} fresh sessions of "
+        f"new tokens, "
+        + (
+            "each step sent to every side in turn (all up at once, the order rotating) "
+            if args.together
+            else "one side at a time (the others stopped), "
+        )
+        + f"after {args.gap_s:g} s of quiet; then per side {args.concurrency} fresh sessions of "
         f"{args.concurrent_steps} steps at once, {args.think_s:g} s think time; KV blocks of "
         f"{args.block} tokens and {args.dtype} arithmetic on every side, every vLLM's KV "
         f"cache {VLLM_KV_CACHE_BYTES >> 30} GiB"
@@ -535,14 +543,20 @@ def run(quick: bool = False, **options: object) -> BenchResult:
 
 
 async def _run_sides(args: argparse.Namespace, result: BenchResult) -> dict[str, SideResult]:
-    """Every side started (one after another), driven together, stopped."""
+    """Each side started, driven and stopped in turn; `together`: all started (one after
+    another), then driven together."""
+    makers = [vllm_side, *([vllm_workers_side] if args.vllm_workers else []), kvfabric_side]
     async with AsyncExitStack() as stack:
-        sides = [await stack.enter_async_context(vllm_side(args, result))]
-        if args.vllm_workers:
-            sides.append(await stack.enter_async_context(vllm_workers_side(args, result)))
-        sides.append(await stack.enter_async_context(kvfabric_side(args, result)))
-        await drive(sides, args)
-        return {side.name: side.result for side in sides}
+        if args.together:
+            sides = [await stack.enter_async_context(make(args, result)) for make in makers]
+            await drive(sides, args)
+            return {side.name: side.result for side in sides}
+    results = {}
+    for make in makers:
+        async with make(args, result) as side:
+            await drive([side], args)
+            results[side.name] = side.result
+    return results
 
 
 def main() -> None:
@@ -569,6 +583,8 @@ def main() -> None:
     )
     parser.add_argument("--no-vllm-workers", dest="vllm_workers", action="store_false",
                         help="leave out the side of kvfabric with vLLM workers")  # fmt: skip
+    parser.add_argument("--together", action="store_true",
+                        help="every side up at once, each step sent to each in turn")  # fmt: skip
     parser.add_argument("--no-move", dest="move", action="store_false",
                         help="no step on another worker after the restart")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
