@@ -203,7 +203,8 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
             into(side).append(step)
             done.append(step.text)
 
-    _say("batch 1: sessions one at a time, each step on every side in turn")
+    each = ", each step on every side in turn" if len(sides) > 1 else ""
+    _say(f"batch 1: sessions one at a time{each}")
     for side in sides:
         await send(side.client, PROBE, 4)  # first-use costs of the client and the server, untimed
     for index in range(len(sessions)):
