@@ -1,16 +1,22 @@
 """Store slots into vLLM's paged cache: the worker side's load, without vLLM itself.
 
-The store reads each slot straight into its row of one buffer, which the converter then
-scatters into vLLM's blocks -- one copy between the file and the cache. The buffer is made
-once, touched at start and kept (a new one's pages would be faulted in on every load: tens
-of ms for a long prompt), and bounded: a longer prefix is read and scattered in parts.
+The store reads each slot straight into its row of a buffer, which the converter then
+scatters into vLLM's blocks -- one copy between the file and the cache. A prefix goes in
+parts of `part_bytes`, through two buffers: while one part is scattered (torch, in the
+caller's thread), the next is read into the other buffer (the store, on the loop thread),
+so the shorter of the two hides behind the longer. The buffers are made once, touched at
+start and kept (a new one's pages would be faulted in on every load: tens of ms for a long
+prompt).
 
 A slot that fails its checks (or a read that fails) ends the loaded prefix there: that block
-and every one after it are the caller's to recompute, never wrong KV.
+and every one after it are the caller's to recompute, never wrong KV. No read is left running
+into a buffer when `load` returns.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,14 +31,16 @@ from shared.vllm_connector.loop import LoopThread
 
 log = get_logger(__name__)
 
-MAX_LOAD_BUFFER_BYTES = 128 << 20
+# A part: 16 MiB is 5 blocks of SmolLM2's (2.9 MB); a 29-block prefix goes in 6 parts, and
+# all but the last one's scatter overlap a read.
+PART_BYTES = 16 << 20
 READ_TIMEOUT_S = 60.0  # one part's reads
 
 
 @dataclass(frozen=True)
 class Loaded:
     num_blocks: int  # the prefix of the job's blocks now in vLLM's cache
-    read_s: float
+    read_s: float  # waiting for reads (what the scatters did not hide)
     scatter_s: float
 
 
@@ -43,45 +51,68 @@ class BlockLoader:
         converter: VllmBlockConverter,
         loop: LoopThread,
         *,
-        max_buffer_bytes: int = MAX_LOAD_BUFFER_BYTES,
+        part_bytes: int = PART_BYTES,
     ) -> None:
         self.store = store
         self.converter = converter
         self.loop = loop
         layout = converter.layout
-        self.blocks_per_part = max(1, min(max_buffer_bytes // layout.block_nbytes,
+        self.blocks_per_part = max(1, min(part_bytes // layout.block_nbytes,
                                           converter.num_blocks))  # fmt: skip
-        # Zero-filled now, so its pages are in memory before the first request needs them.
-        self._pages = torch.zeros((self.blocks_per_part, *layout.block_shape), dtype=layout.dtype)
+        # Zero-filled now, so their pages are in memory before the first request needs them.
+        self._buffers = [
+            torch.zeros((self.blocks_per_part, *layout.block_shape), dtype=layout.dtype)
+            for _ in range(2)
+        ]
 
     def load(self, refs: Sequence[SlotRef], block_ids: Sequence[int], request_id: str) -> Loaded:
         """Slots `refs` into vLLM blocks `block_ids` (the same order), up to the first that
         fails."""
         if len(refs) != len(block_ids):
             raise ValueError(f"{len(refs)} slots for {len(block_ids)} vLLM blocks")
+        n = self.blocks_per_part
+        starts = range(0, len(refs), n)
         read_s = scatter_s = 0.0
         num_loaded = 0
-        while num_loaded < len(refs):
-            part = refs[num_loaded : num_loaded + self.blocks_per_part]
-            pages = self._pages[: len(part)]
-            rows = pages.view(torch.uint8).numpy().reshape(len(part), -1)
-            started = time.perf_counter()
-            try:
-                payloads = self.loop.call(
-                    self.store.read_blocks(part, [memoryview(r) for r in rows]),
-                    timeout_s=READ_TIMEOUT_S,
-                )
-            except Exception as exc:  # the store failed: the rest is recomputed
-                log.warning("store read failed: recomputing", request_id=request_id,
-                            num_blocks=len(refs) - num_loaded, error=repr(exc))  # fmt: skip
-                payloads = [None] * len(part)
-            read_done = time.perf_counter()
-            read_s += read_done - started
-            num_ok = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
-            if num_ok:
-                self.converter.scatter(block_ids[num_loaded : num_loaded + num_ok], pages[:num_ok])
-            scatter_s += time.perf_counter() - read_done
-            num_loaded += num_ok
-            if num_ok < len(part):
-                break
+        pending = self._read(refs[:n], 0) if refs else None
+        try:
+            for index, start in enumerate(starts):
+                part = refs[start : start + n]
+                waited = time.perf_counter()
+                assert pending is not None
+                payloads = self._payloads(pending, len(part), len(refs) - start, request_id)
+                pending = None
+                read_s += time.perf_counter() - waited
+                num_ok = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
+                if num_ok == len(part) and start + n < len(refs):  # the next part meanwhile
+                    pending = self._read(refs[start + n : start + 2 * n], (index + 1) % 2)
+                scattered = time.perf_counter()
+                if num_ok:
+                    pages = self._buffers[index % 2][:num_ok]
+                    self.converter.scatter(block_ids[start : start + num_ok], pages)
+                scatter_s += time.perf_counter() - scattered
+                num_loaded += num_ok
+                if num_ok < len(part):
+                    break
+        finally:
+            if pending is not None:  # the scatter failed: let the read land before we go
+                with contextlib.suppress(Exception):
+                    pending.result(READ_TIMEOUT_S)
         return Loaded(num_loaded, read_s, scatter_s)
+
+    def _read(self, part: Sequence[SlotRef], buffer: int) -> concurrent.futures.Future:
+        rows = self._buffers[buffer][: len(part)].view(torch.uint8).numpy().reshape(len(part), -1)
+        return self.loop.submit(self.store.read_blocks(part, [memoryview(r) for r in rows]))
+
+    def _payloads(
+        self, pending: concurrent.futures.Future, num_blocks: int, num_left: int, request_id: str
+    ) -> list:
+        """The part's payloads (None for each miss); all None when the store failed."""
+        try:
+            return pending.result(READ_TIMEOUT_S)
+        except Exception as exc:  # the store failed or timed out: the rest is recomputed
+            if isinstance(exc, concurrent.futures.TimeoutError):
+                pending.cancel()
+            log.warning("store read failed: recomputing", request_id=request_id,
+                        num_blocks=num_left, error=repr(exc))  # fmt: skip
+            return [None] * num_blocks
