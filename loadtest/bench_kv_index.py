@@ -31,11 +31,8 @@ tick every ~1 ms at the least), and wall-clock ingest favours the side with more
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import gc
 import json
-import os
 import statistics
 import struct
 import subprocess
@@ -47,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loadtest.peers import dynamo_indexer  # its resident_bytes: the same measure on both sides
 from loadtest.results import BenchResult
 from services.kv_index import native
 from services.kv_index.index import KvIndex
@@ -239,22 +237,6 @@ class Dynamo:
             self.process.wait()
 
 
-def resident_bytes() -> int:
-    """This process's anonymous resident memory after gc, once glibc has returned freed
-    heap."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: what the heap kept counts
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    # Anonymous pages only (heap, private mappings): file-backed ones (libraries, mapped
-    # files) come and go as the kernel reclaims them, which swamped the growth of a small index.
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    with open("/proc/self/statm") as statm:  # a kernel without RssAnon (before 4.5)
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def bytes_per_block(workload: Workload) -> float:
     """Our index's memory per indexed block: a separate build under tracemalloc (tracing
     slows allocation, so the timed build runs without it)."""
@@ -300,7 +282,7 @@ def measure_size(result: BenchResult, size: int, dynamo_python: Path | None, num
         dynamo = Dynamo(dynamo_python) if dynamo_python else None
         try:
             peer_base = dynamo.resident_bytes() if dynamo else 0
-            our_base = resident_bytes()
+            our_base = dynamo_indexer.resident_bytes()
             timing = {"ours": [0.0, 0.0], "dynamo": [0.0, 0.0]}
             sides = [("ours", ours), ("dynamo", dynamo)]
             for i, chunk in enumerate(workload.chunks):  # file by file, each side in turn
@@ -310,7 +292,7 @@ def measure_size(result: BenchResult, size: int, dynamo_python: Path | None, num
                         timing[side][0] += wall
                         timing[side][1] += cpu
             num_indexed = len(ours.index.tables["ssd"])
-            our_resident = (resident_bytes() - our_base) / num_indexed
+            our_resident = (dynamo_indexer.resident_bytes() - our_base) / num_indexed
             latencies: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
             per_round = max(1, num_matches // rounds)
             for i in range(rounds):

@@ -180,10 +180,10 @@ class Side:
 
 
 async def drive(sides: list[Side], args: argparse.Namespace) -> None:
-    """The whole measurement (see the module's docstring), every side up at once and the same
-    step sent to each in turn, the order rotating from one step to the next: a change in the
-    machine's load falls on every side alike. Each timed request starts after `gap_s` of quiet
-    (nothing else timed runs meanwhile); the concurrent phase runs one side at a time."""
+    """The whole measurement (see the module's docstring) over `sides`, all up: each step is
+    sent to every side in turn, the order rotating from one step to the next. Each timed
+    request starts after `gap_s` of quiet (nothing else timed runs meanwhile); the concurrent
+    phase runs one side at a time."""
     every = make_sessions(args.sessions + args.concurrency, max(args.steps + 1,
                           args.concurrent_steps), args.context, args.growth)  # fmt: skip
     sessions, fresh = every[: args.sessions], every[args.sessions :]
@@ -305,59 +305,73 @@ async def vllm_side(args: argparse.Namespace, result: BenchResult) -> AsyncItera
 
 
 @asynccontextmanager
-async def vllm_workers_side(args: argparse.Namespace, result: BenchResult) -> AsyncIterator[Side]:
-    """(b) kvfabric's cluster with two vLLM workers (its store as their KV connector) in
-    place of prefill and decode: restarted both; moved = the worker that served the sessions
-    stopped."""
-    _say("kvfabric + vLLM workers: starting the cluster (each worker starts a vLLM)")
-    with tempfile.TemporaryDirectory(prefix="kvf-bench-peers-vllm-") as state:
-        spec = ClusterSpec(
-            state_dir=Path(state), nats_port=0, http_port=0, root=unique_root(),
-            replicas={BILLING: 0, PREFILL: 0, DECODE: 0, VLLM_WORKER: 2}, models=(MODEL,),
-            log_level="warning", dev_api_key=KEY,
-            extra_args={VLLM_WORKER: ["--kv-block-size-tokens", str(args.block),
-                                      "--dtype", args.dtype,
-                                      "--kv-cache-bytes", str(VLLM_KV_CACHE_BYTES)]},
-        )  # fmt: skip
-        cluster = Cluster(spec)
+async def _cluster(
+    spec_of: Callable[[Path], ClusterSpec], timeout_s: float
+) -> AsyncIterator[tuple[Cluster, Bus, openai.AsyncOpenAI, float]]:
+    """A cluster of `spec_of(state_dir)` started, answering and stopped: (cluster, a bus
+    client, an openai client through its ingress, seconds until it was ready)."""
+    with tempfile.TemporaryDirectory(prefix="kvf-bench-peers-") as state:
+        cluster = Cluster(spec_of(Path(state)))
         cluster.start()
         try:
-            bus = await Bus.connect(cluster.nats_url, service="bench", root=spec.root)
+            bus = await Bus.connect(cluster.nats_url, service="bench", root=cluster.spec.root)
             try:
                 started = time.perf_counter()
-                await cluster.wait_ready(bus, timeout_s=900)
-                cores = []
-                for instance_id, _ in spec.instances(VLLM_WORKER):
-                    log = (Path(state) / "logs" / f"{instance_id}.vllm.log").read_text()
-                    found = re.findall(r"core ids=\[([^\]]*)\]", log)
-                    cores.append(f"{instance_id} on core(s) {found[-1] if found else '?'}")
-                result.note(f"kvfabric + vLLM workers: ready {time.perf_counter() - started:.0f}"
-                            " s after start (two vLLM servers starting at once); OpenMP "
-                            f"threads (vLLM's choice): {', '.join(cores)}")  # fmt: skip
+                await cluster.wait_ready(bus, timeout_s=timeout_s)
+                ready_s = time.perf_counter() - started
                 client = _client(cluster.http_urls[0] + "/v1", KEY)
-                workers = [i for i, _ in spec.instances(VLLM_WORKER)]
-
-                async def restart() -> None:
-                    for instance_id in workers:
-                        await asyncio.to_thread(cluster.stop_instance, instance_id)
-                    for instance_id in workers:
-                        await asyncio.to_thread(cluster.restart_instance, instance_id)
-                    await cluster.wait_ready(bus, timeout_s=900)
-
-                async def move() -> openai.AsyncOpenAI:
-                    busiest = await _busiest_vllm_worker(bus)
-                    result.note(f"kvfabric + vLLM workers: moved off {busiest} (stopped)")
-                    await asyncio.to_thread(cluster.stop_instance, busiest)
-                    return client
-
                 try:
-                    yield Side(WORKERS, client, restart, move if args.move else None)
+                    yield cluster, bus, client, ready_s
                 finally:
                     await client.close()
             finally:
                 await bus.close()
         finally:
             cluster.stop()
+
+
+@asynccontextmanager
+async def vllm_workers_side(args: argparse.Namespace, result: BenchResult) -> AsyncIterator[Side]:
+    """(b) kvfabric's cluster with two vLLM workers (its store as their KV connector) in
+    place of prefill and decode: restarted both; moved = the worker that served the sessions
+    stopped."""
+    _say("kvfabric + vLLM workers: starting the cluster (each worker starts a vLLM)")
+
+    def spec_of(state: Path) -> ClusterSpec:
+        return ClusterSpec(
+            state_dir=state, nats_port=0, http_port=0, root=unique_root(),
+            replicas={BILLING: 0, PREFILL: 0, DECODE: 0, VLLM_WORKER: 2}, models=(MODEL,),
+            log_level="warning", dev_api_key=KEY,
+            extra_args={VLLM_WORKER: ["--kv-block-size-tokens", str(args.block),
+                                      "--dtype", args.dtype,
+                                      "--kv-cache-bytes", str(VLLM_KV_CACHE_BYTES)]},
+        )  # fmt: skip
+
+    async with _cluster(spec_of, timeout_s=900) as (cluster, bus, client, ready_s):
+        workers = [i for i, _ in cluster.spec.instances(VLLM_WORKER)]
+        cores = []
+        for instance_id in workers:
+            log = (cluster.spec.state_dir / "logs" / f"{instance_id}.vllm.log").read_text()
+            found = re.findall(r"core ids=\[([^\]]*)\]", log)
+            cores.append(f"{instance_id} on core(s) {found[-1] if found else '?'}")
+        result.note(f"kvfabric + vLLM workers: ready {ready_s:.0f} s after start (two vLLM "
+                    f"servers starting at once); OpenMP threads (vLLM's choice): "
+                    f"{', '.join(cores)}")  # fmt: skip
+
+        async def restart() -> None:
+            for instance_id in workers:
+                await asyncio.to_thread(cluster.stop_instance, instance_id)
+            for instance_id in workers:
+                await asyncio.to_thread(cluster.restart_instance, instance_id)
+            await cluster.wait_ready(bus, timeout_s=900)
+
+        async def move() -> openai.AsyncOpenAI:
+            busiest = await _busiest_vllm_worker(bus)
+            result.note(f"kvfabric + vLLM workers: moved off {busiest} (stopped)")
+            await asyncio.to_thread(cluster.stop_instance, busiest)
+            return client
+
+        yield Side(WORKERS, client, restart, move if args.move else None)
 
 
 async def _busiest_vllm_worker(bus: Bus) -> str:
@@ -376,39 +390,25 @@ async def kvfabric_side(args: argparse.Namespace, result: BenchResult) -> AsyncI
     """(c) kvfabric on its own engine: restarted = the prefill and decode processes."""
     _say("kvfabric: starting the cluster")
     worker_args = ["--kv-block-size-tokens", str(args.block), "--dtype", args.dtype]
-    with tempfile.TemporaryDirectory(prefix="kvf-bench-peers-") as state:
-        spec = ClusterSpec(
-            state_dir=Path(state), nats_port=0, http_port=0, root=unique_root(),
+
+    def spec_of(state: Path) -> ClusterSpec:
+        return ClusterSpec(
+            state_dir=state, nats_port=0, http_port=0, root=unique_root(),
             replicas={BILLING: 0}, models=(MODEL,), log_level="warning", dev_api_key=KEY,
             extra_args={PREFILL: worker_args, DECODE: worker_args},
         )  # fmt: skip
-        cluster = Cluster(spec)
-        cluster.start()
-        try:
-            bus = await Bus.connect(cluster.nats_url, service="bench", root=spec.root)
-            try:
-                started = time.perf_counter()
-                await cluster.wait_ready(bus, timeout_s=300)
-                threads = [f"{i.instance_id} {i.metadata.get('num_threads', '?')}"
-                           for i in await discover(bus)
-                           if i.service in (PREFILL, DECODE)]  # fmt: skip
-                result.note(f"kvfabric: ready {time.perf_counter() - started:.0f} s after start;"
-                            " torch threads (cores shared through the OS): "
-                            f"{', '.join(threads)}")  # fmt: skip
-                client = _client(cluster.http_urls[0] + "/v1", KEY)
 
-                async def restart() -> None:
-                    await asyncio.to_thread(restart_workers, cluster)
-                    await cluster.wait_ready(bus, timeout_s=300)
+    async with _cluster(spec_of, timeout_s=300) as (cluster, bus, client, ready_s):
+        threads = [f"{i.instance_id} {i.metadata.get('num_threads', '?')}"
+                   for i in await discover(bus) if i.service in (PREFILL, DECODE)]  # fmt: skip
+        result.note(f"kvfabric: ready {ready_s:.0f} s after start; torch threads (cores shared "
+                    f"through the OS): {', '.join(threads)}")  # fmt: skip
 
-                try:
-                    yield Side(OURS, client, restart)
-                finally:
-                    await client.close()
-            finally:
-                await bus.close()
-        finally:
-            cluster.stop()
+        async def restart() -> None:
+            await asyncio.to_thread(restart_workers, cluster)
+            await cluster.wait_ready(bus, timeout_s=300)
+
+        yield Side(OURS, client, restart)
 
 
 def restart_workers(cluster: Cluster) -> None:
@@ -547,17 +547,17 @@ async def _run_sides(args: argparse.Namespace, result: BenchResult) -> dict[str,
     """Each side started, driven and stopped in turn; `together`: all started (one after
     another), then driven together."""
     makers = [vllm_side, *([vllm_workers_side] if args.vllm_workers else []), kvfabric_side]
-    async with AsyncExitStack() as stack:
-        if args.together:
+    if args.together:
+        async with AsyncExitStack() as stack:
             sides = [await stack.enter_async_context(make(args, result)) for make in makers]
             await drive(sides, args)
-            return {side.name: side.result for side in sides}
-    results = {}
-    for make in makers:
-        async with make(args, result) as side:
-            await drive([side], args)
-            results[side.name] = side.result
-    return results
+    else:
+        sides = []
+        for make in makers:
+            async with make(args, result) as side:
+                await drive([side], args)
+                sides.append(side)
+    return {side.name: side.result for side in sides}
 
 
 def main() -> None:
