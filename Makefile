@@ -20,11 +20,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The models live outside the repository (shared/models.py); fetching is a no-op once cached.
-# The C kernels (kernels/cpu) are built for this machine beside them: a no-op once built; a
+# The C kernels (shared/kernels/cpu) are built for this machine beside them: a no-op once built; a
 # machine without a C compiler says so here and decodes from float32 weights.
 models: $(STAMP)
 	$(VENV)/bin/kvfabric models fetch
-	$(PY) -m kernels.cpu || true
+	$(PY) -m shared.kernels.cpu || true
 
 # vLLM's CPU build in a venv of its own (its pins differ from ours), with what kvfabric's KV
 # connector needs inside it: ~/.cache/kvfabric/peers/vllm, minutes and ~1 GB the first time,

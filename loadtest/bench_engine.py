@@ -17,7 +17,7 @@ after a cached prefix against a cold prefill, side by side in one run on the sam
     layers.pack_linears) against the same model through F.linear (MKL), interleaved, the
     median of 5 each; outputs compared.
 (d) Attention: the same warm step with full layers' attention read from the pool in place
-    (kernels/cpu/paged_attention.c, the engine's default where it is built) against the SDPA
+    (shared/kernels/cpu/paged_attention.c, the engine's default where it is built) against the SDPA
     path, interleaved, the median of 5 each, outputs compared; then one layer alone, 256
     queries after 1,600 and 8,000 keys (not in quick mode).
 
@@ -345,13 +345,13 @@ def bench_linears(
 
 
 def bench_attention(model: CausalLM, ids: list[int], result: BenchResult, quick: bool) -> None:
-    """Full layers' attention over the pool in place (kernels/cpu/paged_attention.c) against
+    """Full layers' attention over the pool in place (shared/kernels/cpu/paged_attention.c) against
     the SDPA path (a gather of the prefix, SDPA's flash kernel twice, a merge): a whole warm
     step, then one layer alone at deeper contexts (not in quick mode)."""
     runners = [ModelRunner(model, num_blocks=64, block_size_tokens=BLOCK_SIZE_TOKENS,
                            paged_kernel=kernel) for kernel in (False, True)]  # fmt: skip
     if not paged_attention_serves(runners[1].pool):
-        result.note("attention: kernels/cpu/paged_attention.c does not serve this pool here "
+        result.note("attention: shared/kernels/cpu/paged_attention.c does not serve this pool here "
                     "(it needs AVX-512F, float32 and 64-token blocks); skipped")  # fmt: skip
         return
     num_new, num_cached, (sdpa_s, kernel_s), logits = warm_steps(
@@ -425,7 +425,7 @@ def run(  # noqa: PLR0913
         result.note(
             f"model: {description}; float32; torch threads: {torch.get_num_threads()}; decode "
             "weights: "
-            + (f"{'/'.join(formats)} blocks (kernels/cpu)" if formats else "float32")
+            + (f"{'/'.join(formats)} blocks (shared/kernels/cpu)" if formats else "float32")
             + f"; transformers: float32{' (dequantized from the same file)' if formats else ''}"
         )
         tokenize, how = make_tokenize(model_dir, loaded.config.vocab_size)

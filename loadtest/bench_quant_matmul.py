@@ -1,4 +1,4 @@
-"""The block-format kernel (kernels/cpu/quant_matmul.c) against torch's float32 GEMM on the
+"""The block-format kernel (shared/kernels/cpu/quant_matmul.c) against torch's float32 GEMM on the
 same weights, side by side: one decode step's projections of SmolLM2-135M (30 layers x q, k,
 v, o, gate, up, down, as Q4_1), cycled so that neither side finds its weights in cache.
 
@@ -16,8 +16,8 @@ import time
 import numpy as np
 import torch
 
-from kernels import cpu as cpu_kernels
 from shared.engine.quant import QuantWeight
+from shared.kernels import cpu as cpu_kernels
 
 HIDDEN, INTERMEDIATE, KV, LAYERS = 576, 1536, 192, 30
 

@@ -1,5 +1,5 @@
 """The C row index (row_index.c): compiled on first use with the system's C compiler against
-this Python's headers, cached beside the CPU kernels (`kernels.cpu.cache_dir()`) under a name
+this Python's headers, cached beside the CPU kernels (`shared.kernels.cpu.cache_dir()`) under a name
 that hashes the source, the flags, the compiler and the Python version. Without a compiler
 (or if the build fails) `available()` is False and tables use the dict index instead.
 
@@ -29,8 +29,8 @@ from types import ModuleType
 
 import numpy as np
 
-from kernels.cpu import cache_dir
 from services.kv_index.row_index import Columns
+from shared.kernels.cpu import cache_dir
 from shared.schema import StoredBlock
 
 SOURCE = Path(__file__).with_name("row_index.c")

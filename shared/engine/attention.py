@@ -5,7 +5,7 @@ The model computes q/k/v for the packed tokens of a batch and hands them to one 
 - DenseAttention: no cache, every sequence starts at position 0 (the contiguous reference).
 - PrefillAttention: variable-length chunks, each resuming after a prefix whose full-layer K/V
   is in the paged pool and whose sliding-layer K/V is in a window buffer. Full layers in
-  float32 read the pool in place through kernels/cpu/paged_attention.c where it is built
+  float32 read the pool in place through shared/kernels/cpu/paged_attention.c where it is built
   (`paged_attention`), else go through SDPA.
 - DecodeAttention: one token per sequence, batched into one padded attention call.
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from kernels import cpu as cpu_kernels
 from shared.engine.config import FULL, ModelConfig
 from shared.engine.kv_cache import PagedKVPool, SlidingWindowState, slots_for
+from shared.kernels import cpu as cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of a chunk at positions start .. start + Tq - 1 whose own K/V is
     already in the pool: every key is read from the sequence's blocks in place (no gather, no
-    per-head copy, no mask; see kernels/cpu/paged_attention.c). q: float32 [Tq, H, D] ->
+    per-head copy, no mask; see shared/kernels/cpu/paged_attention.c). q: float32 [Tq, H, D] ->
     [Tq, H, D]. Only where `paged_attention_serves(pool)`."""
     num_q, num_heads, dim = q.shape
     layout = pool.layout
@@ -274,7 +274,7 @@ class PrefillAttention(_Backend):
         super().__init__(config, [s.num_tokens for s in seqs])
         self.pool = pool
         self.seqs = seqs
-        # Full layers through kernels/cpu/paged_attention.c where it serves (float32 pool,
+        # Full layers through shared/kernels/cpu/paged_attention.c where it serves (float32 pool,
         # AVX-512): measured in `kvfabric bench engine` against the SDPA path below.
         self.scratch = (
             paged_attention_scratch(pool, max(s.start_position + s.num_tokens for s in seqs))

@@ -1,4 +1,4 @@
-"""A decoder layer's elementwise steps through kernels/cpu/fused_ops.c, one pass each.
+"""A decoder layer's elementwise steps through shared/kernels/cpu/fused_ops.c, one pass each.
 
 As torch ops, a SmolLM2 layer's RMSNorms, RoPE, SiLU gate and residual adds are ~20 ops, each
 a pass over [tokens, width] into a fresh tensor: ~70 ms of a 263-token prefill chunk on two
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels.cpu as cpu_kernels
+import shared.kernels.cpu as cpu_kernels
 
 MAX_HEAD_DIM = 512  # the RoPE kernel keeps half a head on its stack
 

@@ -3,7 +3,7 @@
 A decode step multiplies a few rows by every weight of the model, so on a CPU it costs what
 streaming the weights from memory costs: SmolLM2-135M's float32 weights are 540 MB, 47 ms of
 a 66 ms step at batch 1 on this 2-core VM. The GGUF file holds them as Q4_1 (and the
-embedding as Q8_0); `kernels/cpu/quant_matmul.c` multiplies by those blocks directly,
+embedding as Q8_0); `shared/kernels/cpu/quant_matmul.c` multiplies by those blocks directly,
 expanding each weight in registers to exactly the float32 value dequantizing gives. A batch
 of up to `MAX_ROWS` rows (decode, draft scoring, logits) goes through it; a larger one
 (prefill) through the float32 GEMM, where the weights are reused across rows and the bytes
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels import cpu as cpu_kernels
+from shared.kernels import cpu as cpu_kernels
 
 # Rows at or below which the block kernel beats the float32 GEMM. `python -m
 # loadtest.bench_quant_matmul` (SmolLM2's 210 projections as Q4_1, one thread, this 2-core

@@ -52,7 +52,7 @@ class ModelRunner:
         paged_kernel: bool = True,
     ) -> None:
         """paged_kernel: full layers of a prefill read the pool in place through
-        kernels/cpu/paged_attention.c where it serves (False: always SDPA)."""
+        shared/kernels/cpu/paged_attention.c where it serves (False: always SDPA)."""
         self.model = model
         self.paged_kernel = paged_kernel
         self.config = model.config

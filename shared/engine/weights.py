@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kernels import cpu as cpu_kernels
 from shared.engine.config import ModelConfig
 from shared.engine.errors import CheckpointError
 from shared.engine.gguf import (
@@ -29,6 +28,7 @@ from shared.engine.gguf import (
 from shared.engine.layers import Linear, pack_linears
 from shared.engine.model import CausalLM
 from shared.engine.quant import KERNEL_INPUT_DTYPES, QuantWeight
+from shared.kernels import cpu as cpu_kernels
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""kernels/cpu/fused_ops.c: a layer's elementwise steps in one pass each, against the torch ops
-they replace (RMSNorm, rotate_half RoPE, SiLU * up), then the model with and without them."""
+"""shared/kernels/cpu/fused_ops.c: a layer's elementwise steps in one pass each, against the
+torch ops they replace (RMSNorm, rotate_half RoPE, SiLU * up), then the model with and without
+them."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from kernels import cpu as cpu_kernels
 from shared.engine import ModelRunner, Sequence, fused_ops, load_model
 from shared.engine.layers import SwiGLU
 from shared.engine.model import Attention
 from shared.engine.rope import apply_rotary
+from shared.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler")
 

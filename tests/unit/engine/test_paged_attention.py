@@ -1,4 +1,4 @@
-"""kernels/cpu/paged_attention.c: a prefill chunk's causal attention over the pool, in place.
+"""shared/kernels/cpu/paged_attention.c: a prefill chunk's causal attention over the pool, in place.
 
 Against the masked SDPA reference over the same keys gathered into one tensor, on pools whose
 blocks are scattered, with stale NaN in every slot the chunk may not see; then the model end
@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu as cpu_kernels
 from shared.engine import ModelRunner, Sequence, load_model
 from shared.engine.attention import (
     attend,
@@ -19,6 +18,7 @@ from shared.engine.attention import (
     visible,
 )
 from shared.engine.kv_cache import KVBlockLayout, PagedKVPool
+from shared.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     not (cpu_kernels.available() and cpu_kernels.attention_simd()),
