@@ -13,10 +13,10 @@ prefill worker spends) and the end-to-end TTFT ratio as the caller saw it, each 
 ideal 1/(1-h) (goal: >= 0.85 of it); per prompt, the split and the NIXL handoff, as notes.
 
 The ideal counts tokens; the arithmetic does not scale with them alone: each of the warm
-step's new tokens still attends to every cached key in the full-attention layers, so the
-cold prompt's FLOPs over the warm one's (`prefill_flops`, from the model's config) is the
-most a perfect engine could gain. It is printed beside the ideal, and the measured prefill
-ratio against it.
+step's new tokens still attends to every cached key in the full-attention layers. The cold
+prompt's FLOPs over the warm step's (`prefill_flops`, from the model's config) is what an
+engine running both at the same FLOP rate would gain; it is printed beside the ideal, and
+the measured prefill ratio against it (above 1: the warm step ran at a higher FLOP rate).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ async def one_model(bus: Bus, name: str, context: int, num_cached: int, ideal: f
                  "the ideal 1 / (1 - h)", "x", 0.85)  # fmt: skip
     cold_flops = prefill_flops(config, 0, context)
     arithmetic = cold_flops / prefill_flops(config, num_cached, context - num_cached)
-    result.ratio(f"{model}: FLOPs cold / warm (the most an engine can gain)", arithmetic, ideal,
+    result.ratio(f"{model}: FLOPs cold / warm (the same FLOP rate both ways)", arithmetic, ideal,
                  "the ideal 1 / (1 - h)", "x")  # fmt: skip
     result.ratio(f"{model}: prefill time cold / warm, against the FLOPs' ratio",
                  statistics.median(ratios), arithmetic, "FLOPs cold / warm", "x")  # fmt: skip

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import typing
 from dataclasses import dataclass
 from typing import Any
 
-from loadtest.results import BenchResult, UnknownOption
+from loadtest.results import BenchResult, OptionError, UnknownOption
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,30 @@ class Benchmark:
             if unknown := set(options) - known:
                 raise UnknownOption(f"unknown option(s): {', '.join(sorted(unknown))}; "
                                     f"known: {', '.join(sorted(known))}")  # fmt: skip
+            hints = typing.get_type_hints(module.run)
+            options = {k: _as_hinted(k, v, hints.get(k)) for k, v in options.items()}
         if self.has_peer_option:
             return module.run(quick=quick, peer=peer, **options)
         if not peer:
             raise ValueError(f"{self.name} has no peer to leave out")
         return module.run(quick=quick, **options)
+
+
+def _as_hinted(name: str, value: Any, hint: Any) -> Any:
+    """A `--set` value for a keyword typed `tuple[T, ...]`: its comma-separated items as Ts
+    (`--set models=tiny-coder,SmolLM2-135M-Instruct`, `--set batch-sizes=1,8`); any other
+    value as it came."""
+    candidates = (hint, *typing.get_args(hint))  # the hint, or the members of `X | None`
+    tuple_hint = next((h for h in candidates if typing.get_origin(h) is tuple), None)
+    if tuple_hint is None or isinstance(value, tuple):
+        return value
+    item_type = typing.get_args(tuple_hint)[0]
+    try:
+        return tuple(item_type(item.strip()) for item in str(value).split(",") if item.strip())
+    except ValueError:
+        raise OptionError(
+            f"{name}: {value!r} is not a comma-separated list of {item_type.__name__}"
+        ) from None
 
 
 BENCHMARKS = {

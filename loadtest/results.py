@@ -157,7 +157,11 @@ def _target(met: bool | None, target: float | None, lower: bool, suffix: str) ->
     return f" (target {bound} {format_number(target)}{suffix}: {'met' if met else 'NOT met'})"
 
 
-class UnknownOption(ValueError):
+class OptionError(ValueError):
+    """A benchmark option (`--set KEY=VALUE`) the benchmark cannot take."""
+
+
+class UnknownOption(OptionError):
     """An option the benchmark does not take (the message names those it does)."""
 
 

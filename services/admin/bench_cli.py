@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 
 from loadtest.registry import BENCHMARKS, Benchmark, get
-from loadtest.results import UnknownOption
+from loadtest.results import OptionError
 from shared.logging import configure_logging
 
 QUICK_HELP = "small sizes, as CI runs them (a minute or so each; rough figures)"
@@ -63,13 +63,14 @@ def bench_command(
         raise typer.BadParameter(f"{name} has no peer to leave out", param_hint="--no-peer")
     try:
         _run_one(bench, quick, json_path, not no_peer, options, settings)
-    except UnknownOption as exc:
+    except OptionError as exc:
         raise typer.BadParameter(str(exc), param_hint="--set") from None
 
 
 def parse_settings(settings: list[str]) -> dict[str, object]:
     """`KEY=VALUE`s as options: dashes in KEY are underscores; VALUE an int, a float,
-    true/false, or else the text."""
+    true/false, or else the text (for an option that takes several, comma-separated: the
+    benchmark's registry entry splits it)."""
     options: dict[str, object] = {}
     for setting in settings:
         key, sep, text = setting.partition("=")

@@ -3,15 +3,17 @@ target's verdict (lower is better for latencies), one line per entry."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import typing
 from pathlib import Path
 
 import pytest
 import typer
 
 from loadtest.markdown import render
-from loadtest.registry import get
-from loadtest.results import BenchResult, UnknownOption, bench_options
+from loadtest.registry import _as_hinted, get
+from loadtest.results import BenchResult, OptionError, UnknownOption, bench_options
 from services.admin.bench_cli import parse_settings
 
 
@@ -76,3 +78,23 @@ def test_set_flags_parse_to_options() -> None:
     }  # fmt: skip
     with pytest.raises(typer.BadParameter, match="not KEY=VALUE"):
         parse_settings(["steps"])
+
+
+def test_a_set_value_for_a_tuple_option_is_split_into_its_items() -> None:
+    """`--set models=a,b` reaches bench prefix as ('a', 'b'), one name as a 1-tuple (not its
+    letters), `--set batch-sizes=1,8` as ints; an item that is not one is refused by name."""
+    prefix = typing.get_type_hints(importlib.import_module("loadtest.bench_prefix_reuse").run)
+    engine = typing.get_type_hints(importlib.import_module("loadtest.bench_engine").run)
+    assert _as_hinted("models", "tiny-coder,SmolLM2-135M-Instruct", prefix["models"]) == (
+        "tiny-coder", "SmolLM2-135M-Instruct",
+    )  # fmt: skip
+    assert _as_hinted("models", "SmolLM2-135M-Instruct", prefix["models"]) == (
+        "SmolLM2-135M-Instruct",
+    )
+    assert _as_hinted("batch_sizes", "1,8", engine["batch_sizes"]) == (1, 8)
+    assert _as_hinted("batch_sizes", 8, engine["batch_sizes"]) == (8,)
+    assert _as_hinted("context", 2048, prefix["context"]) == 2048
+    with pytest.raises(OptionError, match="batch_sizes: '1,eight' is not .* list of int"):
+        _as_hinted("batch_sizes", "1,eight", engine["batch_sizes"])
+    with pytest.raises(OptionError, match="batch_sizes"):
+        get("engine").run(quick=True, options={"batch_sizes": "one"})
