@@ -21,6 +21,11 @@ processes (in the one such run so far, 2026-12-03, every side's times to first t
 - TTFT of each session's first step (cold) and of its later steps (warm: the previous
   step's prompt and answer are cached), and decode tokens/s after the first token, at
   batch 1 (one session at a time);
+- as many sessions again, driven the same way (their steps count as cold and warm too), take
+  one more step each before any restart: the step the others will take after it, on
+  workers that kept their cache (`same_step_warm`). Against it, the step after a restart
+  shows what the restart itself costs; vLLM's own is the best any KV connector could give
+  a restarted vLLM;
 - then every side's model workers restart, one side after another (vLLM: the server
   process, whose prefix cache is in its memory; kvfabric: the worker processes, whose KV is
   in the SSD store) and each session's next step is timed: TTFT after a restart;
@@ -162,6 +167,9 @@ class SideResult:
     cold: list[Step] = field(default_factory=list)
     warm: list[Step] = field(default_factory=list)
     after_restart: list[Step] = field(default_factory=list)
+    # The step after_restart's sessions take, taken by the control sessions before any
+    # restart (their workers' caches intact).
+    same_step_warm: list[Step] = field(default_factory=list)
     moved: list[Step] = field(default_factory=list)  # the next step on another worker
     restart_s: float = 0.0  # until the first request after the restart was answered
     requests_per_s: float = 0.0
@@ -184,9 +192,11 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
     sent to every side in turn, the order rotating from one step to the next. Each timed
     request starts after `gap_s` of quiet (nothing else timed runs meanwhile); the concurrent
     phase runs one side at a time."""
-    every = make_sessions(args.sessions + args.concurrency, max(args.steps + 1,
-                          args.concurrent_steps), args.context, args.growth)  # fmt: skip
-    sessions, fresh = every[: args.sessions], every[args.sessions :]
+    n = args.sessions
+    every = make_sessions(2 * n + args.concurrency, max(args.steps + 1, args.concurrent_steps),
+                          args.context, args.growth)  # fmt: skip
+    sessions, fresh = every[: 2 * n], every[2 * n :]
+    restarted, controls = range(n), range(n, 2 * n)
     answers = {side.name: [[] for _ in sessions] for side in sides}
     clients = {side.name: side.client for side in sides}
     rounds = 0
@@ -210,13 +220,15 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
     for index in range(len(sessions)):
         for k in range(args.steps - 1):
             await round_of(index, sides, lambda s, k=k: s.result.warm if k else s.result.cold)
+    for index in controls:
+        await round_of(index, sides, lambda s: s.result.same_step_warm)
     for side in sides:
         _say(f"{side.name}: restarting the model workers")
         started = time.perf_counter()
         await side.restart()
         await _until_answered(side.client)
         side.result.restart_s = time.perf_counter() - started
-    for index in range(len(sessions)):
+    for index in restarted:
         await round_of(index, sides, lambda s: s.result.after_restart)
     movers = [side for side in sides if side.move is not None]
     for side in movers:
@@ -224,7 +236,7 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
         assert side.move is not None
         clients[side.name] = await side.move()
         await send(clients[side.name], PROBE, 1)  # untimed: its first-use costs
-    for index in range(len(sessions) if movers else 0):
+    for index in restarted if movers else ():
         await round_of(index, movers, lambda s: s.result.moved)
     for side in sides:
         _say(f"{side.name}: {args.concurrency} sessions at once")
@@ -454,6 +466,14 @@ def report(
                  lower_is_better=True)  # fmt: skip
     result.ratio("decode tokens/s at batch 1", decode_tps(ours), decode_tps(peer), name,
                  "tokens/s", 0.8)  # fmt: skip
+    # What the restart itself costs each side, and the floor of the ratios after a restart:
+    # a restarted vLLM that got its KV back at no cost would take its same step warm.
+    result.figure("vLLM: TTFT of the same step warm (no restart) / after a restart: the best "
+                  "ratio any KV connector could give it", ms(peer.same_step_warm)
+                  / ms(peer.after_restart), "x")  # fmt: skip
+    result.ratio("TTFT after a worker restart against the same step without one",
+                 ms(ours.after_restart), ms(ours.same_step_warm), "kvfabric, no restart", "ms",
+                 lower_is_better=True)  # fmt: skip
     result.ratio(f"requests/s at concurrency {concurrency}", ours.requests_per_s,
                  peer.requests_per_s, name, "requests/s")  # fmt: skip
     sides = [("kvfabric", ours), ("vLLM", peer)]
@@ -463,6 +483,9 @@ def report(
                      name, "ms", 1.1, lower_is_better=True)  # fmt: skip
         result.ratio(f"{w}: TTFT, next step after both workers restart", ms(workers.after_restart),
                      ms(peer.after_restart), name, "ms", 0.2, lower_is_better=True)  # fmt: skip
+        result.ratio(f"{w}: TTFT after both workers restart against vLLM's same step without "
+                     "one", ms(workers.after_restart), ms(peer.same_step_warm),
+                     "vLLM, no restart", "ms", lower_is_better=True)  # fmt: skip
         if workers.moved and peer.moved:
             result.ratio(f"{w}: TTFT, next step on another worker (vLLM: another server)",
                          ms(workers.moved), ms(peer.moved), name, "ms", 0.2,
@@ -483,6 +506,7 @@ def report(
         # serves has been the slow one (docs/vllm.md).
         for label, steps in (
             ("warm", r.warm),
+            ("the same step warm, no restart", r.same_step_warm),
             ("after the restart", r.after_restart),
             ("moved", r.moved),
         ):
@@ -521,8 +545,8 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     result = BenchResult("peers", quick)
     result.note(
         f"{args.sessions} session(s) of {args.steps} steps at batch 1 ({args.steps - 1} before "
-        f"the restart), task {args.context} tokens, +{args.growth} a step, {args.max_tokens} "
-        f"new tokens, "
+        f"the restart) and {args.sessions} more of {args.steps} before it, task "
+        f"{args.context} tokens, +{args.growth} a step, {args.max_tokens} new tokens, "
         + (
             "each step sent to every side in turn (all up at once, the order rotating) "
             if args.together
