@@ -10,16 +10,31 @@ landed. Every wait has a timeout: a dead or stuck peer is a `TransferError` (the
 request found no responder, UCX failed) or a `TransferTimeout`, never a hang; the peer's
 cached metadata is then dropped so the next transfer asks again.
 
+Peers restart. An agent's name carries a per-process suffix, so a restarted worker (same
+instance id) is a new agent, and what a peer cached about the old one fails at once when a
+transfer is posted (NIXL_ERR_REMOTE_DISCONNECT). A transfer to a peer whose metadata was
+cached asks for it again and retries once when posting fails: a worker's first request after
+the worker it pulls from restarted succeeds (it used to fail). `connect_soon` fetches a peer's
+metadata and wires up the UCX connection ahead of the first transfer (measured in one
+process: loading the metadata 11-26 ms, the first 8 MB read 12-19 ms over the next ones
+without `make_connection`, 3-4 ms with it): decode calls it when a job names its prefill
+worker, so the wire-up overlaps that worker's prefill instead of delaying the pull.
+
 Progress: NIXL's UCX progress thread polls without pause (measured: one whole core per idle
 agent; three agents took the 2-core machine's compute 3x slower), so it is off. Whoever waits
 for a transfer progresses the agent instead: the initiator while it polls the request's
 state, the target through `serve()`'s pump -- every 0.5 ms inside `busy()` or
 `expect_traffic(s)`, the windows in which a peer is known to read or write our region
 (prefill waiting for decode's pull, a snapshot lease, a put the memcache pulls), and every
-100 ms outside them (stray traffic). The idle pump used to run every 5 ms: in a worker, in
-decode beside it and in swa-memcache that was ~600 wake-ups a second on 2 cores, each
-preempting an OpenMP thread of the prefill forward (~200 involuntary context switches a
-263-token SmolLM2 pass, against ~5 in a process of its own).
+100 ms outside them (stray traffic). Opening a window wakes the pump at once: the first
+transfer over a new connection does not complete until the target progresses (measured: it
+hung without that; later ones completed with the target idle), and a pump left in its idle
+wait could hold it up to 100 ms. With this and a staging buffer touched before use
+(shared/serving/wiring.py), decode's pulls in a SmolLM2 cluster (28 requests, a restart of
+both workers among them) took at most 8.5 ms; before, 4 of 28 took 20-86 ms. The idle pump
+used to run every 5 ms: in a worker, in decode beside it and in swa-memcache that was ~600
+wake-ups a second on 2 cores, each preempting an OpenMP thread of the prefill forward (~200
+involuntary context switches a 263-token SmolLM2 pass, against ~5 in a process of its own).
 
 UCX reads its transports from the environment (UCX_TLS) when the agent starts; this module
 does not override them. Measured on one 2-core host (loadtest/bench_kv.py, without the
@@ -35,9 +50,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +73,8 @@ _POLL_MAX_S = 0.001
 _PUMP_IDLE_S = 0.1
 _PUMP_BUSY_S = 0.0005
 _CLOSE_PROGRESS_ROUNDS = 20
+# After `make_connection`: how long our side progresses fast while the wire-up completes.
+_CONNECT_PROGRESS_S = 0.5
 
 
 class TransferError(Unavailable):
@@ -87,7 +106,8 @@ class KvTransferAgent:
         self.bus = bus
         self.service = service
         self.buffer = buffer
-        self.agent_name = f"{service}-{bus.instance_id}"
+        # Unique per process: a restarted instance is a new agent to its peers.
+        self.agent_name = f"{service}-{bus.instance_id}-{secrets.token_hex(4)}"
         self._agent = nixl_agent(
             self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         )
@@ -101,10 +121,13 @@ class KvTransferAgent:
             regions=(NixlRegion(buffer.ctypes.data, buffer.nbytes),),
         )
         self._peers: dict[tuple[str, str], NixlAgentInfo] = {}  # by (service, instance id)
+        self._fetching: dict[tuple[str, str], asyncio.Task[NixlAgentInfo]] = {}
+        self._connecting: set[asyncio.Task[None]] = set()
         self._notifications: dict[str, list[bytes]] = {}
         self._num_busy = 0
         self._busy_until = 0.0
         self._pump: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # set: the pump goes fast now, not at its next round
 
     async def serve(self) -> None:
         """Answer metadata requests (pooled subject and this instance's own) and progress
@@ -121,10 +144,25 @@ class KvTransferAgent:
     async def peer(
         self, service: str, instance_id: str, *, timeout_s: float = 2.0
     ) -> NixlAgentInfo:
-        """The peer's metadata, loaded into our agent; asked over NATS once, then cached."""
-        cached = self._peers.get((service, instance_id))
+        """The peer's metadata, loaded into our agent; asked over NATS once, then cached.
+        Callers asking at the same time share one request."""
+        key = (service, instance_id)
+        cached = self._peers.get(key)
         if cached is not None:
             return cached
+        fetching = self._fetching.get(key)
+        if fetching is None:
+            fetching = asyncio.create_task(self._fetch(service, instance_id, timeout_s))
+            self._fetching[key] = fetching
+            fetching.add_done_callback(lambda task, key=key: self._fetched(key, task))
+        return await asyncio.shield(fetching)
+
+    def _fetched(self, key: tuple[str, str], task: asyncio.Task[NixlAgentInfo]) -> None:
+        self._fetching.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved here: a caller that gave up no longer awaits it
+
+    async def _fetch(self, service: str, instance_id: str, timeout_s: float) -> NixlAgentInfo:
         subject = self.bus.subjects.instance(self.bus.subjects.nixl_metadata(service), instance_id)
         try:
             info = await self.bus.request(
@@ -144,10 +182,31 @@ class KvTransferAgent:
         self._peers[(service, instance_id)] = info
         return info
 
+    def connect_soon(self, service: str, instance_id: str, *, timeout_s: float = 2.0) -> None:
+        """In the background: the peer's metadata and its UCX connection, so that the first
+        transfer finds them ready. Nothing to do for a peer already known; a failure is only
+        logged (the transfer asks again and reports it)."""
+        if (service, instance_id) in self._peers or (service, instance_id) in self._fetching:
+            return
+        task = asyncio.create_task(self._connect(service, instance_id, timeout_s))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+
+    async def _connect(self, service: str, instance_id: str, timeout_s: float) -> None:
+        try:
+            info = await self.peer(service, instance_id, timeout_s=timeout_s)
+            self._agent.make_connection(info.agent_name)
+        except Exception as exc:  # TransferError, or nixlBind's own
+            log.info("NIXL peer not connected ahead", peer=instance_id, error=str(exc))
+            return
+        # The wire-up completes as both agents progress: ours fast for a moment.
+        self.expect_traffic(_CONNECT_PROGRESS_S)
+
     @contextlib.asynccontextmanager
     async def busy(self) -> AsyncIterator[None]:
         """While inside, a peer may be moving bytes through our region: progress fast."""
         self._num_busy += 1
+        self._wake.set()
         try:
             yield
         finally:
@@ -156,12 +215,20 @@ class KvTransferAgent:
     def expect_traffic(self, seconds: float) -> None:
         """A peer may move bytes through our region for the next `seconds` (a lease)."""
         self._busy_until = max(self._busy_until, time.monotonic() + seconds)
+        self._wake.set()
 
     async def _progress_pump(self) -> None:
         while True:
             self._collect_notifications()
-            fast = self._num_busy > 0 or time.monotonic() < self._busy_until
-            await asyncio.sleep(_PUMP_BUSY_S if fast else _PUMP_IDLE_S)
+            if self._num_busy > 0 or time.monotonic() < self._busy_until:
+                await asyncio.sleep(_PUMP_BUSY_S)
+                continue
+            # Idle: until the next round, or at once when a window opens (a peer's first
+            # transfer over a new connection waits for our progress).
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_PUMP_IDLE_S):
+                    await self._wake.wait()
 
     def _collect_notifications(self) -> None:
         """Progress the agent and keep what arrived (NIXL hands each notification once)."""
@@ -197,17 +264,25 @@ class KvTransferAgent:
         notification: bytes, timeout_s: float,
     ) -> None:  # fmt: skip
         deadline = time.monotonic() + timeout_s
+        was_cached = (service, instance_id) in self._peers
         info = await self.peer(service, instance_id, timeout_s=timeout_s)
-        local, remote = self._descriptors(info, ranges)
         try:
-            handle = self._agent.initialize_xfer(
-                op, self._agent.get_xfer_descs(local, "DRAM"),
-                self._agent.get_xfer_descs(remote, "DRAM"), info.agent_name, notification,
-            )  # fmt: skip
-            state = self._agent.transfer(handle)
-        except Exception as exc:  # nixlBind errors share no importable base class
+            handle, state = self._post(op, info, ranges, notification)
+        except TransferError as exc:
             self.forget_peer(service, instance_id)
-            raise TransferError(f"NIXL {op} to {info.agent_name} failed: {exc}") from exc
+            if not was_cached:
+                raise
+            # Most likely the peer restarted since we cached it: ask again, once.
+            log.info("NIXL peer changed: asking for its metadata again", peer=instance_id,
+                     error=str(exc))  # fmt: skip
+            info = await self.peer(
+                service, instance_id, timeout_s=max(deadline - time.monotonic(), _POLL_MAX_S)
+            )  # fmt: skip
+            try:
+                handle, state = self._post(op, info, ranges, notification)
+            except TransferError:
+                self.forget_peer(service, instance_id)
+                raise
         try:
             delay_s = _POLL_MIN_S
             while state == "PROC":
@@ -224,6 +299,23 @@ class KvTransferAgent:
         if state != "DONE":
             self.forget_peer(service, instance_id)
             raise TransferError(f"NIXL {op} to {info.agent_name} failed (state {state})")
+
+    def _post(
+        self, op: str, info: NixlAgentInfo, ranges: Sequence[ByteRange], notification: bytes
+    ) -> tuple[Any, str]:
+        """Create and post one transfer: (its handle, its first state)."""
+        local, remote = self._descriptors(info, ranges)
+        handle = None
+        try:
+            handle = self._agent.initialize_xfer(
+                op, self._agent.get_xfer_descs(local, "DRAM"),
+                self._agent.get_xfer_descs(remote, "DRAM"), info.agent_name, notification,
+            )  # fmt: skip
+            return handle, self._agent.transfer(handle)
+        except Exception as exc:  # nixlBind errors share no importable base class
+            if handle is not None:
+                release_handle(handle)
+            raise TransferError(f"NIXL {op} to {info.agent_name} failed: {exc}") from exc
 
     def _descriptors(
         self, info: NixlAgentInfo, ranges: Sequence[ByteRange]
@@ -261,6 +353,8 @@ class KvTransferAgent:
     def close(self) -> None:
         if self._pump is not None:
             self._pump.cancel()
+        for task in [*self._connecting, *self._fetching.values()]:
+            task.cancel()
         for service, instance_id in list(self._peers):
             self.forget_peer(service, instance_id)
         # Without a progress thread, operations to a peer that died stay queued in UCX until

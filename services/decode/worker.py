@@ -91,7 +91,11 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         return engine_sampling(sampling)
 
     def _admit(self, state: DecodeRequest, num_pages: int) -> None:
-        """Start reading the cached prefix now: it overlaps prefill's compute."""
+        """Start reading the cached prefix now, and connect to the prefill worker if this is
+        our first job from it: both overlap prefill's compute."""
+        prefill_worker_id = state.job.decision.prefill_worker_id
+        if prefill_worker_id:
+            self.agent.connect_soon(PREFILL, prefill_worker_id)
         num_cached_blocks = state.blocks.num_reusable_blocks(
             state.job.decision.num_cached_tokens // self.block_size
         )

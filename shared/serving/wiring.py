@@ -18,11 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
 from shared.bus import Bus
 from shared.config import EngineWorkerConfig
 from shared.discovery import discover
+from shared.kvstore.backends import alloc_staging
 from shared.kvstore.store import KvStore
 from shared.kvstore.writer import KvEventPublisher
 from shared.logging import get_logger
@@ -82,7 +81,10 @@ async def open_model_kv(
     store = await open_store(config, bus.instance_id, block_nbytes)
     publisher = KvEventPublisher(bus, store)
     await publisher.start()
-    buffer = np.zeros(staging_nbytes + SWA_STAGING_BYTES, dtype=np.uint8)
+    # Every page touched now: a pull or a staging copy into a page never used before pays
+    # its fault on the request's path (NIXL reads of 12 MB into fresh pages took 2.4-69 ms
+    # here, into touched ones 1.1-1.5 ms).
+    buffer = alloc_staging(staging_nbytes + SWA_STAGING_BYTES)
     agent = await asyncio.to_thread(KvTransferAgent, bus, buffer, service=service)
     await agent.serve()
     # A model without sliding layers has no windows: no swa-memcache to talk to.

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -30,6 +30,7 @@ from shared.schema import (
     BadRequest,
     DeadlineExceeded,
     GenerateRequest,
+    InstanceState,
     LoadReport,
     NotFound,
     Unavailable,
@@ -319,6 +320,44 @@ def test_generate_cli_streams_and_reports_hits(cluster: Cluster) -> None:
     assert second.returncode == 0, second.stderr
     assert second.stdout == first.stdout  # greedy, and the cached run restores exactly
     assert "cached" in second.stderr
+
+
+async def test_restarted_prefill_workers_serve_their_first_requests(cluster: Cluster) -> None:
+    """A decode worker keeps the NIXL metadata of each prefill worker it pulled from; a prefill
+    worker restarted under the same id is a new agent. Every request after the restart is
+    served, those that pull from a restarted worker through metadata cached before it
+    included (that pull used to fail: NIXL_ERR_REMOTE_DISCONNECT, the request cancelled)."""
+    bus = await connect(cluster)
+
+    async def routes_of(tag: str, until: Callable[[set[tuple[str, str]]], bool]) -> set:
+        routes: set[tuple[str, str]] = set()
+        for i in range(12):
+            prompts = [_tokens(f"# {tag} {i}.{j}\n" + CODE) for j in range(4)]
+            results = await asyncio.gather(
+                *(generate(bus, _request(p, max_tokens=4)) for p in prompts)
+            )  # a failed request raises here
+            assert all(r.finish_reason in ("stop", "length") for r in results)
+            routes |= {(r.decision.prefill_worker_id, r.decision.decode_worker_id) for r in results}
+            if until(routes):
+                break
+        return routes
+
+    try:
+        before = await routes_of("before", lambda routes: len(routes) == 4)
+        for instance_id in ("prefill-0", "prefill-1"):
+            # In this thread: a worker thread's exit would end the processes it started
+            # (they die with the thread that spawned them).
+            cluster.restart_instance(instance_id)
+        await cluster.wait_ready(bus, timeout_s=120)
+        deadline = time.monotonic() + 60
+        while len([i for i in await discover(bus, service=PREFILL)
+                   if i.load.get("state") == InstanceState.SERVING]) < 2:  # fmt: skip
+            assert time.monotonic() < deadline, "the restarted prefill workers never served"
+            await asyncio.sleep(0.5)
+        after = await routes_of("after", lambda routes: bool(routes & before))
+        assert after & before, (before, after)  # a decode worker pulled through stale metadata
+    finally:
+        await bus.close()
 
 
 def _child(cluster: Cluster, instance_id: str) -> subprocess.Popen[bytes]:

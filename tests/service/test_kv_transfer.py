@@ -14,12 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shared import transfer
 from shared.bus import Context, Endpoint
 from shared.natsd import NatsServer
 from shared.schema import ServiceError
 from shared.schema.transfer import NixlAgentInfo, NixlMetadataRequest
 from shared.testing.fixtures import BusFactory
 from shared.transfer import ByteRange, KvTransferAgent, TransferError, TransferTimeout
+from tests.service.kv_transfer_peer import pattern
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
@@ -133,5 +135,114 @@ async def test_absent_silent_peer_and_missing_notification(bus_factory: BusFacto
             )
         with pytest.raises(TransferTimeout):
             await agent.wait_notification(b"never", timeout_s=0.2)
+    finally:
+        agent.close()
+
+
+async def test_a_restarted_peer_is_reached_by_the_first_transfer_after_its_restart(
+    nats_server: NatsServer, subject_root: str, bus_factory: BusFactory
+):
+    """The same instance id, a new process: the metadata cached for the old one fails when
+    the transfer is posted, and the agent asks again and retries once."""
+    bus = await bus_factory("prefill")
+    agent = KvTransferAgent(bus, pattern(NUM_BLOCKS, BLOCK_NBYTES), service="prefill")
+    ranges = [
+        ByteRange(i * BLOCK_NBYTES, (NUM_BLOCKS - 1 - i) * BLOCK_NBYTES, BLOCK_NBYTES)
+        for i in range(NUM_BLOCKS)
+    ]
+    peer_args = (nats_server.url, subject_root, "decode-5", str(NUM_BLOCKS), str(BLOCK_NBYTES))
+    names = []
+    try:
+        for tag in ("kv:before", "kv:after"):
+            receiver = start_peer("receive", *peer_args, tag)
+            try:
+                assert await asyncio.to_thread(read_line, receiver) == "ready"
+                await agent.write("decode", "decode-5", ranges, notification=tag.encode(),
+                                  timeout_s=10.0)  # fmt: skip
+                verdict = json.loads(await asyncio.to_thread(read_line, receiver))
+                assert verdict == {"sender": agent.agent_name, "message": tag, "ok": True}
+                assert await asyncio.to_thread(receiver.wait, 20) == 0
+                names.append(agent._peers[("decode", "decode-5")].agent_name)
+            finally:
+                stop(receiver)
+        assert names[0] != names[1]  # two agents under one instance id
+    finally:
+        agent.close()
+
+
+async def test_connect_soon_asks_once_and_the_transfers_use_it(bus_factory: BusFactory):
+    """`connect_soon` fetches the peer's metadata ahead of the first transfer; the transfers
+    after it, two at once, ask nothing more, and their bytes land."""
+    bus = await bus_factory("decode")
+    target_bus = await bus_factory("prefill", instance_id="prefill-7")
+    agent = KvTransferAgent(bus, np.zeros(2 * BLOCK_NBYTES, np.uint8), service="decode")
+    target = KvTransferAgent(target_bus, pattern(2, BLOCK_NBYTES), service="prefill")
+    asked: list[str] = []
+
+    async def counted(request: NixlMetadataRequest, ctx: Context) -> NixlAgentInfo:
+        asked.append(request.requester_agent)
+        return target.info
+
+    subject = target_bus.subjects.nixl_metadata("prefill")
+    await target_bus.serve(Endpoint("nixl-metadata", subject, NixlMetadataRequest, counted))
+    await target_bus.flush()
+    try:
+        agent.connect_soon("prefill", "prefill-7")
+        agent.connect_soon("prefill", "prefill-7")  # already under way: nothing more
+        deadline = asyncio.get_running_loop().time() + 10
+        while ("prefill", "prefill-7") not in agent._peers:
+            assert asyncio.get_running_loop().time() < deadline, "never connected"
+            await asyncio.sleep(0.01)
+        assert asked == [agent.agent_name]
+
+        async def progress_target() -> None:  # the target's pump, as `serve()` runs it
+            for _ in range(2000):
+                target._collect_notifications()
+                await asyncio.sleep(0.001)
+
+        pump = asyncio.create_task(progress_target())
+        await asyncio.gather(*(
+            agent.read("prefill", "prefill-7", [ByteRange(i * BLOCK_NBYTES, i * BLOCK_NBYTES,
+                                                          BLOCK_NBYTES)], timeout_s=10.0)
+            for i in range(2)
+        ))  # fmt: skip
+        pump.cancel()
+        assert asked == [agent.agent_name]
+        assert np.array_equal(agent.buffer, pattern(2, BLOCK_NBYTES))
+    finally:
+        agent.close()
+        target.close()
+
+
+async def test_a_busy_window_wakes_the_idle_pump_at_once(
+    bus_factory: BusFactory, monkeypatch: pytest.MonkeyPatch
+):
+    """`busy()` and `expect_traffic()` make the pump progress the agent now, not at the end
+    of its idle wait (a peer's first transfer over a new connection waits for it). The idle
+    wait is made a minute long here: only the wake-up can account for progress."""
+    monkeypatch.setattr(transfer, "_PUMP_IDLE_S", 60.0)
+    bus = await bus_factory("prefill")
+    agent = KvTransferAgent(bus, np.ones(BLOCK_NBYTES, np.uint8), service="prefill")
+    progressed = asyncio.Event()
+    collect = agent._collect_notifications
+
+    def counted() -> None:
+        progressed.set()
+        collect()
+
+    try:
+        await agent.serve()
+        await asyncio.sleep(0.05)  # the pump's first round is done: it waits, idle
+        agent._collect_notifications = counted  # type: ignore[method-assign]
+        await asyncio.sleep(0.05)
+        assert not progressed.is_set()
+        async with agent.busy():
+            await asyncio.wait_for(progressed.wait(), 10.0)
+        await asyncio.sleep(0.05)  # back to idle
+        progressed.clear()
+        await asyncio.sleep(0.05)
+        assert not progressed.is_set()
+        agent.expect_traffic(1.0)
+        await asyncio.wait_for(progressed.wait(), 10.0)
     finally:
         agent.close()
