@@ -145,8 +145,7 @@ class Router:
         await self.prefill_jobs.stop()
 
     async def prune(self) -> None:
-        """Forget instances whose heartbeats stopped (one that restarts under the same id is
-        taken again only once forgotten: its heartbeat sequence starts over)."""
+        """Forget instances whose heartbeats stopped."""
         for instance_id in self.table.prune(time.monotonic()):
             log.warning("instance dropped: its heartbeats stopped", instance_id=instance_id)
             self.swa_map.forget(instance_id)

@@ -94,13 +94,22 @@ class LoadTable:
         return len(self._instances)
 
     def observe(self, report: LoadReport, now_s: float) -> bool:
-        """Take a heartbeat; False if it is older than one already seen (reordered, repeated)."""
+        """Take a heartbeat; False if it is older than one already seen (reordered, repeated).
+
+        Order is the send time (`ts_ms`, the node's clock), then `seq`. `seq` counts per
+        process: a lower one sent later is the instance restarted under its id, taken at once
+        as a new start (the work counted in flight to the old process went with it), and a
+        straggler of the old process after it is older."""
         known = self._instances.get(report.instance_id)
         if known is None:
             self._instances[report.instance_id] = _Instance(report, now_s)
             return True
-        if report.seq <= known.report.seq:
+        last = known.report
+        if (report.ts_ms, report.seq) <= (last.ts_ms, last.seq):
             return False
+        if report.seq < last.seq:
+            self._instances[report.instance_id] = _Instance(report, now_s)
+            return True
         known.report = report
         known.received_s = now_s
         settled_before_s = now_s - self.inflight_settle_s

@@ -49,6 +49,25 @@ def test_reordered_or_repeated_heartbeats_are_ignored():
     assert table.view("a", 0.2).num_queued_tokens == 10
 
 
+def test_an_instance_restarted_under_its_id_is_taken_at_its_first_heartbeat():
+    """Its sequence starts over, later: not a reordered heartbeat. Before, its reports were
+    ignored until the old process's entry went stale (the last one said DRAINING)."""
+    table = LoadTable("r1")
+    last = msgspec.structs.replace(
+        report("a"), seq=40, ts_ms=1_000_000, state=InstanceState.DRAINING
+    )
+    assert table.observe(last, 0.0)
+    assert table.record_sent(InflightDelta("r1", "a", num_tokens=300), 0.48)  # not settled
+    first = msgspec.structs.replace(report("a"), seq=1, ts_ms=1_004_000, num_queued_tokens=7)
+    assert table.observe(first, 0.5)
+    view = table.view("a", 0.5)
+    assert view.state == InstanceState.SERVING
+    assert view.num_reported_queued_tokens == 7
+    assert view.num_inflight_tokens == 0  # sent to the process that is gone
+    assert ids(table, 0.5) == ["a"]
+    assert not table.observe(msgspec.structs.replace(last, seq=39, ts_ms=999_000), 0.6)
+
+
 def test_inflight_from_two_routers_adds_up_and_settles_on_the_next_heartbeat():
     r1 = table_with(report("a", queued_tokens=100), router_id="r1")
     r2 = table_with(report("a", queued_tokens=100), router_id="r2")
