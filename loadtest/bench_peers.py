@@ -5,19 +5,27 @@ through the same client, side by side in one run. Three sides:
 store as their KV connector; (c) kvfabric on its own engine (a prefill and a decode worker).
 
     python -m loadtest.bench_peers [--quick] [--sessions 3] [--steps 5] [--context 1024]
-                                   [--gap-s 1.5] [--together] [--no-vllm-workers] [--no-move]
+                                   [--gap-s 1.5] [--mode interleaved|alone|together]
+                                   [--no-vllm-workers] [--no-move]
 
 The workload: agent sessions, each step re-sending the whole conversation (a shared system
 prompt, a task with a slice of stdlib Python source, then per step the model's answer and a
 tool result of `--growth` tokens), streamed through `openai.AsyncOpenAI` at temperature 0.
-One side runs at a time, as a user would deploy it: started, driven through the whole
-measurement, stopped; then the next. Each timed request at batch 1 starts after `--gap-s` of
-quiet (vLLM's engine busy-polls a core for 1 s after each step). With `--together` every side
-is started first (one after another) and stays up; then each step goes to every side in
-turn, the order rotating from one step to the next: a change in the load of this shared
-machine then falls on every side alike, but every side also runs beside the others' idle
-processes (in the one such run so far, 2026-12-03, every side's times to first token were
-6-65% above those of the runs one side at a time: docs/benchmarks.md). Measured:
+Each timed request at batch 1 starts after `--gap-s` of quiet (vLLM's engine busy-polls a
+core for 1 s after each step). `--mode`:
+- `interleaved` (the default): every side is started first (one after another) and stays
+  up; each step goes to every side in turn, the order rotating from one step to the next,
+  and while one side runs, every process of the others is stopped (SIGSTOP; SIGCONT before
+  its own turn, its quiet gap counted after it). A change in the load of this shared machine
+  then falls on every side alike, step by step, and no side runs beside the others' idle
+  processes.
+- `alone`: one side at a time, as a user would deploy it: started, driven through the whole
+  measurement, stopped; then the next. The sides' medians are minutes apart: on this VM a
+  side's median moved ~10% from one run to the next (docs/benchmarks.md).
+- `together`: as `interleaved`, the others' processes left running (idle, they used 35-92
+  ms of CPU a second, and every side's times to first token were 6-65% above those of the
+  runs one side at a time in the one such run, 2026-12-03).
+Measured:
 - TTFT of each session's first step (cold) and of its later steps (warm: the previous
   step's prompt and answer are cached), and decode tokens/s after the first token, at
   batch 1 (one session at a time);
@@ -47,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -86,6 +95,7 @@ STDLIB_FILES = ("argparse.py", "dataclasses.py", "pathlib.py", "inspect.py", "ty
 PROBE = [{"role": "user", "content": "Say hi."}]  # untimed; shares no prefix with the sessions
 VLLM_KV_CACHE_BYTES = 2 << 30  # every vLLM's (the workers' default): three stacks share the RAM
 OURS, WORKERS, PEER = "kvfabric", "kvfabric + vLLM workers", "vLLM"
+MODES = ("interleaved", "alone", "together")  # see the module's docstring
 
 
 @dataclass(frozen=True)
@@ -184,14 +194,63 @@ class Side:
     restart: Callable[[], Awaitable[None]]  # its model workers, until it answers again
     # Put its sessions on another worker; returns the client that reaches it (None: no move).
     move: Callable[[], Awaitable[openai.AsyncOpenAI]] | None = None
+    # The processes it started, as they are now (their descendants are its too).
+    processes: Callable[[], list[int]] = list
     result: SideResult = field(default_factory=SideResult)
+
+    def pause(self) -> None:
+        """Stop every process of this side (SIGSTOP), and wait until each is stopped: none
+        runs while another side is timed. Twice over the tree: a child forked while the
+        first pass ran is stopped by the second."""
+        for _ in range(2):
+            signal_tree(self.processes(), signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        while any(process_state(pid) not in "TtZX" for pid in process_tree(self.processes())):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: processes still running 5 s after SIGSTOP")
+            time.sleep(0.001)
+
+    def resume(self) -> None:
+        signal_tree(self.processes(), signal.SIGCONT)
+
+
+def process_tree(roots: list[int]) -> list[int]:
+    """`roots` and every live process descended from them (parents read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except (OSError, IndexError):  # ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def process_state(pid: int) -> str:
+    """/proc's one-letter state (T: stopped, Z: ended, not yet reaped); X: no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def signal_tree(roots: list[int], signum: int) -> None:
+    for pid in process_tree(roots):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 async def drive(sides: list[Side], args: argparse.Namespace) -> None:
     """The whole measurement (see the module's docstring) over `sides`, all up: each step is
     sent to every side in turn, the order rotating from one step to the next. Each timed
     request starts after `gap_s` of quiet (nothing else timed runs meanwhile); the concurrent
-    phase runs one side at a time."""
+    phase runs one side at a time. `args.mode == "interleaved"`: every side but the one whose
+    turn it is stays stopped (`Side.pause`), its quiet gap counted after it resumes."""
     n = args.sessions
     every = make_sessions(2 * n + args.concurrency, max(args.steps + 1, args.concurrent_steps),
                           args.context, args.growth)  # fmt: skip
@@ -200,6 +259,18 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
     answers = {side.name: [[] for _ in sessions] for side in sides}
     clients = {side.name: side.client for side in sides}
     rounds = 0
+    pausing = args.mode == "interleaved" and len(sides) > 1
+
+    @asynccontextmanager
+    async def turn(side: Side) -> AsyncIterator[None]:
+        """`side`'s turn: the others stopped where `pausing`."""
+        if pausing:
+            side.resume()
+        try:
+            yield
+        finally:
+            if pausing:
+                side.pause()
 
     async def round_of(index: int, taking: list[Side], into: Callable[[Side], list[Step]]) -> None:
         """Session `index`'s next step on each side of `taking`, one after another."""
@@ -207,43 +278,60 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
         shift = rounds % len(taking)
         rounds += 1
         for side in taking[shift:] + taking[:shift]:
-            await asyncio.sleep(args.gap_s)
-            done = answers[side.name][index]
-            step = await send(clients[side.name], sessions[index].messages(done), args.max_tokens)
+            async with turn(side):
+                await asyncio.sleep(args.gap_s)
+                done = answers[side.name][index]
+                step = await send(clients[side.name], sessions[index].messages(done),
+                                  args.max_tokens)  # fmt: skip
             into(side).append(step)
             done.append(step.text)
 
     each = ", each step on every side in turn" if len(sides) > 1 else ""
-    _say(f"batch 1: sessions one at a time{each}")
-    for side in sides:
-        await send(side.client, PROBE, 4)  # first-use costs of the client and the server, untimed
-    for index in range(len(sessions)):
-        for k in range(args.steps - 1):
-            await round_of(index, sides, lambda s, k=k: s.result.warm if k else s.result.cold)
-    for index in controls:
-        await round_of(index, sides, lambda s: s.result.same_step_warm)
-    for side in sides:
-        _say(f"{side.name}: restarting the model workers")
-        started = time.perf_counter()
-        await side.restart()
-        await _until_answered(side.client)
-        side.result.restart_s = time.perf_counter() - started
-    for index in restarted:
-        await round_of(index, sides, lambda s: s.result.after_restart)
-    movers = [side for side in sides if side.move is not None]
-    for side in movers:
-        _say(f"{side.name}: moving the sessions to another worker")
-        assert side.move is not None
-        clients[side.name] = await side.move()
-        await send(clients[side.name], PROBE, 1)  # untimed: its first-use costs
-    for index in restarted if movers else ():
-        await round_of(index, movers, lambda s: s.result.moved)
-    for side in sides:
-        _say(f"{side.name}: {args.concurrency} sessions at once")
-        await asyncio.sleep(args.gap_s)
-        started = time.perf_counter()
-        num_done = await asyncio.gather(*(_session(clients[side.name], s, args) for s in fresh))
-        side.result.requests_per_s = sum(num_done) / (time.perf_counter() - started)
+    paused = " (the others stopped)" if pausing else ""
+    _say(f"batch 1: sessions one at a time{each}{paused}")
+    try:
+        for side in sides:
+            if pausing:
+                side.pause()
+        for side in sides:
+            async with turn(side):  # first-use costs of the client and the server, untimed
+                await send(side.client, PROBE, 4)
+        for index in range(len(sessions)):
+            for k in range(args.steps - 1):
+                await round_of(index, sides, lambda s, k=k: s.result.warm if k else s.result.cold)
+        for index in controls:
+            await round_of(index, sides, lambda s: s.result.same_step_warm)
+        for side in sides:
+            _say(f"{side.name}: restarting the model workers")
+            async with turn(side):
+                started = time.perf_counter()
+                await side.restart()
+                await _until_answered(side.client)
+                side.result.restart_s = time.perf_counter() - started
+        for index in restarted:
+            await round_of(index, sides, lambda s: s.result.after_restart)
+        movers = [side for side in sides if side.move is not None]
+        for side in movers:
+            _say(f"{side.name}: moving the sessions to another worker")
+            assert side.move is not None
+            async with turn(side):
+                clients[side.name] = await side.move()
+                await send(clients[side.name], PROBE, 1)  # untimed: its first-use costs
+        for index in restarted if movers else ():
+            await round_of(index, movers, lambda s: s.result.moved)
+        for side in sides:
+            _say(f"{side.name}: {args.concurrency} sessions at once")
+            async with turn(side):
+                await asyncio.sleep(args.gap_s)
+                started = time.perf_counter()
+                num_done = await asyncio.gather(
+                    *(_session(clients[side.name], s, args) for s in fresh)
+                )
+                side.result.requests_per_s = sum(num_done) / (time.perf_counter() - started)
+    finally:
+        for side in sides:  # stopped processes would not see the SIGTERM that ends them
+            if pausing:
+                side.resume()
 
 
 async def _session(client: openai.AsyncOpenAI, session: Session, args: argparse.Namespace) -> int:
@@ -313,7 +401,10 @@ async def vllm_side(args: argparse.Namespace, result: BenchResult) -> AsyncItera
             stack.push_async_callback(moved.close)
             return moved
 
-        yield Side(PEER, client, restart, move if args.move else None)
+        def processes() -> list[int]:
+            return [s.process.pid for s in servers if s.process is not None]
+
+        yield Side(PEER, client, restart, move if args.move else None, processes)
 
 
 @asynccontextmanager
@@ -383,7 +474,8 @@ async def vllm_workers_side(args: argparse.Namespace, result: BenchResult) -> As
             await asyncio.to_thread(cluster.stop_instance, busiest)
             return client
 
-        yield Side(WORKERS, client, restart, move if args.move else None)
+        yield Side(WORKERS, client, restart, move if args.move else None,
+                   lambda: cluster_processes(cluster))  # fmt: skip
 
 
 async def _busiest_vllm_worker(bus: Bus) -> str:
@@ -420,7 +512,13 @@ async def kvfabric_side(args: argparse.Namespace, result: BenchResult) -> AsyncI
             await asyncio.to_thread(restart_workers, cluster)
             await cluster.wait_ready(bus, timeout_s=300)
 
-        yield Side(OURS, client, restart)
+        yield Side(OURS, client, restart, processes=lambda: cluster_processes(cluster))
+
+
+def cluster_processes(cluster: Cluster) -> list[int]:
+    """The cluster's service processes and its embedded nats-server."""
+    nats = [cluster.nats.pid] if cluster.nats is not None and cluster.nats.pid else []
+    return [child.process.pid for child in cluster.children] + nats
 
 
 def restart_workers(cluster: Cluster) -> None:
@@ -534,12 +632,14 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     256-token task, and 4 sessions of 2 steps at concurrency 4."""
     defaults = {"sessions": 3, "steps": 5, "context": 1024, "growth": 192, "max_tokens": 48,
                 "concurrency": 4, "concurrent_steps": 3, "think_s": 1.0, "gap_s": 1.5,
-                "together": False, "block": 64, "dtype": "float32", "vllm_cores": "",
+                "mode": "interleaved", "block": 64, "dtype": "float32", "vllm_cores": "",
                 "vllm_workers": True, "move": True}  # fmt: skip
     if quick:
         defaults |= {"sessions": 2, "steps": 3, "context": 256, "growth": 64, "max_tokens": 24,
                      "concurrent_steps": 2}  # fmt: skip
     args = bench_options(defaults, options)
+    if args.mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {args.mode!r}")
     if args.steps < 3:
         raise ValueError("steps must be >= 3: a cold step, a warm one, one after the restart")
     result = BenchResult("peers", quick)
@@ -547,11 +647,13 @@ def run(quick: bool = False, **options: object) -> BenchResult:
         f"{args.sessions} session(s) of {args.steps} steps at batch 1 ({args.steps - 1} before "
         f"the restart) and {args.sessions} more of {args.steps} before it, task "
         f"{args.context} tokens, +{args.growth} a step, {args.max_tokens} new tokens, "
-        + (
-            "each step sent to every side in turn (all up at once, the order rotating) "
-            if args.together
-            else "one side at a time (the others stopped), "
-        )
+        + {
+            "interleaved": "each step sent to every side in turn (all up at once, the order "
+            "rotating; the others' processes stopped meanwhile) ",
+            "together": "each step sent to every side in turn (all up at once, the order "
+            "rotating; the others idle beside it) ",
+            "alone": "one side at a time (the others not started or stopped), ",
+        }[args.mode]
         + f"after {args.gap_s:g} s of quiet; then per side {args.concurrency} fresh sessions of "
         f"{args.concurrent_steps} steps at once, {args.think_s:g} s think time; KV blocks of "
         f"{args.block} tokens and {args.dtype} arithmetic on every side, every vLLM's KV "
@@ -568,19 +670,19 @@ def run(quick: bool = False, **options: object) -> BenchResult:
 
 
 async def _run_sides(args: argparse.Namespace, result: BenchResult) -> dict[str, SideResult]:
-    """Each side started, driven and stopped in turn; `together`: all started (one after
-    another), then driven together."""
+    """`alone`: each side started, driven and stopped in turn; otherwise all started (one
+    after another), then driven together."""
     makers = [vllm_side, *([vllm_workers_side] if args.vllm_workers else []), kvfabric_side]
-    if args.together:
-        async with AsyncExitStack() as stack:
-            sides = [await stack.enter_async_context(make(args, result)) for make in makers]
-            await drive(sides, args)
-    else:
+    if args.mode == "alone":
         sides = []
         for make in makers:
             async with make(args, result) as side:
                 await drive([side], args)
                 sides.append(side)
+    else:
+        async with AsyncExitStack() as stack:
+            sides = [await stack.enter_async_context(make(args, result)) for make in makers]
+            await drive(sides, args)
     return {side.name: side.result for side in sides}
 
 
@@ -608,8 +710,10 @@ def main() -> None:
     )
     parser.add_argument("--no-vllm-workers", dest="vllm_workers", action="store_false",
                         help="leave out the side of kvfabric with vLLM workers")  # fmt: skip
-    parser.add_argument("--together", action="store_true",
-                        help="every side up at once, each step sent to each in turn")  # fmt: skip
+    parser.add_argument("--mode", default="interleaved", choices=MODES,
+                        help="interleaved: every side up, each step sent to each in turn, the "
+                        "others stopped; alone: one side at a time; together: as interleaved, "
+                        "the others left running")  # fmt: skip
     parser.add_argument("--no-move", dest="move", action="store_false",
                         help="no step on another worker after the restart")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small sizes (CI)")

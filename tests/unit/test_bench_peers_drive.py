@@ -1,15 +1,22 @@
 """`kvfabric bench peers`'s driver (`loadtest.bench_peers.drive`) against fake sides: which
 session's step lands in which list, and in what order around the restart and the move. The
 control sessions take the step that follows the restart before any restart; only the other
-sessions take it after the restart and on another worker."""
+sessions take it after the restart and on another worker. Interleaved, every side but the
+one whose turn it is stays stopped; the process tree it stops is read from /proc (real
+processes)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
+import subprocess
+import time
 from types import SimpleNamespace
 
-from loadtest.bench_peers import PROBE, Side, drive
+import pytest
+
+from loadtest.bench_peers import PROBE, Side, drive, process_state, process_tree, signal_tree
 
 
 class FakeClient:
@@ -39,7 +46,7 @@ def test_controls_take_the_step_before_the_restart_and_the_others_after_it() -> 
     log: list[tuple] = []
     args = argparse.Namespace(sessions=2, steps=3, context=64, growth=16, max_tokens=4,
                               concurrency=1, concurrent_steps=2, think_s=0.0,
-                              gap_s=0.0)  # fmt: skip
+                              gap_s=0.0, mode="interleaved")  # fmt: skip
 
     async def restart() -> None:
         log.append(("restart",))
@@ -66,3 +73,93 @@ def test_controls_take_the_step_before_the_restart_and_the_others_after_it() -> 
     assert sorted(n for _, task, n in before if task in restarted) == [2, 2, 4, 4]
     # Then the same sessions, one step further, on the worker they were moved to.
     assert log[move_at + 1 : move_at + 3] == [("moved", task, last + 2) for task in restarted]
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    return argparse.Namespace(
+        **(
+            {
+                "sessions": 1,
+                "steps": 3,
+                "context": 64,
+                "growth": 16,
+                "max_tokens": 4,
+                "concurrency": 1,
+                "concurrent_steps": 2,
+                "think_s": 0.0,
+                "gap_s": 0.0,
+                "mode": "interleaved",
+            }
+            | kw
+        )
+    )
+
+
+class PausedSide(Side):
+    """A fake side whose pause and resume are logged instead of signalled."""
+
+    def __init__(self, name: str, log: list[tuple], running: set[str], seen: list) -> None:
+        async def restart() -> None:
+            seen.append(set(running))
+
+        super().__init__(name, FakeClient(log, name), restart)  # type: ignore[arg-type]
+        self.log, self.running = log, running
+
+    def pause(self) -> None:
+        self.running.discard(self.name)
+
+    def resume(self) -> None:
+        self.running.add(self.name)
+
+
+@pytest.mark.parametrize(("mode", "alone_when_sent"), [("interleaved", True), ("together", False)])
+def test_interleaved_sides_are_each_sent_to_with_every_other_side_stopped(
+    mode: str, alone_when_sent: bool
+) -> None:
+    log: list[tuple] = []
+    running: set[str] = set()
+    seen: list[set[str]] = []  # what ran at each request and restart
+    sides = [PausedSide(name, log, running, seen) for name in ("a", "b", "c")]
+    for side in sides:
+        create = side.client.create
+
+        async def logged(*, _create=create, **kw: object):  # noqa: ANN202
+            seen.append(set(running))
+            return await _create(**kw)
+
+        side.client.chat.completions.create = logged
+    running.update(side.name for side in sides)  # all started, as _run_sides leaves them
+    asyncio.run(drive(sides, _args(mode=mode)))
+    assert len(seen) > 3 * 5  # probes, steps, restarts, their probes, the concurrent sessions
+    if alone_when_sent:
+        assert all(len(s) == 1 for s in seen), seen
+    else:
+        assert all(s == {"a", "b", "c"} for s in seen), seen
+    # Each side's steps rotate: no side always goes first.
+    firsts = [log[i][0] for i in range(0, 3 * 4, 3)]
+    assert len(set(firsts)) > 1, firsts
+    assert running == {"a", "b", "c"}  # resumed at the end: a stopped process misses SIGTERM
+
+
+def test_a_side_s_process_tree_is_stopped_and_continued_with_its_descendants() -> None:
+    # A shell whose child is a sleep: the tree holds both, and both stop and continue.
+    shell = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
+    side = Side("s", None, None, processes=lambda: [shell.pid])  # type: ignore[arg-type]
+    try:
+        deadline = time.monotonic() + 10
+        while len(tree := process_tree([shell.pid])) < 2:
+            assert time.monotonic() < deadline, "the shell's child never appeared"
+            time.sleep(0.02)
+        assert tree[0] == shell.pid and len(tree) == 2
+        assert process_tree([shell.pid + 10**7]) == [shell.pid + 10**7]  # no such process
+        assert process_state(shell.pid + 10**7) == "X"
+        side.pause()  # returns once both are stopped
+        assert [process_state(pid) for pid in tree] == ["T", "T"]
+        side.resume()
+        deadline = time.monotonic() + 10
+        while any(process_state(pid) == "T" for pid in tree):
+            assert time.monotonic() < deadline, "still stopped 10 s after SIGCONT"
+            time.sleep(0.01)
+    finally:
+        signal_tree([shell.pid], signal.SIGKILL)
+        shell.wait()
