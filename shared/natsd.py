@@ -53,6 +53,7 @@ class NatsServer:
         jetstream: bool = True,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         monitor_port: int | None = None,
+        max_file_store_bytes: int | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.host = host
@@ -60,6 +61,9 @@ class NatsServer:
         self.jetstream = jetstream
         self.max_payload_bytes = max_payload_bytes
         self.monitor_port = monitor_port
+        # JetStream's file-store ceiling; None: the server's default, 75% of the disk's free
+        # space. A stream's max_bytes is reserved from it when the stream is created.
+        self.max_file_store_bytes = max_file_store_bytes
         self.log_path = self.state_dir / "nats-server.log"
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -81,7 +85,10 @@ class NatsServer:
             lines.append(f"http: {self.host}:{self.monitor_port}")
         if self.jetstream:
             store = (self.state_dir / "jetstream").resolve()
-            lines.append(f'jetstream {{ store_dir: "{store}" }}')
+            limit = (
+                f", max_file_store: {self.max_file_store_bytes}" if self.max_file_store_bytes else ""
+            )
+            lines.append(f'jetstream {{ store_dir: "{store}"{limit} }}')
         path = self.state_dir / "nats-server.conf"
         path.write_text("\n".join(lines) + "\n")
         return path

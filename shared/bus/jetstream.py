@@ -37,6 +37,10 @@ class NoStream(Unavailable):
     """No JetStream stream stores the subject published to."""
 
 
+class StreamRefused(Unavailable):
+    """The server would not create (or update) a stream: its message says why."""
+
+
 # (the message as it came, its stream sequence, what went wrong decoding or handling it)
 OnStreamError = Callable[[RawMessage, int, Exception], Awaitable[None]]
 
@@ -65,9 +69,18 @@ class JetStream:
         )
         js = self._nc.jetstream()
         try:
-            await js.add_stream(config)
-        except nats.js.errors.BadRequestError:
-            await js.update_stream(config)
+            try:
+                await js.add_stream(config)
+            except nats.js.errors.BadRequestError:
+                await js.update_stream(config)
+        except nats.js.errors.APIError as exc:
+            # e.g. 10047 "insufficient storage resources available": a stream's max_bytes is
+            # reserved from the server's max_file_store when it is created.
+            reserve = f" (max_bytes {max_bytes} is reserved from the server's max_file_store)"
+            raise StreamRefused(
+                f"JetStream refused stream {name}: {exc.description or exc!r}"
+                f"{reserve if max_bytes else ''}"
+            ) from None
 
     async def delete_stream(self, name: str) -> bool:
         """Remove a stream and what it holds; False if there was none."""

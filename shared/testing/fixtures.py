@@ -19,6 +19,8 @@ from shared.bus import Bus
 from shared.natsd import NatsServer
 from shared.subjects import DEFAULT_ROOT
 
+SESSION_STORE_BYTES = 1 << 44  # 16 TiB of reservations: streams hold little; it is never used
+
 
 def unique_root() -> str:
     return f"t{uuid.uuid4().hex[:10]}.{DEFAULT_ROOT}"
@@ -26,7 +28,12 @@ def unique_root() -> str:
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    server = NatsServer(Path(tmp_path_factory.mktemp("nats")))
+    # One server for the whole session, a fresh root per test: every kv-index started on a
+    # new root creates an event log whose max_bytes (1 GiB) JetStream reserves for good, so the
+    # default ceiling (75% of the free disk) would refuse streams once enough tests have run.
+    server = NatsServer(
+        Path(tmp_path_factory.mktemp("nats")), max_file_store_bytes=SESSION_STORE_BYTES
+    )
     server.start()
     try:
         yield server

@@ -7,7 +7,10 @@ import asyncio
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -31,31 +34,58 @@ REPO = Path(__file__).resolve().parents[3]
 HASHES = BlockHasher("m", block_size_tokens=4).hashes(range(4 * 30))
 
 
+# Each index process's stderr, read back when an index never answers: a service that failed
+# to start says why instead of leaving a bare timeout.
+_STDERR: dict[subprocess.Popen[bytes], IO[bytes]] = {}
+READY_WAIT_S = 60.0
+
+
 def start_index(
     server: NatsServer, root: str, shard: int = 0, num_shards: int = 1, *extra: str
 ) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
+    stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by stop(), read if it fails
+    process = subprocess.Popen(
         [sys.executable, "-m", "services.kv_index", "--nats-url", server.url, "--root", root,
          "--instance-id", f"kv-index-{shard}", "--shard-id", str(shard),
          "--num-shards", str(num_shards), "--shutdown-grace-s", "2", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=stderr, cwd=REPO,
     )  # fmt: skip
+    _STDERR[process] = stderr
+    return process
+
+
+def _failed() -> str:
+    """Each index process started and not stopped by `stop` that has exited, with the tail
+    of its stderr ('' when none has)."""
+    lines = []
+    for process, stderr in _STDERR.items():
+        if process.poll() is not None:
+            stderr.seek(0)
+            tail = stderr.read()[-3000:].decode(errors="replace")
+            lines.append(f"kv-index pid {process.pid} exited {process.returncode}:\n{tail}")
+    return "\n".join(lines)
 
 
 async def wait_ready(bus: Bus, num_shards: int = 1) -> None:
-    for _ in range(300):
+    deadline = time.monotonic() + READY_WAIT_S
+    while time.monotonic() < deadline:
         try:
             await index_client.match(bus, HASHES[:1], num_shards=num_shards)
             return
         except NoResponders:
+            if failed := _failed():
+                raise AssertionError(f"kv-index failed to start\n{failed}") from None
             await asyncio.sleep(0.1)
-    raise AssertionError("kv-index never answered")
+    raise AssertionError(f"kv-index never answered in {READY_WAIT_S:.0f} s\n{_failed()}")
 
 
 def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
     if process.poll() is None:
         process.send_signal(sig)
         process.wait(timeout=30)
+    stderr = _STDERR.pop(process, None)
+    if stderr is not None:
+        stderr.close()
 
 
 def batch(
@@ -308,3 +338,23 @@ async def test_an_index_that_has_not_replayed_its_log_says_it_is_not_ready(
         assert await prefix(writer, HASHES) == 1
     finally:
         stop(index)
+
+
+async def test_an_event_log_jetstream_cannot_reserve_stops_start_up_with_the_reason(
+    tmp_path: Path, subject_root: str
+) -> None:
+    """JetStream reserves a stream's max_bytes from the server's max_file_store: an index
+    whose event log does not fit exits 1 saying so (not a traceback, not a silent hang)."""
+    with NatsServer(tmp_path / "nats", max_file_store_bytes=512 * 2**20) as small:
+        index = start_index(small, subject_root)  # its log: 1 GiB
+        try:
+            index.wait(timeout=60)
+            failed = _failed()
+        finally:
+            stop(index)
+    assert index.returncode == 1
+    assert "service failed to start" in failed
+    assert "JetStream refused stream" in failed
+    assert "insufficient storage resources available" in failed
+    assert "max_bytes 1073741824 is reserved from the server's max_file_store" in failed
+    assert "Traceback" not in failed
