@@ -61,7 +61,7 @@ def abandon_pings(nc: Client) -> None:
 
 
 async def _log_error(exc: Exception) -> None:
-    log.warning("nats error", error=str(exc))
+    log.warning("nats error", error=str(exc) or type(exc).__name__)  # a timeout says nothing
 
 
 def _log_disconnected(connected: list[Client]) -> Callable[[], Awaitable[None]]:
