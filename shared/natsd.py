@@ -85,10 +85,9 @@ class NatsServer:
             lines.append(f"http: {self.host}:{self.monitor_port}")
         if self.jetstream:
             store = (self.state_dir / "jetstream").resolve()
-            limit = (
-                f", max_file_store: {self.max_file_store_bytes}" if self.max_file_store_bytes else ""
-            )
-            lines.append(f'jetstream {{ store_dir: "{store}"{limit} }}')
+            limit = self.max_file_store_bytes
+            ceiling = f", max_file_store: {limit}" if limit else ""
+            lines.append(f'jetstream {{ store_dir: "{store}"{ceiling} }}')
         path = self.state_dir / "nats-server.conf"
         path.write_text("\n".join(lines) + "\n")
         return path
