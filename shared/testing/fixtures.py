@@ -4,6 +4,8 @@
   through its handle.
 - `subject_root`: a root unique to the test, so tests share one server without crosstalk.
 - `bus_factory`: connects `Bus`es under that root and closes them after the test.
+- `transformers_smollm2`: transformers' SmolLM2-135M-Instruct from the same GGUF, the
+  reference the engine is checked against; loaded once per session.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -64,3 +67,26 @@ async def bus_factory(nats_server: NatsServer, subject_root: str) -> AsyncIterat
     for bus in buses:
         await bus.stop_serving(grace_s=1.0)
         await bus.close()
+
+
+@pytest.fixture(scope="session")
+def transformers_smollm2() -> Any:
+    """transformers' model of SmolLM2-135M-Instruct from our GGUF (dequantized, float32, eager
+    attention), in eval mode; read-only. One load a session: transformers parses the GGUF's
+    metadata twice and maps its tensor names once per tensor, ~38 s here each time."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shared.models import ModelError, model_path
+
+    try:
+        path = model_path("SmolLM2-135M-Instruct")
+    except ModelError as exc:  # `make test` fetches it: a missing file is a broken set-up
+        pytest.fail(str(exc))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_OFFLINE", "1")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32,
+            attn_implementation="eager",
+        )  # fmt: skip
+    return model.eval()

@@ -43,18 +43,12 @@ def prompt(checkpoint: Checkpoint) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint: Checkpoint, prompt: list[int]) -> list[int]:
+def reference(
+    checkpoint: Checkpoint, prompt: list[int], transformers_smollm2: torch.nn.Module
+) -> list[int]:
     """transformers' greedy answer from the same GGUF (dequantized, fp32, eager)."""
-    from transformers import AutoModelForCausalLM
-
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("HF_HUB_OFFLINE", "1")
-        model = AutoModelForCausalLM.from_pretrained(
-            str(checkpoint.path.parent), gguf_file=checkpoint.path.name,
-            dtype=torch.float32, attn_implementation="eager",
-        ).eval()  # fmt: skip
     with torch.no_grad():
-        out = model.generate(
+        out = transformers_smollm2.generate(
             torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
             eos_token_id=list(checkpoint.eos_token_ids()),
         )  # fmt: skip

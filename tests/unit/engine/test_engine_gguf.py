@@ -103,17 +103,8 @@ def smol_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf_smol(smol_path: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("HF_HUB_OFFLINE", "1")
-        return AutoModelForCausalLM.from_pretrained(
-            str(smol_path.parent),
-            gguf_file=smol_path.name,
-            dtype=torch.float32,
-            attn_implementation="eager",
-        ).eval()
+def hf_smol(transformers_smollm2: torch.nn.Module) -> torch.nn.Module:
+    return transformers_smollm2  # shared.testing.fixtures: loaded once a session
 
 
 @pytest.fixture(scope="module")
