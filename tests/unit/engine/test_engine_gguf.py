@@ -103,11 +103,6 @@ def smol_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf_smol(transformers_smollm2: torch.nn.Module) -> torch.nn.Module:
-    return transformers_smollm2  # shared.testing.fixtures: loaded once a session
-
-
-@pytest.fixture(scope="module")
 def hf_smol_tokenizer(smol_path: Path):
     from transformers import AutoTokenizer
 
@@ -131,8 +126,8 @@ def smol_tokenizer(smol_path: Path) -> Tokenizer:
     return Checkpoint(smol_path).tokenizer()
 
 
-def test_smollm2_weights_are_transformers_weights(smol_runner, hf_smol) -> None:
-    ours, ref = smol_runner.model.state_dict(), hf_smol.state_dict()
+def test_smollm2_weights_are_transformers_weights(smol_runner, transformers_smollm2) -> None:
+    ours, ref = smol_runner.model.state_dict(), transformers_smollm2.state_dict()
     ref.pop("lm_head.weight")  # tied: transformers' copy of the embedding
     assert ours.keys() == ref.keys()
     differing = [name for name in ours if not torch.equal(ours[name], ref[name])]
@@ -140,12 +135,12 @@ def test_smollm2_weights_are_transformers_weights(smol_runner, hf_smol) -> None:
 
 
 def test_smollm2_prefill_resume_and_decode_match_transformers(
-    smol_runner, hf_smol, smol_path, smol_tokenizer
+    smol_runner, transformers_smollm2, smol_path, smol_tokenizer
 ) -> None:
     prompt = Checkpoint(smol_path).chat_template().render(TWO_TURNS)
     tokens = smol_tokenizer.encode(prompt).ids
     assert len(tokens) >= 40
-    ref = hf_logits(hf_smol, tokens)
+    ref = hf_logits(transformers_smollm2, tokens)
     assert_logits_close(smol_runner.forward_dense([tokens])[0], ref)
     cold = Sequence(0, tokens)
     assert_logits_close(smol_runner.prefill([cold], return_all_logits=True)[0], ref)
@@ -159,10 +154,12 @@ def test_smollm2_prefill_resume_and_decode_match_transformers(
         assert_logits_close(smol_runner.decode([seq])[0], ref[pos])
 
 
-def test_smollm2_batched_prefill_and_decode_match_transformers(smol_runner, hf_smol) -> None:
+def test_smollm2_batched_prefill_and_decode_match_transformers(
+    smol_runner, transformers_smollm2
+) -> None:
     prompts = [random_tokens(n, seed=n, vocab_size=49152) for n in (30, 13, 5)]
     full = [p + random_tokens(4, seed=100 + i, vocab_size=49152) for i, p in enumerate(prompts)]
-    refs = [hf_logits(hf_smol, t) for t in full]
+    refs = [hf_logits(transformers_smollm2, t) for t in full]
     seqs = [Sequence(10 + i, p) for i, p in enumerate(prompts)]
     for seq, logits, ref in zip(seqs, smol_runner.prefill(seqs), refs, strict=True):
         assert_logits_close(logits, ref[seq.num_tokens - 1])
