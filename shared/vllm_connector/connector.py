@@ -409,19 +409,34 @@ class KvfabricConnector(KVConnectorBase_V1):
 
 
 def converter_for(kv_caches: dict[str, torch.Tensor], block_size: int) -> VllmBlockConverter:
-    """The converter for the kernels vLLM's CPU backend picked for these caches (by dtype,
-    block size and the CPU: the same choice its attention layers make), checked against its
-    own cache-write kernel before any block moves (layout.check_with_kernel)."""
+    """The converter for the kernels vLLM picked for these caches, checked against its own
+    cache-write kernel before any block moves (layout.check_with_kernel):
+    - on its CPU backend, the ISA's (by dtype, block size and the CPU: the same choice its
+      attention layers make), written by `cpu_attn_reshape_and_cache`;
+    - on a GPU, `flash` (FlashAttention, FlashInfer and Triton alike), written by
+      `reshape_and_cache_flash`."""
     from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     first = next(iter(kv_caches.values()))
-    isa = _get_attn_isa(first.dtype, block_size, first.shape[-1] // 2)
-    converter = VllmBlockConverter.of(kv_caches, block_size, isa)
+    if first.device.type == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    def write(key_cache, value_cache, slots, keys, values) -> None:  # noqa: ANN001
-        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
+        kernels = _get_attn_isa(first.dtype, block_size, first.shape[-1] // 2)
 
+        def write(key_cache, value_cache, slots, keys, values) -> None:  # noqa: ANN001
+            ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, kernels)
+
+    else:
+        kernels = "flash"
+        scale = torch.ones((), dtype=torch.float32, device=first.device)  # unquantized
+
+        def write(key_cache, value_cache, slots, keys, values) -> None:  # noqa: ANN001
+            ops.reshape_and_cache_flash(
+                keys, values, key_cache, value_cache, slots, "auto", scale, scale
+            )
+
+    converter = VllmBlockConverter.of(kv_caches, block_size, kernels)
     check_with_kernel(converter, write)
-    log.info("KV layout checked against vLLM's kernel", isa=isa, dtype=str(first.dtype))
+    log.info("KV layout checked against vLLM's kernel", kernels=kernels,
+             dtype=str(first.dtype), device=str(first.device))  # fmt: skip
     return converter

@@ -59,9 +59,13 @@ class BlockLoader:
         layout = converter.layout
         self.blocks_per_part = max(1, min(part_bytes // layout.block_nbytes,
                                           converter.num_blocks))  # fmt: skip
-        # Zero-filled now, so their pages are in memory before the first request needs them.
+        # Zero-filled now, so their pages are in memory before the first request needs them;
+        # pinned for a GPU's caches (one DMA copy each to the device).
+        pinned = converter.device.type == "cuda"
         self._buffers = [
-            torch.zeros((self.blocks_per_part, *layout.block_shape), dtype=layout.dtype)
+            torch.zeros(
+                (self.blocks_per_part, *layout.block_shape), dtype=layout.dtype, pin_memory=pinned
+            )  # fmt: skip
             for _ in range(2)
         ]
 

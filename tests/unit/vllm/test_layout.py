@@ -2,10 +2,12 @@
 CPU backend's kernels fill it (per block and head, the keys transposed -- head_dim rows of B
 tokens -- then B rows of values) gathers to the kvfabric engine's page layout, and scatter
 puts it back bit for bit; layouts, dtypes and block sizes the converter does not know are
-refused at start. The same for the `amx` kernels' tiled layout (bfloat16), and the check
-every connector runs at start against vLLM's cache-write kernel, here against writers of
-each layout written out index by index. (tests/e2e/test_vllm.py runs it against vLLM itself,
-and KV one engine wrote gives the other's from-scratch answer.)"""
+refused at start. The same for the `amx` kernels' tiled layout (bfloat16), for the GPU
+backends' `flash` layout (key then value per token and head, in vLLM's GPU memory order; on
+a CUDA device where there is one), and the check every connector runs at start against
+vLLM's cache-write kernel, here against writers of each layout written out index by index.
+(tests/e2e/test_vllm.py runs it against vLLM's CPU kernels, and KV one engine wrote gives the
+other's from-scratch answer; vLLM's GPU kernel is met only on a GPU cluster.)"""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from shared.vllm_connector.layout import (
     AMX_TILE,
     VllmBlockConverter,
     VllmLayoutError,
+    _probe_like,
     check_with_kernel,
     layer_order,
 )
@@ -94,9 +97,15 @@ def test_scatter_puts_gathered_blocks_back_in_other_blocks() -> None:
 def test_refuses_what_it_does_not_know() -> None:
     with pytest.raises(VllmLayoutError, match="--block-size 64"):
         VllmBlockConverter.of(cpu_caches(), 64)
-    flash = {"model.layers.0.self_attn.attn": torch.zeros(2, BLOCKS, BLOCK, HEADS, DIM)}
-    with pytest.raises(VllmLayoutError, match="CPU backend"):
-        VllmBlockConverter.of(flash, BLOCK)
+    older = {"model.layers.0.self_attn.attn": torch.zeros(2, BLOCKS, BLOCK, HEADS, DIM)}
+    with pytest.raises(VllmLayoutError, match=r"\[num_blocks, num_kv_heads, block_size"):
+        VllmBlockConverter.of(older, BLOCK)  # vLLM's older GPU layout, K and V apart
+    lbnhc = {n: c.transpose(1, 2).contiguous().transpose(1, 2) for n, c in cpu_caches().items()}
+    with pytest.raises(VllmLayoutError, match="not contiguous"):
+        VllmBlockConverter.of(lbnhc, BLOCK, "vec")  # the CPU layouts view memory as it lies
+    fp8 = {n: c.to(torch.float8_e4m3fn) for n, c in cpu_caches().items()}
+    with pytest.raises(VllmLayoutError, match="quantized"):
+        VllmBlockConverter.of(fp8, BLOCK, "flash")
     mixed = cpu_caches()
     mixed["model.layers.1.self_attn.attn"] = torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM + 2)
     with pytest.raises(VllmLayoutError, match="differs"):
@@ -162,3 +171,92 @@ def test_amx_blocks_round_trip_in_bfloat16() -> None:
     for name in source:
         assert torch.equal(target[name][[2, 0, 4]], source[name][[0, 3, 5]])
         assert not target[name][[1, 3, 5]].any()
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def gpu_caches(device: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """As vLLM's GPU model runner allocates them: [blocks, B, heads, 2 * dim] in memory
+    (LBNHC), each a [blocks, heads, B, 2 * dim] view; names out of order on purpose."""
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(
+            BLOCKS, BLOCK, HEADS, 2 * DIM, dtype=dtype, device=device
+        ).transpose(1, 2)
+        for i in (2, 0, 1)
+    }
+
+
+def write_as_gpu_backend(caches: dict[str, torch.Tensor]) -> None:
+    """What reshape_and_cache_flash leaves: key_cache[block, token, head] (and value_cache),
+    the views `cache.transpose(1, 2).split(dim, -1)`, each the head's D values."""
+    for layer, name in enumerate(layer_order(list(caches))):
+        key_cache, value_cache = caches[name].transpose(1, 2).split(DIM, dim=-1)
+        for b in range(BLOCKS):
+            for t in range(BLOCK):
+                for h in range(HEADS):
+                    got = torch.tensor([key(layer, b, h, t, d) for d in range(DIM)])
+                    key_cache[b, t, h] = got
+                    value_cache[b, t, h] = -got
+
+
+def flash_write(key_cache, value_cache, slots, keys, values) -> None:  # noqa: ANN001
+    """reshape_and_cache_flash as its documentation says: token i to slot_mapping[i]."""
+    blocks, offsets = slots // BLOCK, slots % BLOCK
+    key_cache[blocks, offsets] = keys
+    value_cache[blocks, offsets] = values
+
+
+def swapped_write(key_cache, value_cache, slots, keys, values) -> None:  # noqa: ANN001
+    flash_write(value_cache, key_cache, slots, keys, values)  # values first: another layout
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_gather_gives_the_engine_page_layout(device: str) -> None:
+    caches = gpu_caches("cpu")
+    write_as_gpu_backend(caches)  # filled on the host, index by index, then moved
+    caches = {n: c.to(device) for n, c in caches.items()}  # .to keeps the memory order
+    converter = VllmBlockConverter.of(caches, BLOCK, "flash")
+    assert converter.layout == KVBlockLayout(LAYERS, BLOCK, HEADS, DIM, torch.float32)
+    pages = converter.gather([4, 1])
+    assert pages.device.type == "cpu" and pages.is_contiguous()
+    for i, b in enumerate([4, 1]):
+        for layer in range(LAYERS):
+            for h in range(HEADS):
+                for t in (0, 7, BLOCK - 1):
+                    for d in (0, DIM - 1):
+                        assert pages[i, layer, 0, t, h, d] == key(layer, b, h, t, d)
+                        assert pages[i, layer, 1, t, h, d] == -key(layer, b, h, t, d)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_scatter_puts_gathered_blocks_back_in_other_blocks(
+    device: str, dtype: torch.dtype
+) -> None:
+    source = gpu_caches(device, dtype)
+    for i, cache in enumerate(source.values()):
+        noise = torch.randn(cache.shape, generator=torch.Generator().manual_seed(i))
+        cache.copy_(noise.to(dtype))
+    pages = VllmBlockConverter.of(source, BLOCK, "flash").gather([0, 3, 5])
+    target = gpu_caches(device, dtype)
+    if device == "cuda":
+        pages = pages.pin_memory()  # as the loader's buffers are
+    VllmBlockConverter.of(target, BLOCK, "flash").scatter([2, 0, 4], pages)
+    for name in source:
+        assert torch.equal(target[name][[2, 0, 4]], source[name][[0, 3, 5]])
+        assert not target[name][[1, 3, 5]].any()  # nothing else touched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_flash_layout_reads_what_its_kernel_writes_and_no_other(device: str) -> None:
+    converter = VllmBlockConverter.of(gpu_caches(device, torch.bfloat16), BLOCK, "flash")
+    probe = _probe_like(converter.caches[0], 2)  # the check's cache: as vLLM's, 2 blocks
+    assert probe.shape == (2, HEADS, BLOCK, 2 * DIM) and probe.device == converter.device
+    assert probe.transpose(1, 2).is_contiguous() and not probe.any()  # LBNHC, zeroed
+    check_with_kernel(converter, flash_write)
+    with pytest.raises(VllmLayoutError, match="'flash' layout reads them"):
+        check_with_kernel(converter, swapped_write)
+    with pytest.raises(VllmLayoutError, match="'flash' layout reads them"):
+        check_with_kernel(converter, writer(vec_offset))  # the CPU kernel's, on flash caches

@@ -1,6 +1,7 @@
 """The connector's load path without vLLM: real store files read into a cache laid out as
-vLLM's CPU backend lays it out, through the bounded buffer, in parts; a bad slot ends the
-loaded prefix there, and a store whose files were emptied loads nothing."""
+vLLM's CPU backend lays it out, or as its GPU backends do (on the GPU where there is one),
+through the bounded buffer, in parts; a bad slot ends the loaded prefix there, and a store
+whose files were emptied loads nothing."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from shared.vllm_connector.loading import BlockLoader
 from shared.vllm_connector.loop import LoopThread
 
 LAYERS, BLOCKS, HEADS, BLOCK, DIM = 2, 12, 2, 32, 8
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+# (kernels, device): the CPU backend's caches, and the GPU backends' in their memory order
+CACHES = [("vec", "cpu"), ("flash", "cpu"), pytest.param("flash", "cuda", marks=CUDA)]
 
 
 @pytest.fixture
@@ -28,10 +32,14 @@ def loop() -> Iterator[LoopThread]:
     thread.stop()
 
 
-def converter() -> VllmBlockConverter:
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM)
+def converter(kernels: str = "vec", device: str = "cpu") -> VllmBlockConverter:
+    if kernels == "flash":  # vLLM's LBNHC: [blocks, B, heads, 2 * D] in memory
+        shape, order = (BLOCKS, BLOCK, HEADS, 2 * DIM), (0, 2, 1, 3)
+    else:
+        shape, order = (BLOCKS, HEADS, BLOCK, 2 * DIM), (0, 1, 2, 3)
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, device=device).permute(order)
               for i in range(LAYERS)}  # fmt: skip
-    return VllmBlockConverter.of(caches, BLOCK)
+    return VllmBlockConverter.of(caches, BLOCK, kernels)
 
 
 def stored(
@@ -50,11 +58,12 @@ def stored(
     return store, refs
 
 
+@pytest.mark.parametrize(("kernels", "device"), CACHES)
 @pytest.mark.parametrize("part_blocks", [1, 3, 100])
 def test_loads_every_block_in_parts_through_one_buffer(
-    tmp_path: Path, loop: LoopThread, part_blocks: int
+    tmp_path: Path, loop: LoopThread, part_blocks: int, kernels: str, device: str
 ) -> None:
-    conv = converter()
+    conv = converter(kernels, device)
     payloads = torch.randn(7, *conv.layout.block_shape)
     store, refs = stored(tmp_path, loop, payloads)
     loader = BlockLoader(store, conv, loop, part_bytes=part_blocks * conv.layout.block_nbytes)
@@ -63,11 +72,15 @@ def test_loads_every_block_in_parts_through_one_buffer(
     assert loaded.num_blocks == 7
     assert torch.equal(conv.gather(targets), payloads)
     assert loader.blocks_per_part == min(part_blocks, BLOCKS)
+    assert all(b.is_pinned() == (device == "cuda") for b in loader._buffers)  # DMA to a GPU
     store.close()
 
 
-def test_a_bad_slot_ends_the_prefix_there(tmp_path: Path, loop: LoopThread) -> None:
-    conv = converter()
+@pytest.mark.parametrize(("kernels", "device"), CACHES)
+def test_a_bad_slot_ends_the_prefix_there(
+    tmp_path: Path, loop: LoopThread, kernels: str, device: str
+) -> None:
+    conv = converter(kernels, device)
     payloads = torch.randn(6, *conv.layout.block_shape)
     store, refs = stored(tmp_path, loop, payloads)
     refs[4] = SlotRef(refs[4].block_hash, "w0", refs[4].file_id, refs[4].slot,
@@ -98,7 +111,7 @@ class Recorded:
 
     def __init__(self, store: KvStore, conv: VllmBlockConverter, fail_scatter_at: int = -1):
         self.store, self.conv, self.fail_scatter_at = store, conv, fail_scatter_at
-        self.layout, self.num_blocks = conv.layout, conv.num_blocks
+        self.layout, self.num_blocks, self.device = conv.layout, conv.num_blocks, conv.device
         self.events: list[tuple[str, int]] = []
         self.landed: list[int] = []  # parts whose reads ended
 
