@@ -71,6 +71,10 @@ BENCHMARKS = {
                   "place against SDPA"),
         Benchmark("kv", "loadtest.bench_kv",
                   "store GB/s against raw file I/O; NIXL transfers against memcpy"),
+        Benchmark("connector", "loadtest.bench_connector",
+                  "vLLM's paged cache to and from store payloads (its CPU layout here, its "
+                  "GPU layout on a GPU) and a load from the store's files, against one copy "
+                  "of as many bytes"),
         Benchmark("kv-index", "loadtest.bench_kv_index",
                   "match latency, ingest and memory against NVIDIA Dynamo's indexer "
                   "(its own venv, built on demand)", has_peer_option=True),
