@@ -21,7 +21,7 @@ blocks until they are copied out.
 
 Worker side. `start_load_kv` reads the offered slots from the store, synchronously, before
 the forward that needs them, and writes them into vLLM's paged cache (`loading.py`,
-`layout.py`: in parts of 16 MiB through two buffers kept between loads, one part read
+`layout.py`: in parts of 64 MiB through two buffers kept between loads, one part read
 while the one before it is scattered). Every slot is checked (header, hash, length,
 checksum): a bad or evicted slot is a miss, reported through
 `get_block_ids_with_load_errors`, and vLLM recomputes from there -- never wrong KV.
