@@ -192,7 +192,7 @@ def main() -> None:
     parser.add_argument("--model", choices=tuple(MODELS))
     parser.add_argument("--blocks", type=int, help="blocks moved each time (default 30)")
     parser.add_argument("--rounds", type=int, help="timed rounds (default 5)")
-    parser.add_argument("--part-mb", type=int, help="the loader's part in MiB (default: the loader's, 64)")
+    parser.add_argument("--part-mb", type=int, help="the loader's part, MiB (default 64)")
     parser.add_argument("--dir", help="where the store's files go (default: the temp dir)")
     parser.add_argument("--json", type=Path, help="write the result here too")
     parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
