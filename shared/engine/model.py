@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from shared.engine import fused_ops, quant
 from shared.engine.config import ModelConfig
-from shared.engine.layers import Linear, RMSNorm, SwiGLU, project
+from shared.engine.layers import Embedding, Linear, RMSNorm, SwiGLU, project
 from shared.engine.rope import RotaryEmbedding, apply_rotary
 
 
@@ -97,7 +97,7 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
