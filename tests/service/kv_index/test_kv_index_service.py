@@ -32,6 +32,7 @@ from shared.testing.fixtures import BusFactory
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[3]
 HASHES = BlockHasher("m", block_size_tokens=4).hashes(range(4 * 30))
+LONG_PREFIX = BlockHasher("m", block_size_tokens=4).hashes(range(4 * 256))
 
 
 # Each index process's stderr, read back when an index never answers: a service that failed
@@ -316,7 +317,10 @@ async def test_an_index_that_has_not_replayed_its_log_says_it_is_not_ready(
 
     writer = await bus_factory("prefill", "prefill-0")
     await writer.js.ensure_stream(writer.subjects.kv_events_stream, [writer.subjects.kv_events_all])
-    batches = [batch("prefill-0", s, HASHES[:1]) for s in range(1, 10_001)]
+    # 256 blocks a batch: a replay long enough that the index answers discovery before it
+    # ends (with one block a batch it once replayed all 10,000 during its own set-up, and
+    # with 30, one run in six).
+    batches = [batch("prefill-0", s, LONG_PREFIX) for s in range(1, 10_001)]
     for start in range(0, len(batches), 500):
         await asyncio.gather(*(publish(writer, b) for b in batches[start : start + 500]))
     index = start_index(nats_server, subject_root, 0, 1, "--catch-up-timeout-s", "0")
@@ -335,7 +339,7 @@ async def test_an_index_that_has_not_replayed_its_log_says_it_is_not_ready(
         assert again[0].not_ready is None
         assert again[0].metrics["kvfabric_kv_index_event_batches_total"] == 10_000
         assert again[0].metrics["kvfabric_kv_index_log_position"] == 10_000
-        assert await prefix(writer, HASHES) == 1
+        assert await prefix(writer, LONG_PREFIX) == len(LONG_PREFIX)
     finally:
         stop(index)
 
