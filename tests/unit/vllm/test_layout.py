@@ -54,6 +54,34 @@ def write_as_cpu_backend(caches: dict[str, torch.Tensor]) -> None:
                         values[b, h, t, d] = -key(layer, b, h, t, d)
 
 
+def assert_pages_hold_keys(pages: torch.Tensor, blocks: list[int]) -> None:
+    """Gathered pages of `blocks` (written by a backend's writer) hold `key` as K and -`key`
+    as V, at their token, head and dim (sampled)."""
+    for i, b in enumerate(blocks):
+        for layer in range(LAYERS):
+            for h in range(HEADS):
+                for t in (0, 7, BLOCK - 1):
+                    for d in (0, DIM - 1):
+                        assert pages[i, layer, 0, t, h, d] == key(layer, b, h, t, d)
+                        assert pages[i, layer, 1, t, h, d] == -key(layer, b, h, t, d)
+
+
+def assert_round_trip(
+    source: dict[str, torch.Tensor], target: dict[str, torch.Tensor], kernels: str
+) -> torch.Tensor:
+    """Seeded noise in `source`'s blocks 0, 3, 5, gathered and scattered into `target`'s 2, 0,
+    4: those hold the same values, and nothing else in `target` is touched. The pages."""
+    for i, cache in enumerate(source.values()):
+        noise = torch.randn(cache.shape, generator=torch.Generator().manual_seed(i))
+        cache.copy_(noise.to(cache.dtype))
+    pages = VllmBlockConverter.of(source, BLOCK, kernels).gather([0, 3, 5])
+    VllmBlockConverter.of(target, BLOCK, kernels).scatter([2, 0, 4], pages)
+    for name in source:
+        assert torch.equal(target[name][[2, 0, 4]], source[name][[0, 3, 5]])
+        assert not target[name][[1, 3, 5]].any()  # nothing else touched
+    return pages
+
+
 def test_layer_order_follows_the_layer_index_not_the_name() -> None:
     names = ["model.layers.10.self_attn.attn", "model.layers.2.self_attn.attn",
              "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]  # fmt: skip
@@ -71,27 +99,13 @@ def test_gather_gives_the_engine_page_layout() -> None:
     assert converter.layout == KVBlockLayout(LAYERS, BLOCK, HEADS, DIM, torch.float32)
     pages = converter.gather([4, 1])
     assert tuple(pages.shape) == (2, LAYERS, 2, BLOCK, HEADS, DIM) and pages.is_contiguous()
-    for i, b in enumerate([4, 1]):
-        for layer in range(LAYERS):
-            for h in range(HEADS):
-                for t in (0, 7, BLOCK - 1):
-                    for d in (0, DIM - 1):
-                        assert pages[i, layer, 0, t, h, d] == key(layer, b, h, t, d)
-                        assert pages[i, layer, 1, t, h, d] == -key(layer, b, h, t, d)
+    assert_pages_hold_keys(pages, [4, 1])
     # The payload is what the store writes: one block's bytes are layout.block_nbytes.
     assert pages[0].numel() * 4 == converter.layout.block_nbytes
 
 
 def test_scatter_puts_gathered_blocks_back_in_other_blocks() -> None:
-    source = cpu_caches()
-    for i, cache in enumerate(source.values()):
-        cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(i)))
-    pages = VllmBlockConverter.of(source, BLOCK).gather([0, 3, 5])
-    target = cpu_caches()
-    VllmBlockConverter.of(target, BLOCK).scatter([2, 0, 4], pages)
-    for name in source:
-        assert torch.equal(target[name][[2, 0, 4]], source[name][[0, 3, 5]])
-        assert not target[name][[1, 3, 5]].any()  # nothing else touched
+    assert_round_trip(cpu_caches(), cpu_caches(), "vec")
 
 
 def test_refuses_what_it_does_not_know() -> None:
@@ -161,16 +175,8 @@ def test_each_layout_reads_what_its_kernel_writes(isa: str, offset) -> None:  # 
 
 
 def test_amx_blocks_round_trip_in_bfloat16() -> None:
-    source = cpu_caches(torch.bfloat16)
-    for i, cache in enumerate(source.values()):
-        cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(i)))
-    pages = VllmBlockConverter.of(source, BLOCK, "amx").gather([0, 3, 5])
+    pages = assert_round_trip(cpu_caches(torch.bfloat16), cpu_caches(torch.bfloat16), "amx")
     assert pages.dtype == torch.bfloat16
-    target = cpu_caches(torch.bfloat16)
-    VllmBlockConverter.of(target, BLOCK, "amx").scatter([2, 0, 4], pages)
-    for name in source:
-        assert torch.equal(target[name][[2, 0, 4]], source[name][[0, 3, 5]])
-        assert not target[name][[1, 3, 5]].any()
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -221,13 +227,7 @@ def test_flash_gather_gives_the_engine_page_layout(device: str) -> None:
     assert converter.layout == KVBlockLayout(LAYERS, BLOCK, HEADS, DIM, torch.float32)
     pages = converter.gather([4, 1])
     assert pages.device.type == "cpu" and pages.is_contiguous()
-    for i, b in enumerate([4, 1]):
-        for layer in range(LAYERS):
-            for h in range(HEADS):
-                for t in (0, 7, BLOCK - 1):
-                    for d in (0, DIM - 1):
-                        assert pages[i, layer, 0, t, h, d] == key(layer, b, h, t, d)
-                        assert pages[i, layer, 1, t, h, d] == -key(layer, b, h, t, d)
+    assert_pages_hold_keys(pages, [4, 1])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -235,18 +235,7 @@ def test_flash_gather_gives_the_engine_page_layout(device: str) -> None:
 def test_flash_scatter_puts_gathered_blocks_back_in_other_blocks(
     device: str, dtype: torch.dtype
 ) -> None:
-    source = gpu_caches(device, dtype)
-    for i, cache in enumerate(source.values()):
-        noise = torch.randn(cache.shape, generator=torch.Generator().manual_seed(i))
-        cache.copy_(noise.to(dtype))
-    pages = VllmBlockConverter.of(source, BLOCK, "flash").gather([0, 3, 5])
-    target = gpu_caches(device, dtype)
-    if device == "cuda":
-        pages = pages.pin_memory()  # as the loader's buffers are
-    VllmBlockConverter.of(target, BLOCK, "flash").scatter([2, 0, 4], pages)
-    for name in source:
-        assert torch.equal(target[name][[2, 0, 4]], source[name][[0, 3, 5]])
-        assert not target[name][[1, 3, 5]].any()  # nothing else touched
+    assert_round_trip(gpu_caches(device, dtype), gpu_caches(device, dtype), "flash")
 
 
 @pytest.mark.parametrize("device", DEVICES)
