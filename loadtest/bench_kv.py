@@ -22,8 +22,8 @@ Transfer: a receiver process serves its NIXL metadata over a real nats-server; a
 process writes `--batch` blocks into it (scattered: block i to the peer's block n-1-i, so
 NIXL cannot merge them into one run) with a notification, repeated; GB/s from `transfer` to
 DONE. The baseline, interleaved with the transfers in the sender, copies the same blocks
-between two buffers of one process. Run with UCX's default transports and with
-UCX_TLS=tcp,cma. Target: >= 0.5x memcpy.
+between two buffers of one process. Run with UCX_TLS=tcp,cma and with UCX's default
+transports (quick: tcp,cma only). Target: >= 0.5x memcpy.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ SMALL_BLOCK_NBYTES = 98_304  # 64 tokens x 3 full layers x K,V x 2 kv heads x 64
 BIG_BLOCK_NBYTES = 2 << 20  # a big model's block (e.g. 64 tokens x 61 layers x MLA 576 dims)
 RAW_CHUNK_NBYTES = 8 << 20
 RECEIVER_SERVICE = "decode"
+TLS_SETTINGS = ("tcp,cma", None)  # UCX_TLS of each transfer run (None: UCX's default)
 
 
 def say(message: str) -> None:
@@ -221,27 +222,34 @@ def peer(role: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
 
 
 async def run_transfer(
-    url: str, block_nbytes: int, batch: int, repeats: int, result: BenchResult
+    url: str,
+    block_nbytes: int,
+    batch: int,
+    repeats: int,
+    tls_settings: tuple[str | None, ...],
+    result: BenchResult,
 ) -> None:
     nbytes = block_nbytes * batch
     say(f"\n== NIXL UCX write between 2 processes: {batch} scattered blocks x {block_nbytes} B "
         f"= {nbytes / 1e6:.1f} MB per transfer, x{repeats}, memcpy interleaved ==")  # fmt: skip
     # UCX picks its transports from UCX_TLS at start-up. On one host its default moved RMA
     # over TCP here; tcp,cma (cross-memory attach: process_vm_writev) is the fast path.
-    for tls in (None, "tcp,cma"):
+    for tls in tls_settings:
         env = dict(os.environ)
         env.pop("UCX_TLS", None)
         if tls:
             env["UCX_TLS"] = tls
         root = f"bench{len(tls or '')}.kvf.v1"
         args = (url, root, str(block_nbytes), str(batch), str(repeats))
+        # Both start at once (their imports overlap); the sender writes once told to.
         receiver = peer("--receiver", env, *args)
-        sender = None
+        sender = peer("--sender", env, *args)
         try:
             ready = await asyncio.to_thread(receiver.stdout.readline)  # type: ignore[union-attr]
             if ready.strip() != "ready":
                 raise RuntimeError(f"receiver did not start: {ready!r}")
-            sender = peer("--sender", env, *args)
+            sender.stdin.write("go\n")  # type: ignore[union-attr]
+            sender.stdin.flush()  # type: ignore[union-attr]
             line = await asyncio.to_thread(sender.stdout.readline)  # type: ignore[union-attr]
             digest = await asyncio.to_thread(receiver.stdout.readline)  # type: ignore[union-attr]
             ucx_gbps, copy_gbps, sent_digest = line.split()
@@ -252,14 +260,15 @@ async def run_transfer(
                           float(digest.strip() == sent_digest), "bool", 1.0)  # fmt: skip
         finally:
             for proc in (sender, receiver):
-                if proc is not None:
-                    proc.stdin.close()  # type: ignore[union-attr]
-                    proc.wait(timeout=60)
+                proc.stdin.close()  # type: ignore[union-attr]
+                proc.wait(timeout=60)
 
 
 async def sender_main(url: str, root: str, block_nbytes: int, batch: int, repeats: int) -> None:
     """Alternate one NIXL write of the batch to the peer and one in-process copy of the same
-    blocks, so that both see the same machine load; print GB/s of each and a digest."""
+    blocks, so that both see the same machine load; print GB/s of each and a digest. Starts
+    once a line on stdin says the receiver is up."""
+    await asyncio.to_thread(sys.stdin.readline)
     bus = await Bus.connect(url, service="prefill", root=root)
     src = np.random.default_rng(1).integers(0, 256, block_nbytes * batch, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -319,19 +328,21 @@ async def measure(args: argparse.Namespace, result: BenchResult) -> None:
     with tempfile.TemporaryDirectory() as nats_dir, NatsServer(Path(nats_dir)) as server:
         for block_nbytes, repeats in ((SMALL_BLOCK_NBYTES, args.small_repeats),
                                       (BIG_BLOCK_NBYTES, args.big_repeats)):  # fmt: skip
-            await run_transfer(server.url, block_nbytes, args.batch, repeats, result)
+            await run_transfer(server.url, block_nbytes, args.batch, repeats,
+                               TLS_SETTINGS[: args.tls_settings], result)  # fmt: skip
 
 
 def run(quick: bool = False, **options: object) -> BenchResult:
     """Options: the CLI's (small_blocks, big_blocks, batch, rounds, backends, dir). Quick: 200
-    small and 20 big blocks, one round, few transfers."""
+    small and 20 big blocks, one round, few transfers, UCX_TLS=tcp,cma only."""
     defaults = {
         "dir": None, "small_blocks": 2000, "big_blocks": 100, "batch": 100, "rounds": 3,
         "backends": "nixl:POSIX,aiofiles", "small_repeats": 50, "big_repeats": 5,
+        "tls_settings": len(TLS_SETTINGS),
     }  # fmt: skip
-    if quick:
+    if quick:  # transfers with UCX_TLS=tcp,cma only: each run starts two processes (~10 s)
         defaults |= {"small_blocks": 200, "big_blocks": 20, "batch": 20, "rounds": 1,
-                     "small_repeats": 5, "big_repeats": 2}  # fmt: skip
+                     "small_repeats": 5, "big_repeats": 2, "tls_settings": 1}  # fmt: skip
     result = BenchResult("kv", quick)
     asyncio.run(measure(bench_options(defaults, options), result))
     return result.finish()
