@@ -34,8 +34,11 @@ def shorten_idle_spin(seconds: float) -> int:
         return 0
     changed = 0
     for obj in gc.get_objects():
+        # By type, not isinstance: isinstance falls back to `obj.__class__`, which some of
+        # torch's objects compute (with a deprecation warning); over the ~650K objects of a
+        # vLLM model process here that took 3.0 s of every start, against 0.17 s this way.
         if (
-            isinstance(obj, SpinCondition)
+            issubclass(type(obj), SpinCondition)
             and getattr(obj, "is_reader", False)
             and getattr(obj, "busy_loop_s", 0) > seconds
         ):
