@@ -267,8 +267,10 @@ async def run_transfer(
 async def sender_main(url: str, root: str, block_nbytes: int, batch: int, repeats: int) -> None:
     """Alternate one NIXL write of the batch to the peer and one in-process copy of the same
     blocks, so that both see the same machine load; print GB/s of each and a digest. Starts
-    once a line on stdin says the receiver is up."""
-    await asyncio.to_thread(sys.stdin.readline)
+    once a line on stdin says the receiver is up; gone without a word if stdin closes first
+    (the receiver did not start)."""
+    if (await asyncio.to_thread(sys.stdin.readline)).strip() != "go":
+        return
     bus = await Bus.connect(url, service="prefill", root=root)
     src = np.random.default_rng(1).integers(0, 256, block_nbytes * batch, dtype=np.uint8)
     dst = np.zeros_like(src)

@@ -31,13 +31,19 @@ def uninitialized_weights() -> Iterator[None]:
         _UNINITIALIZED.reset(token)
 
 
-class Embedding(nn.Embedding):
+class _LoadedNext(nn.Module):
+    """A layer whose random init is skipped inside `uninitialized_weights`."""
+
     def reset_parameters(self) -> None:
         if not _UNINITIALIZED.get():
-            super().reset_parameters()
+            super().reset_parameters()  # type: ignore[misc]
 
 
-class Linear(nn.Linear):
+class Embedding(_LoadedNext, nn.Embedding):
+    pass
+
+
+class Linear(_LoadedNext, nn.Linear):
     """nn.Linear that may also hold its weight as GGUF blocks (`quant`, set by weights.py):
     decode-sized inputs then go through the block kernel (quant.py; float32 products, in the
     input's dtype). Others go through oneDNN with the weight reordered into its blocked
@@ -46,10 +52,6 @@ class Linear(nn.Linear):
 
     quant: quant.QuantWeight | None = None
     packed: torch.Tensor | None = None
-
-    def reset_parameters(self) -> None:
-        if not _UNINITIALIZED.get():
-            super().reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if quant.use_kernel(self.quant, x):
