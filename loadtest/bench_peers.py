@@ -41,7 +41,10 @@ Measured:
   server, started after the first stops; kvfabric + vLLM workers: the worker that served them
   is stopped and the router sends them to the other): TTFT on another worker;
 - requests/s with `--concurrency` fresh sessions at once (`--think-s` between a session's
-  steps), one side at a time.
+  steps), one side at a time; a request that fails there is counted, with its error, and
+  ends its session (the run goes on).
+A line per step goes to stderr as the run goes. A run that fails keeps its clusters' logs
+(their state directories are temporary) and says where.
 Targets: (c) against (a): warm-step TTFT <= 1x, after a restart <= 0.2x (vLLM's >= 5x ours),
 decode tokens/s >= 0.8x. (b) against (a): warm-step TTFT <= 1.1x; after the restart and on
 another worker <= 0.2x.
@@ -58,6 +61,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -182,7 +186,9 @@ class SideResult:
     same_step_warm: list[Step] = field(default_factory=list)
     moved: list[Step] = field(default_factory=list)  # the next step on another worker
     restart_s: float = 0.0  # until the first request after the restart was answered
-    requests_per_s: float = 0.0
+    requests_per_s: float = 0.0  # answered ones
+    # The concurrent phase's failed requests (each ends its session), as the client saw them.
+    errors: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -272,11 +278,14 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
             if pausing:
                 side.pause()
 
-    async def round_of(index: int, taking: list[Side], into: Callable[[Side], list[Step]]) -> None:
-        """Session `index`'s next step on each side of `taking`, one after another."""
+    async def round_of(index: int, taking: list[Side], into: Callable[[Side], list[Step]],
+                       phase: str) -> None:  # fmt: skip
+        """Session `index`'s next step on each side of `taking`, one after another; one
+        progress line when every side has taken it."""
         nonlocal rounds
         shift = rounds % len(taking)
         rounds += 1
+        took = []
         for side in taking[shift:] + taking[:shift]:
             async with turn(side):
                 await asyncio.sleep(args.gap_s)
@@ -285,6 +294,11 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
                                   args.max_tokens)  # fmt: skip
             into(side).append(step)
             done.append(step.text)
+            took.append(f"{side.name} {step.ttft_s * 1e3:,.0f} ms "
+                        f"({step.cached_tokens}/{step.prompt_tokens} cached)")  # fmt: skip
+        number = len(answers[taking[0].name][index])
+        _say(f"session {index + 1}/{len(sessions)}, step {number} ({phase}), TTFT: "
+             + "; ".join(took))  # fmt: skip
 
     each = ", each step on every side in turn" if len(sides) > 1 else ""
     paused = " (the others stopped)" if pausing else ""
@@ -298,9 +312,10 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
                 await send(side.client, PROBE, 4)
         for index in range(len(sessions)):
             for k in range(args.steps - 1):
-                await round_of(index, sides, lambda s, k=k: s.result.warm if k else s.result.cold)
+                await round_of(index, sides, lambda s, k=k: s.result.warm if k else s.result.cold,
+                               "warm" if k else "cold")  # fmt: skip
         for index in controls:
-            await round_of(index, sides, lambda s: s.result.same_step_warm)
+            await round_of(index, sides, lambda s: s.result.same_step_warm, "same step, no restart")
         for side in sides:
             _say(f"{side.name}: restarting the model workers")
             async with turn(side):
@@ -309,7 +324,7 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
                 await _until_answered(side.client)
                 side.result.restart_s = time.perf_counter() - started
         for index in restarted:
-            await round_of(index, sides, lambda s: s.result.after_restart)
+            await round_of(index, sides, lambda s: s.result.after_restart, "after the restart")
         movers = [side for side in sides if side.move is not None]
         for side in movers:
             _say(f"{side.name}: moving the sessions to another worker")
@@ -318,28 +333,40 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
                 clients[side.name] = await side.move()
                 await send(clients[side.name], PROBE, 1)  # untimed: its first-use costs
         for index in restarted if movers else ():
-            await round_of(index, movers, lambda s: s.result.moved)
+            await round_of(index, movers, lambda s: s.result.moved, "on another worker")
         for side in sides:
             _say(f"{side.name}: {args.concurrency} sessions at once")
             async with turn(side):
                 await asyncio.sleep(args.gap_s)
                 started = time.perf_counter()
                 num_done = await asyncio.gather(
-                    *(_session(clients[side.name], s, args) for s in fresh)
+                    *(_session(clients[side.name], s, args, side.result.errors) for s in fresh)
                 )
                 side.result.requests_per_s = sum(num_done) / (time.perf_counter() - started)
+                if side.result.errors:
+                    _say(f"{side.name}: {len(side.result.errors)} request(s) failed at "
+                         f"concurrency: {side.result.errors[0]}")  # fmt: skip
     finally:
         for side in sides:  # stopped processes would not see the SIGTERM that ends them
             if pausing:
                 side.resume()
 
 
-async def _session(client: openai.AsyncOpenAI, session: Session, args: argparse.Namespace) -> int:
+async def _session(
+    client: openai.AsyncOpenAI, session: Session, args: argparse.Namespace, errors: list[str]
+) -> int:
+    """The session's steps answered; a failed one is added to `errors` and ends it (the
+    others go on: an error there is a finding, not a reason to lose the run)."""
     answers: list[str] = []
     for index in range(args.concurrent_steps):
         if index:
             await asyncio.sleep(args.think_s)
-        answers.append((await send(client, session.messages(answers), args.max_tokens)).text)
+        try:
+            step = await send(client, session.messages(answers), args.max_tokens)
+        except openai.APIError as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+            break
+        answers.append(step.text)
     return len(answers)
 
 
@@ -415,6 +442,7 @@ async def _cluster(
     client, an openai client through its ingress, seconds until it was ready)."""
     with tempfile.TemporaryDirectory(prefix="kvf-bench-peers-") as state:
         cluster = Cluster(spec_of(Path(state)))
+        ended = False
         cluster.start()
         try:
             bus = await Bus.connect(cluster.nats_url, service="bench", root=cluster.spec.root)
@@ -425,12 +453,17 @@ async def _cluster(
                 client = _client(cluster.http_urls[0] + "/v1", KEY)
                 try:
                     yield cluster, bus, client, ready_s
+                    ended = True
                 finally:
                     await client.close()
             finally:
                 await bus.close()
         finally:
             cluster.stop()
+            if not ended:  # a failed run: what its services logged outlives the state dir
+                kept = Path(tempfile.mkdtemp(prefix="kvf-bench-peers-logs-"))
+                shutil.copytree(Path(state) / "logs", kept, dirs_exist_ok=True)
+                _say(f"the run failed: the cluster's logs are kept in {kept}")
 
 
 @asynccontextmanager
@@ -600,6 +633,10 @@ def report(
         if r.moved:
             result.figure(f"{side}: cached share on another worker", hit_share(r.moved), "share")
         result.figure(f"{side}: restart until the first answer", r.restart_s, "s")
+        result.figure(f"{side}: failed requests at concurrency {concurrency}", len(r.errors),
+                      "requests")  # fmt: skip
+        if r.errors:
+            result.note(f"{side}: failed at concurrency: " + "; ".join(r.errors))
         # The medians above hide which session paid what: the first step a restarted worker
         # serves has been the slow one (docs/vllm.md).
         for label, steps in (

@@ -14,6 +14,8 @@ import subprocess
 import time
 from types import SimpleNamespace
 
+import httpx
+import openai
 import pytest
 
 from loadtest.bench_peers import PROBE, Side, drive, process_state, process_tree, signal_tree
@@ -73,6 +75,39 @@ def test_controls_take_the_step_before_the_restart_and_the_others_after_it() -> 
     assert sorted(n for _, task, n in before if task in restarted) == [2, 2, 4, 4]
     # Then the same sessions, one step further, on the worker they were moved to.
     assert log[move_at + 1 : move_at + 3] == [("moved", task, last + 2) for task in restarted]
+
+
+class FailingOnce(FakeClient):
+    """Fails the first request that is some session's second step (4 messages), as a
+    server's error mid-stream reaches the SDK; answers every other."""
+
+    failed = False
+
+    async def create(self, *, messages: list[dict], **kw: object):  # noqa: ANN202
+        if len(messages) == 4 and not self.failed:
+            self.failed = True
+            raise openai.APIError("vLLM failed", httpx.Request("POST", "http://x"), body=None)
+        return await super().create(messages=messages, **kw)
+
+
+def test_a_request_failing_at_concurrency_is_counted_and_the_run_goes_on() -> None:
+    # The concurrent phase goes to the client the move returned: it fails one request.
+    log: list[tuple] = []
+    moved = FailingOnce(log, "moved")
+
+    async def restart() -> None:
+        pass
+
+    async def move() -> FakeClient:
+        return moved
+
+    side = Side("a", FakeClient(log, "a"), restart, move)  # type: ignore[arg-type]
+    asyncio.run(drive([side], _args(concurrency=3, concurrent_steps=3)))
+    assert side.result.errors == ["APIError: vLLM failed"]
+    # 3 sessions of 3 steps: the failed one's first step answered, its last not asked.
+    answered = [n for name, _, n in log if name == "moved" and n <= 6]
+    assert sorted(answered) == [2, 2, 2, 4, 4, 6, 6]
+    assert side.result.requests_per_s > 0
 
 
 def _args(**kw: object) -> argparse.Namespace:
