@@ -460,9 +460,10 @@ async def _cluster(
                 await bus.close()
         finally:
             cluster.stop()
-            if not ended:  # a failed run: what its services logged outlives the state dir
+            logs = Path(state) / "logs"
+            if not ended and logs.is_dir():  # a failed run: its logs outlive the state dir
                 kept = Path(tempfile.mkdtemp(prefix="kvf-bench-peers-logs-"))
-                shutil.copytree(Path(state) / "logs", kept, dirs_exist_ok=True)
+                shutil.copytree(logs, kept, dirs_exist_ok=True)
                 _say(f"the run failed: the cluster's logs are kept in {kept}")
 
 
