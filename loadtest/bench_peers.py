@@ -191,6 +191,11 @@ class SideResult:
     errors: list[str] = field(default_factory=list)
 
 
+# SideResult's lists of steps, as the progress lines name them.
+PHASES = {"cold": "cold", "warm": "warm", "same_step_warm": "same step, no restart",
+          "after_restart": "after the restart", "moved": "on another worker"}  # fmt: skip
+
+
 @dataclass
 class Side:
     """One stack under test, started and answering: what `drive` needs of it."""
@@ -278,10 +283,9 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
             if pausing:
                 side.pause()
 
-    async def round_of(index: int, taking: list[Side], into: Callable[[Side], list[Step]],
-                       phase: str) -> None:  # fmt: skip
-        """Session `index`'s next step on each side of `taking`, one after another; one
-        progress line when every side has taken it."""
+    async def round_of(index: int, taking: list[Side], phase: str) -> None:
+        """Session `index`'s next step on each side of `taking`, one after another, into
+        each side's `SideResult.<phase>`; one progress line when every side has taken it."""
         nonlocal rounds
         shift = rounds % len(taking)
         rounds += 1
@@ -292,12 +296,12 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
                 done = answers[side.name][index]
                 step = await send(clients[side.name], sessions[index].messages(done),
                                   args.max_tokens)  # fmt: skip
-            into(side).append(step)
+            getattr(side.result, phase).append(step)
             done.append(step.text)
             took.append(f"{side.name} {step.ttft_s * 1e3:,.0f} ms "
                         f"({step.cached_tokens}/{step.prompt_tokens} cached)")  # fmt: skip
         number = len(answers[taking[0].name][index])
-        _say(f"session {index + 1}/{len(sessions)}, step {number} ({phase}), TTFT: "
+        _say(f"session {index + 1}/{len(sessions)}, step {number} ({PHASES[phase]}), TTFT: "
              + "; ".join(took))  # fmt: skip
 
     each = ", each step on every side in turn" if len(sides) > 1 else ""
@@ -312,10 +316,9 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
                 await send(side.client, PROBE, 4)
         for index in range(len(sessions)):
             for k in range(args.steps - 1):
-                await round_of(index, sides, lambda s, k=k: s.result.warm if k else s.result.cold,
-                               "warm" if k else "cold")  # fmt: skip
+                await round_of(index, sides, "warm" if k else "cold")
         for index in controls:
-            await round_of(index, sides, lambda s: s.result.same_step_warm, "same step, no restart")
+            await round_of(index, sides, "same_step_warm")
         for side in sides:
             _say(f"{side.name}: restarting the model workers")
             async with turn(side):
@@ -324,7 +327,7 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
                 await _until_answered(side.client)
                 side.result.restart_s = time.perf_counter() - started
         for index in restarted:
-            await round_of(index, sides, lambda s: s.result.after_restart, "after the restart")
+            await round_of(index, sides, "after_restart")
         movers = [side for side in sides if side.move is not None]
         for side in movers:
             _say(f"{side.name}: moving the sessions to another worker")
@@ -333,7 +336,7 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
                 clients[side.name] = await side.move()
                 await send(clients[side.name], PROBE, 1)  # untimed: its first-use costs
         for index in restarted if movers else ():
-            await round_of(index, movers, lambda s: s.result.moved, "on another worker")
+            await round_of(index, movers, "moved")
         for side in sides:
             _say(f"{side.name}: {args.concurrency} sessions at once")
             async with turn(side):
