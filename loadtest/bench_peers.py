@@ -43,8 +43,11 @@ Measured:
 - requests/s with `--concurrency` fresh sessions at once (`--think-s` between a session's
   steps), one side at a time; a request that fails there is counted, with its error, and
   ends its session (the run goes on).
-A line per step goes to stderr as the run goes. A run that fails keeps its clusters' logs
-(their state directories are temporary) and says where.
+In `interleaved` mode every vLLM gets a step deadline of a day
+(VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, unless set): vLLM's 300 s counts the minutes a side
+spends stopped, and a side stopped mid-step for longer found its engine dead when resumed.
+A line per step goes to stderr as the run goes. A run that fails, or one where a request
+failed, keeps its clusters' logs (their state directories are temporary) and says where.
 Targets: (c) against (a): warm-step TTFT <= 1x, after a restart <= 0.2x (vLLM's >= 5x ours),
 decode tokens/s >= 0.8x. (b) against (a): warm-step TTFT <= 1.1x; after the restart and on
 another worker <= 0.2x.
@@ -69,7 +72,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +103,13 @@ PROBE = [{"role": "user", "content": "Say hi."}]  # untimed; shares no prefix wi
 VLLM_KV_CACHE_BYTES = 2 << 30  # every vLLM's (the workers' default): three stacks share the RAM
 OURS, WORKERS, PEER = "kvfabric", "kvfabric + vLLM workers", "vLLM"
 MODES = ("interleaved", "alone", "together")  # see the module's docstring
+# vLLM's engine gives each model step a wall-clock deadline (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS,
+# 300 s). A side stopped in `interleaved` mode may be stopped mid-step (its connector's save
+# after a request's last token, for one) for longer than that while another side works; when
+# resumed, its engine finds the deadline passed and dies, and every request after fails.
+# Every vLLM the run starts (the workers' too: they inherit the environment) gets a day
+# (`_vllm_step_deadline`).
+VLLM_STEP_DEADLINE_S = 86400
 
 
 @dataclass(frozen=True)
@@ -439,10 +449,11 @@ async def vllm_side(args: argparse.Namespace, result: BenchResult) -> AsyncItera
 
 @asynccontextmanager
 async def _cluster(
-    spec_of: Callable[[Path], ClusterSpec], timeout_s: float
+    spec_of: Callable[[Path], ClusterSpec], timeout_s: float, side: SideResult
 ) -> AsyncIterator[tuple[Cluster, Bus, openai.AsyncOpenAI, float]]:
     """A cluster of `spec_of(state_dir)` started, answering and stopped: (cluster, a bus
-    client, an openai client through its ingress, seconds until it was ready)."""
+    client, an openai client through its ingress, seconds until it was ready). Its logs are
+    kept where the run failed or `side` counted a failed request."""
     with tempfile.TemporaryDirectory(prefix="kvf-bench-peers-") as state:
         cluster = Cluster(spec_of(Path(state)))
         ended = False
@@ -464,10 +475,11 @@ async def _cluster(
         finally:
             cluster.stop()
             logs = Path(state) / "logs"
-            if not ended and logs.is_dir():  # a failed run: its logs outlive the state dir
+            if (not ended or side.errors) and logs.is_dir():  # they outlive the state dir
                 kept = Path(tempfile.mkdtemp(prefix="kvf-bench-peers-logs-"))
                 shutil.copytree(logs, kept, dirs_exist_ok=True)
-                _say(f"the run failed: the cluster's logs are kept in {kept}")
+                what = "requests failed" if ended else "the run failed"
+                _say(f"{what}: the cluster's logs are kept in {kept}")
 
 
 @asynccontextmanager
@@ -487,7 +499,8 @@ async def vllm_workers_side(args: argparse.Namespace, result: BenchResult) -> As
                                       "--kv-cache-bytes", str(VLLM_KV_CACHE_BYTES)]},
         )  # fmt: skip
 
-    async with _cluster(spec_of, timeout_s=900) as (cluster, bus, client, ready_s):
+    side = SideResult()
+    async with _cluster(spec_of, 900, side) as (cluster, bus, client, ready_s):
         workers = [i for i, _ in cluster.spec.instances(VLLM_WORKER)]
         cores = []
         for instance_id in workers:
@@ -512,7 +525,7 @@ async def vllm_workers_side(args: argparse.Namespace, result: BenchResult) -> As
             return client
 
         yield Side(WORKERS, client, restart, move if args.move else None,
-                   lambda: cluster_processes(cluster))  # fmt: skip
+                   lambda: cluster_processes(cluster), side)  # fmt: skip
 
 
 async def _busiest_vllm_worker(bus: Bus) -> str:
@@ -539,7 +552,8 @@ async def kvfabric_side(args: argparse.Namespace, result: BenchResult) -> AsyncI
             extra_args={PREFILL: worker_args, DECODE: worker_args},
         )  # fmt: skip
 
-    async with _cluster(spec_of, timeout_s=300) as (cluster, bus, client, ready_s):
+    side = SideResult()
+    async with _cluster(spec_of, 300, side) as (cluster, bus, client, ready_s):
         threads = [f"{i.instance_id} {i.metadata.get('num_threads', '?')}"
                    for i in await discover(bus) if i.service in (PREFILL, DECODE)]  # fmt: skip
         result.note(f"kvfabric: ready {ready_s:.0f} s after start; torch threads (cores shared "
@@ -549,7 +563,8 @@ async def kvfabric_side(args: argparse.Namespace, result: BenchResult) -> AsyncI
             await asyncio.to_thread(restart_workers, cluster)
             await cluster.wait_ready(bus, timeout_s=300)
 
-        yield Side(OURS, client, restart, processes=lambda: cluster_processes(cluster))
+        yield Side(OURS, client, restart, processes=lambda: cluster_processes(cluster),
+                   result=side)  # fmt: skip
 
 
 def cluster_processes(cluster: Cluster) -> list[int]:
@@ -714,17 +729,37 @@ async def _run_sides(args: argparse.Namespace, result: BenchResult) -> dict[str,
     """`alone`: each side started, driven and stopped in turn; otherwise all started (one
     after another), then driven together."""
     makers = [vllm_side, *([vllm_workers_side] if args.vllm_workers else []), kvfabric_side]
-    if args.mode == "alone":
-        sides = []
-        for make in makers:
-            async with make(args, result) as side:
-                await drive([side], args)
-                sides.append(side)
-    else:
-        async with AsyncExitStack() as stack:
-            sides = [await stack.enter_async_context(make(args, result)) for make in makers]
-            await drive(sides, args)
+    with _vllm_step_deadline(args, result):
+        if args.mode == "alone":
+            sides = []
+            for make in makers:
+                async with make(args, result) as side:
+                    await drive([side], args)
+                    sides.append(side)
+        else:
+            async with AsyncExitStack() as stack:
+                sides = [await stack.enter_async_context(make(args, result)) for make in makers]
+                await drive(sides, args)
     return {side.name: side.result for side in sides}
+
+
+@contextlib.contextmanager
+def _vllm_step_deadline(args: argparse.Namespace, result: BenchResult) -> Iterator[None]:
+    """In `interleaved` mode, VLLM_STEP_DEADLINE_S in the environment every vLLM inherits
+    (unless set already), for the run."""
+    name = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
+    if args.mode != "interleaved" or name in os.environ:
+        yield
+        return
+    os.environ[name] = str(VLLM_STEP_DEADLINE_S)
+    result.note(
+        f"every vLLM's step deadline ({name}) {VLLM_STEP_DEADLINE_S} s: stopped mid-step "
+        "for longer than vLLM's 300 s, a side's engine died when resumed"
+    )
+    try:
+        yield
+    finally:
+        del os.environ[name]
 
 
 def main() -> None:

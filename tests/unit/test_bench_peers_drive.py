@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import subprocess
 import time
@@ -18,7 +19,17 @@ import httpx
 import openai
 import pytest
 
-from loadtest.bench_peers import PROBE, Side, drive, process_state, process_tree, signal_tree
+from loadtest.bench_peers import (
+    PROBE,
+    VLLM_STEP_DEADLINE_S,
+    Side,
+    _vllm_step_deadline,
+    drive,
+    process_state,
+    process_tree,
+    signal_tree,
+)
+from loadtest.results import BenchResult
 
 
 class FakeClient:
@@ -198,3 +209,27 @@ def test_a_side_s_process_tree_is_stopped_and_continued_with_its_descendants() -
     finally:
         signal_tree([shell.pid], signal.SIGKILL)
         shell.wait()
+
+
+@pytest.mark.parametrize("mode", ["interleaved", "alone"])
+def test_interleaved_vllm_gets_a_step_deadline_that_outlasts_its_pauses(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's 300 s step deadline counts the time a side is stopped: an interleaved run puts
+    a day in the environment every vLLM inherits, for the run only, and says so; a value set
+    by the user stays; a run whose sides are never stopped leaves it alone."""
+    name = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
+    monkeypatch.delenv(name, raising=False)
+    result = BenchResult("peers", quick=True)
+    with _vllm_step_deadline(argparse.Namespace(mode=mode), result):
+        inside = os.environ.get(name)
+    assert name not in os.environ
+    if mode == "interleaved":
+        assert inside == str(VLLM_STEP_DEADLINE_S) and VLLM_STEP_DEADLINE_S >= 3600
+        assert any(name in note for note in result.notes)
+    else:
+        assert inside is None and not result.notes
+    monkeypatch.setenv(name, "900")
+    with _vllm_step_deadline(argparse.Namespace(mode=mode), result):
+        assert os.environ[name] == "900"
+    assert os.environ[name] == "900"
