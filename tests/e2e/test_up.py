@@ -1,6 +1,7 @@
 """`kvfabric up` as a subprocess: comes up listing every process's metrics URL, `kvfabric
 status` lists all seven services with those URLs, and SIGINT stops everything it started (no
-child process left behind)."""
+child process left behind). The mock engine where the model is beside the point; `kvfabric
+demo`'s test runs both real models."""
 
 from __future__ import annotations
 
@@ -50,9 +51,9 @@ def _is_alive(pid: int) -> bool:
 def test_up_status_and_clean_stop(tmp_path: Path) -> None:
     root = unique_root()
     up = subprocess.Popen(
-        [KVFABRIC, "up", "--nats-port", "0", "--http-port", "0", "--state-dir", str(tmp_path),
-         "--root", root, "--replicas", "prefill=2,decode=2", "--shutdown-grace-s", "5",
-         "--models", "tiny-coder"],
+        [KVFABRIC, "up", "--engine", "mock", "--nats-port", "0", "--http-port", "0",
+         "--state-dir", str(tmp_path), "--root", root, "--replicas", "prefill=2,decode=2",
+         "--shutdown-grace-s", "5", "--models", "tiny-coder"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
