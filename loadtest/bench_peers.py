@@ -103,13 +103,7 @@ PROBE = [{"role": "user", "content": "Say hi."}]  # untimed; shares no prefix wi
 VLLM_KV_CACHE_BYTES = 2 << 30  # every vLLM's (the workers' default): three stacks share the RAM
 OURS, WORKERS, PEER = "kvfabric", "kvfabric + vLLM workers", "vLLM"
 MODES = ("interleaved", "alone", "together")  # see the module's docstring
-# vLLM's engine gives each model step a wall-clock deadline (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS,
-# 300 s). A side stopped in `interleaved` mode may be stopped mid-step (its connector's save
-# after a request's last token, for one) for longer than that while another side works; when
-# resumed, its engine finds the deadline passed and dies, and every request after fails.
-# Every vLLM the run starts (the workers' too: they inherit the environment) gets a day
-# (`_vllm_step_deadline`).
-VLLM_STEP_DEADLINE_S = 86400
+VLLM_STEP_DEADLINE_S = 86400  # replaces vLLM's 300 s in interleaved runs: `_vllm_step_deadline`
 
 
 @dataclass(frozen=True)
@@ -729,7 +723,7 @@ async def _run_sides(args: argparse.Namespace, result: BenchResult) -> dict[str,
     """`alone`: each side started, driven and stopped in turn; otherwise all started (one
     after another), then driven together."""
     makers = [vllm_side, *([vllm_workers_side] if args.vllm_workers else []), kvfabric_side]
-    with _vllm_step_deadline(args, result):
+    with _vllm_step_deadline(args.mode, result):
         if args.mode == "alone":
             sides = []
             for make in makers:
@@ -744,11 +738,13 @@ async def _run_sides(args: argparse.Namespace, result: BenchResult) -> dict[str,
 
 
 @contextlib.contextmanager
-def _vllm_step_deadline(args: argparse.Namespace, result: BenchResult) -> Iterator[None]:
-    """In `interleaved` mode, VLLM_STEP_DEADLINE_S in the environment every vLLM inherits
-    (unless set already), for the run."""
+def _vllm_step_deadline(mode: str, result: BenchResult) -> Iterator[None]:
+    """In `interleaved` mode, VLLM_STEP_DEADLINE_S in the environment every vLLM the run
+    starts inherits (the vLLM workers' too), unless set already, for the run. A side may be
+    stopped mid-step (its connector's save after a request's last token, for one) for longer
+    than vLLM's 300 s; resumed, its engine found the deadline passed and died."""
     name = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
-    if args.mode != "interleaved" or name in os.environ:
+    if mode != "interleaved" or name in os.environ:
         yield
         return
     os.environ[name] = str(VLLM_STEP_DEADLINE_S)

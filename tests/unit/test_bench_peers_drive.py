@@ -221,7 +221,7 @@ def test_interleaved_vllm_gets_a_step_deadline_that_outlasts_its_pauses(
     name = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
     monkeypatch.delenv(name, raising=False)
     result = BenchResult("peers", quick=True)
-    with _vllm_step_deadline(argparse.Namespace(mode=mode), result):
+    with _vllm_step_deadline(mode, result):
         inside = os.environ.get(name)
     assert name not in os.environ
     if mode == "interleaved":
@@ -230,6 +230,6 @@ def test_interleaved_vllm_gets_a_step_deadline_that_outlasts_its_pauses(
     else:
         assert inside is None and not result.notes
     monkeypatch.setenv(name, "900")
-    with _vllm_step_deadline(argparse.Namespace(mode=mode), result):
+    with _vllm_step_deadline(mode, result):
         assert os.environ[name] == "900"
     assert os.environ[name] == "900"
