@@ -68,14 +68,19 @@ def run(quick: bool = False, **options: Any) -> BenchResult:
             f"protocol must be one of {', '.join(PROTOCOLS)} or both, got {protocol!r}"
         )
     preset = QUICK if quick else REAL_MODEL if engine == "model" else FULL
-    sizes = {name: default if options.get(name) is None else options[name]
-             for name, default in zip(SIZE_NAMES, preset, strict=True)}  # fmt: skip
+    sizes = {
+        name: default if options.get(name) is None else options[name]
+        for name, default in zip(SIZE_NAMES, preset, strict=True)
+    }
     workload = Workload(
-        num_sessions=sizes["sessions"], num_steps=sizes["steps"],
+        num_sessions=sizes["sessions"],
+        num_steps=sizes["steps"],
         initial_context_tokens=sizes["initial_tokens"],
-        growth_tokens_per_step=sizes["growth_tokens"], max_output_tokens=sizes["max_tokens"],
-        think_time_s=options.get("think_time_s", 0.0), seed=options.get("seed", 0),
-    )  # fmt: skip
+        growth_tokens_per_step=sizes["growth_tokens"],
+        max_output_tokens=sizes["max_tokens"],
+        think_time_s=options.get("think_time_s", 0.0),
+        seed=options.get("seed", 0),
+    )
     out_dir = Path(options.get("out") or tempfile.mkdtemp(prefix="kvf-bench-agent-"))
     result = BenchResult("agent", quick)
     asyncio.run(
@@ -87,9 +92,14 @@ def run(quick: bool = False, **options: Any) -> BenchResult:
 
 
 async def _measure(
-    workload: Workload, protocols: tuple[str, ...], concurrency: int, engine: str,
-    out_dir: Path, options: dict[str, Any], result: BenchResult,
-) -> None:  # fmt: skip
+    workload: Workload,
+    protocols: tuple[str, ...],
+    concurrency: int,
+    engine: str,
+    out_dir: Path,
+    options: dict[str, Any],
+    result: BenchResult,
+) -> None:
     base_url = options.get("base_url")
     model = options.get("model") or "tiny-coder"
     cluster = None
@@ -128,8 +138,9 @@ async def _measure(
     result.note(f"wrote bench.json, {len(reports)} report JSON, {len(plots)} PNGs to {out_dir}")
 
 
-async def _start_cluster(workload: Workload, model: str, engine: str, options: dict[str, Any],
-                         out_dir: Path) -> Cluster:  # fmt: skip
+async def _start_cluster(
+    workload: Workload, model: str, engine: str, options: dict[str, Any], out_dir: Path
+) -> Cluster:
     context = Checkpoint(model_path(model)).config().max_position_embeddings
     # The workload's sizes are estimates (within 15% for the bundled tokenizers): room for
     # half again as much.
@@ -138,9 +149,14 @@ async def _start_cluster(workload: Workload, model: str, engine: str, options: d
     if engine == "mock":
         # The mock's only context limit is the one it is given; its blocks are 4 KiB, so
         # 16 MiB store files (preallocated) rather than the model's 256 MiB.
-        worker += ["--mock-speedup", str(options.get("mock_speedup", 1.0)),
-                   "--max-model-len", str(max(context, needed)),
-                   "--store-file-nbytes", str(16 << 20)]  # fmt: skip
+        worker += [
+            "--mock-speedup",
+            str(options.get("mock_speedup", 1.0)),
+            "--max-model-len",
+            str(max(context, needed)),
+            "--store-file-nbytes",
+            str(16 << 20),
+        ]
     elif needed > context:
         raise ValueError(
             f"the workload reaches ~{workload.max_context_tokens} tokens; {model} holds "
@@ -148,11 +164,16 @@ async def _start_cluster(workload: Workload, model: str, engine: str, options: d
         )
     num_workers = options.get("workers", 1)
     spec = ClusterSpec(
-        state_dir=out_dir / "cluster", nats_port=0,  # its logs stay there
-        http_port=0, root=unique_root(), log_level="warning", models=(model,),
+        state_dir=out_dir / "cluster",
+        nats_port=0,  # its logs stay there
+        http_port=0,
+        root=unique_root(),
+        log_level="warning",
+        models=(model,),
         replicas={BILLING: 0, PREFILL: num_workers, DECODE: num_workers},
-        extra_args={PREFILL: worker, DECODE: worker}, dev_api_key=KEY,
-    )  # fmt: skip
+        extra_args={PREFILL: worker, DECODE: worker},
+        dev_api_key=KEY,
+    )
     cluster = Cluster(spec)
     cluster.start()
     try:
@@ -173,8 +194,13 @@ def add_figures(result: BenchResult, label: str, report: AgentReport) -> None:
     overall = summary(report.records)
     cold, warm = first["ttft_s"]["p50"], later["ttft_s"]["p50"]
     if cold is not None and warm is not None:
-        result.ratio(f"{label}: TTFT p50, first step (cold) / later steps (warm)", cold * 1e3,
-                     warm * 1e3, "later steps", "ms")  # fmt: skip
+        result.ratio(
+            f"{label}: TTFT p50, first step (cold) / later steps (warm)",
+            cold * 1e3,
+            warm * 1e3,
+            "later steps",
+            "ms",
+        )
     else:
         result.note(f"{label}: no cold/warm TTFT ratio (a side has no first token)")
     for name, part in (("first step", first), ("later steps", later), ("all steps", overall)):
@@ -200,8 +226,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
     parser.add_argument("--protocol", default="openai", choices=[*PROTOCOLS, "both"])
     for name, full, quick in zip(SIZE_NAMES, FULL, QUICK, strict=True):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name,
-                            help=f"default {full} ({quick} quick)")  # fmt: skip
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=int,
+            dest=name,
+            help=f"default {full} ({quick} quick)",
+        )
     parser.add_argument("--think-time-s", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", help="a served name (default tiny-coder)")

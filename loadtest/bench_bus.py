@@ -148,14 +148,31 @@ async def measure(num_requests: int, num_events: int, trace: bool, result: Bench
             subject = subjects.endpoint("events", f"r{round_id}")
             raw_rates.append(await events_per_s_raw(server.url, subject + "raw", num_events))
             bus_rates.append(await events_per_s_bus(server.url, subject + "bus", num_events))
-    result.ratio("request/reply p50", statistics.median(bus_s) * 1e6,
-                 statistics.median(raw_s) * 1e6, "raw nats-py", "us", 1.3,
-                 lower_is_better=True)  # fmt: skip
-    result.ratio("request/reply p99", percentile(bus_s, 0.99) * 1e6,
-                 percentile(raw_s, 0.99) * 1e6, "raw nats-py", "us",
-                 lower_is_better=True)  # fmt: skip
-    result.ratio("events/s, one publisher and one subscriber", statistics.median(bus_rates),
-                 statistics.median(raw_rates), "raw nats-py", "events/s", 0.8)  # fmt: skip
+    result.ratio(
+        "request/reply p50",
+        statistics.median(bus_s) * 1e6,
+        statistics.median(raw_s) * 1e6,
+        "raw nats-py",
+        "us",
+        1.3,
+        lower_is_better=True,
+    )
+    result.ratio(
+        "request/reply p99",
+        percentile(bus_s, 0.99) * 1e6,
+        percentile(raw_s, 0.99) * 1e6,
+        "raw nats-py",
+        "us",
+        lower_is_better=True,
+    )
+    result.ratio(
+        "events/s, one publisher and one subscriber",
+        statistics.median(bus_rates),
+        statistics.median(raw_rates),
+        "raw nats-py",
+        "events/s",
+        0.8,
+    )
 
 
 def run(

@@ -95,12 +95,21 @@ def measure_moves(converter: VllmBlockConverter, n: int, rounds: int, result: Be
         raise AssertionError("gather did not give back the scattered payloads")
     nbytes = payloads.numel() * payloads.element_size()
     peer = "host-to-device copy" if pinned else "memcpy"
-    result.ratio(f"scatter {n} blocks ({nbytes / 1e6:,.0f} MB)",
-                 median_gbps(nbytes, scatter[1:]), median_gbps(nbytes, copy_in[1:]),
-                 f"one {peer}", "GB/s")  # fmt: skip
+    result.ratio(
+        f"scatter {n} blocks ({nbytes / 1e6:,.0f} MB)",
+        median_gbps(nbytes, scatter[1:]),
+        median_gbps(nbytes, copy_in[1:]),
+        f"one {peer}",
+        "GB/s",
+    )
     peer = "device-to-host copy" if pinned else "memcpy"
-    result.ratio(f"gather {n} blocks", median_gbps(nbytes, gather[1:]),
-                 median_gbps(nbytes, copy_out[1:]), f"one {peer}", "GB/s")  # fmt: skip
+    result.ratio(
+        f"gather {n} blocks",
+        median_gbps(nbytes, gather[1:]),
+        median_gbps(nbytes, copy_out[1:]),
+        f"one {peer}",
+        "GB/s",
+    )
 
 
 def measure_load(  # noqa: PLR0913
@@ -114,16 +123,20 @@ def measure_load(  # noqa: PLR0913
     device, layout = converter.device, converter.layout
     loop = LoopThread("bench-connector")
     config = KvStoreConfig(
-        root_dir=workdir, writer_id="bench", payload_nbytes=layout.block_nbytes,
+        root_dir=workdir,
+        writer_id="bench",
+        payload_nbytes=layout.block_nbytes,
         capacity_bytes=4 * n * layout.block_nbytes,
-        file_nbytes=max(1 << 26, n * layout.block_nbytes), backend="aiofiles",
-    )  # fmt: skip
+        file_nbytes=max(1 << 26, n * layout.block_nbytes),
+        backend="aiofiles",
+    )
     store = KvStore.open(config)
     try:
         payloads = torch.randn((n, *layout.block_shape)).to(layout.dtype)
         raw = payloads.view(torch.uint8).numpy().reshape(n, -1)
-        written = loop.call(store.write_blocks([(7000 + i, memoryview(raw[i]))
-                                                for i in range(n)]), timeout_s=600)  # fmt: skip
+        written = loop.call(
+            store.write_blocks([(7000 + i, memoryview(raw[i])) for i in range(n)]), timeout_s=600
+        )
         refs = [SlotRef(s.block_hash, "bench", s.file_id, s.slot, s.generation) for s in written]
         loader = BlockLoader(store, converter, loop, part_bytes=part_bytes)
         files = sorted((workdir / "bench").glob("*.kvs"))
@@ -148,9 +161,13 @@ def measure_load(  # noqa: PLR0913
             peer.append(timed(read_and_copy, device))
         if loaded[-1].num_blocks != n or not torch.equal(converter.gather(targets), payloads):
             raise AssertionError(f"loaded {loaded[-1].num_blocks} of {n} blocks, or not these")
-        result.ratio(f"load {n} blocks from the store", median_gbps(nbytes, ours[1:]),
-                     median_gbps(nbytes, peer[1:]), "read the files + one copy",
-                     "GB/s")  # fmt: skip
+        result.ratio(
+            f"load {n} blocks from the store",
+            median_gbps(nbytes, ours[1:]),
+            median_gbps(nbytes, peer[1:]),
+            "read the files + one copy",
+            "GB/s",
+        )
         last = loaded[-1]  # where the load's time went: reads not hidden, and scatters
         result.figure("load: waiting for reads", last.read_s * 1000, "ms")
         result.figure("load: scattering", last.scatter_s * 1000, "ms")
@@ -164,8 +181,14 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     """Options: device (cpu, cuda; default cuda where there is one), model (smollm2,
     llama-8b; default by device), blocks, rounds, dir, part_mb (the loader's part, MiB).
     Quick: 4 blocks, 2 rounds."""
-    defaults = {"device": None, "model": None, "blocks": 30, "rounds": 5, "dir": None,
-                "part_mb": PART_BYTES >> 20}  # fmt: skip
+    defaults = {
+        "device": None,
+        "model": None,
+        "blocks": 30,
+        "rounds": 5,
+        "dir": None,
+        "part_mb": PART_BYTES >> 20,
+    }
     args = bench_options(defaults, options, {"blocks": 4, "rounds": 2} if quick else None)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = args.model or ("smollm2" if device.type == "cpu" else "llama-8b")
@@ -173,13 +196,16 @@ def run(quick: bool = False, **options: object) -> BenchResult:
         raise ValueError(f"model {model!r}: known are {', '.join(MODELS)}")
     n, rounds = int(args.blocks), int(args.rounds)
     result = BenchResult("connector", quick)
-    converter = VllmBlockConverter.of(make_caches(model, 2 * n, device), BLOCK,
-                                      "vec" if device.type == "cpu" else "flash")  # fmt: skip
+    converter = VllmBlockConverter.of(
+        make_caches(model, 2 * n, device), BLOCK, "vec" if device.type == "cpu" else "flash"
+    )
     layout = converter.layout
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    result.note(f"{model} on {where}: {layout.num_full_layers} layers x {layout.num_kv_heads} "
-                f"KV heads x {layout.head_dim}, {layout.dtype}; a block is "
-                f"{layout.block_nbytes / 1e6:.2f} MB; {converter.head.name!r} layout")  # fmt: skip
+    result.note(
+        f"{model} on {where}: {layout.num_full_layers} layers x {layout.num_kv_heads} "
+        f"KV heads x {layout.head_dim}, {layout.dtype}; a block is "
+        f"{layout.block_nbytes / 1e6:.2f} MB; {converter.head.name!r} layout"
+    )
     measure_moves(converter, n, rounds, result)
     with tempfile.TemporaryDirectory(prefix="bench-connector-", dir=args.dir) as workdir:
         measure_load(converter, n, rounds, int(args.part_mb) << 20, Path(workdir), result)

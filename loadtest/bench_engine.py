@@ -232,16 +232,31 @@ def bench_decode(  # noqa: ANN001
         )
         total = sum(len(a) for a in ours)
         target = 1.5 if batch_size == 8 else None
-        result.ratio(f"decode tok/s, batch {batch_size}, whole run", ours_tps, hf_tps,
-                     "transformers generate", "tokens/s", target)  # fmt: skip
-        result.ratio(f"decode tok/s, batch {batch_size}, decode phase", decode_tps, hf_decode,
-                     "transformers generate", "tokens/s")  # fmt: skip
-        result.figure(f"greedy sequences identical to transformers', batch {batch_size}",
-                      identical / batch_size, "share", 1.0)  # fmt: skip
-        result.figure(f"tokens equal to transformers', batch {batch_size}", same / total,
-                      "share")  # fmt: skip
-        print(f"batch {batch_size}: ours {ours_tps:.0f} tok/s, transformers {hf_tps:.0f}",
-              flush=True)  # fmt: skip
+        result.ratio(
+            f"decode tok/s, batch {batch_size}, whole run",
+            ours_tps,
+            hf_tps,
+            "transformers generate",
+            "tokens/s",
+            target,
+        )
+        result.ratio(
+            f"decode tok/s, batch {batch_size}, decode phase",
+            decode_tps,
+            hf_decode,
+            "transformers generate",
+            "tokens/s",
+        )
+        result.figure(
+            f"greedy sequences identical to transformers', batch {batch_size}",
+            identical / batch_size,
+            "share",
+            1.0,
+        )
+        result.figure(f"tokens equal to transformers', batch {batch_size}", same / total, "share")
+        print(
+            f"batch {batch_size}: ours {ours_tps:.0f} tok/s, transformers {hf_tps:.0f}", flush=True
+        )
 
 
 def bench_prefix(  # noqa: ANN001
@@ -257,15 +272,23 @@ def bench_prefix(  # noqa: ANN001
     start = time.perf_counter()
     cold = engine.generate([prompt], params)[0]
     cold_s = time.perf_counter() - start
-    result.figure(f"cold prefill of {len(prompt)} tokens (chunks of {args.chunk_tokens})",
-                  len(prompt) / cold_s, "tokens/s")  # fmt: skip
+    result.figure(
+        f"cold prefill of {len(prompt)} tokens (chunks of {args.chunk_tokens})",
+        len(prompt) / cold_s,
+        "tokens/s",
+    )
     if hf is not None:  # transformers' forward over the whole prompt at once (its best case)
         with torch.inference_mode():
             start = time.perf_counter()
             hf(torch.tensor([prompt]), use_cache=False, logits_to_keep=1)
             hf_s = time.perf_counter() - start
-        result.ratio(f"prefill tok/s, {len(prompt)} tokens", len(prompt) / cold_s,
-                     len(prompt) / hf_s, "transformers forward", "tokens/s")  # fmt: skip
+        result.ratio(
+            f"prefill tok/s, {len(prompt)} tokens",
+            len(prompt) / cold_s,
+            len(prompt) / hf_s,
+            "transformers forward",
+            "tokens/s",
+        )
 
     # The cached prefix: blocks in the pool + the window at its end, made off the clock.
     holder = Sequence(10**9, prompt[:num_prefix])
@@ -286,13 +309,24 @@ def bench_prefix(  # noqa: ANN001
     warm_s = time.perf_counter() - start
     runner.release(holder)
     num_suffix = len(prompt) - num_prefix
-    result.figure(f"warm prefill: {num_suffix} tokens computed after {num_prefix} cached "
-                  f"({num_prefix / len(prompt):.0%})", num_suffix / warm_s, "tokens/s")  # fmt: skip
+    result.figure(
+        f"warm prefill: {num_suffix} tokens computed after {num_prefix} cached "
+        f"({num_prefix / len(prompt):.0%})",
+        num_suffix / warm_s,
+        "tokens/s",
+    )
     ideal = len(prompt) / num_suffix
-    result.ratio("prefill speedup after a cached prefix, cold / warm", cold_s / warm_s, ideal,
-                 "the ideal 1 / (1 - hit share)", "x", 0.85)  # fmt: skip
-    result.figure("warm first token equals cold", float(warm_tokens == cold.completion_token_ids),
-                  "bool", 1.0)  # fmt: skip
+    result.ratio(
+        "prefill speedup after a cached prefix, cold / warm",
+        cold_s / warm_s,
+        ideal,
+        "the ideal 1 / (1 - hit share)",
+        "x",
+        0.85,
+    )
+    result.figure(
+        "warm first token equals cold", float(warm_tokens == cold.completion_token_ids), "bool", 1.0
+    )
 
 
 def warm_steps(
@@ -332,36 +366,57 @@ def bench_linears(
         result.note("linear layers: oneDNN cannot pack them here (layers.can_pack); skipped")
         return
     plain = load_model(model_dir, block_kernel=block_kernel, onednn=False)
-    runners = [ModelRunner(m, num_blocks=64, block_size_tokens=BLOCK_SIZE_TOKENS)
-               for m in (plain, packed)]  # fmt: skip
+    runners = [
+        ModelRunner(m, num_blocks=64, block_size_tokens=BLOCK_SIZE_TOKENS) for m in (plain, packed)
+    ]
     num_new, num_cached, (mkl_s, onednn_s), logits = warm_steps(
         runners, ids, packed.config.max_position_embeddings
     )
-    result.ratio(f"warm-step prefill, {num_new} tokens after {num_cached}: oneDNN packed "
-                 "linears vs F.linear", 1 / onednn_s, 1 / mkl_s, "F.linear (MKL)", "steps/s",
-                 1.0)  # fmt: skip
-    result.figure("packed vs F.linear: max |logit difference|",
-                  float((logits[0] - logits[1]).abs().max()), "")  # fmt: skip
+    result.ratio(
+        f"warm-step prefill, {num_new} tokens after {num_cached}: oneDNN packed "
+        "linears vs F.linear",
+        1 / onednn_s,
+        1 / mkl_s,
+        "F.linear (MKL)",
+        "steps/s",
+        1.0,
+    )
+    result.figure(
+        "packed vs F.linear: max |logit difference|", float((logits[0] - logits[1]).abs().max()), ""
+    )
 
 
 def bench_attention(model: CausalLM, ids: list[int], result: BenchResult, quick: bool) -> None:
     """Full layers' attention over the pool in place (shared/kernels/cpu/paged_attention.c) against
     the SDPA path (a gather of the prefix, SDPA's flash kernel twice, a merge): a whole warm
     step, then one layer alone at deeper contexts (not in quick mode)."""
-    runners = [ModelRunner(model, num_blocks=64, block_size_tokens=BLOCK_SIZE_TOKENS,
-                           paged_kernel=kernel) for kernel in (False, True)]  # fmt: skip
+    runners = [
+        ModelRunner(model, num_blocks=64, block_size_tokens=BLOCK_SIZE_TOKENS, paged_kernel=kernel)
+        for kernel in (False, True)
+    ]
     if not paged_attention_serves(runners[1].pool):
-        result.note("attention: shared/kernels/cpu/paged_attention.c does not serve this pool here "
-                    "(it needs AVX-512F, float32 and 64-token blocks); skipped")  # fmt: skip
+        result.note(
+            "attention: shared/kernels/cpu/paged_attention.c does not serve this pool here "
+            "(it needs AVX-512F, float32 and 64-token blocks); skipped"
+        )
         return
     num_new, num_cached, (sdpa_s, kernel_s), logits = warm_steps(
         runners, ids, model.config.max_position_embeddings
     )
-    result.ratio(f"warm-step prefill, {num_new} tokens after {num_cached}: attention over the "
-                 "pool in place vs SDPA", 1 / kernel_s, 1 / sdpa_s, "SDPA flash + merge",
-                 "steps/s", 1.0)  # fmt: skip
-    result.figure("attention in place vs SDPA: max |logit difference|",
-                  float((logits[0] - logits[1]).abs().max()), "")  # fmt: skip
+    result.ratio(
+        f"warm-step prefill, {num_new} tokens after {num_cached}: attention over the "
+        "pool in place vs SDPA",
+        1 / kernel_s,
+        1 / sdpa_s,
+        "SDPA flash + merge",
+        "steps/s",
+        1.0,
+    )
+    result.figure(
+        "attention in place vs SDPA: max |logit difference|",
+        float((logits[0] - logits[1]).abs().max()),
+        "",
+    )
     if quick:
         return
     cfg = model.config
@@ -374,9 +429,13 @@ def bench_attention(model: CausalLM, ids: list[int], result: BenchResult, quick:
 
         def sdpa(num_cached=num_cached, pool=pool, table=table, q=q) -> None:
             keys, values = pool.gather_blocks(0, table)
-            attend_after_prefix(q, keys[:num_cached], values[:num_cached],
-                                keys[num_cached:num_cached + num_new],
-                                values[num_cached:num_cached + num_new])  # fmt: skip
+            attend_after_prefix(
+                q,
+                keys[:num_cached],
+                values[:num_cached],
+                keys[num_cached : num_cached + num_new],
+                values[num_cached : num_cached + num_new],
+            )
 
         def kernel(num_cached=num_cached, pool=pool, table=table, q=q, scratch=scratch) -> None:
             paged_attention(pool, 0, table, num_cached, q, scratch)
@@ -388,9 +447,14 @@ def bench_attention(model: CausalLM, ids: list[int], result: BenchResult, quick:
                 call()
                 times[side].append(time.perf_counter() - start)
         sdpa_s, kernel_s = (statistics.median(t[1:]) for t in times)
-        result.ratio(f"one layer's attention, {num_new} queries after {num_cached} keys: in "
-                     "place vs SDPA", 1 / kernel_s, 1 / sdpa_s, "SDPA flash + merge", "calls/s",
-                     1.0)  # fmt: skip
+        result.ratio(
+            f"one layer's attention, {num_new} queries after {num_cached} keys: in place vs SDPA",
+            1 / kernel_s,
+            1 / sdpa_s,
+            "SDPA flash + merge",
+            "calls/s",
+            1.0,
+        )
 
 
 def run(  # noqa: PLR0913
@@ -459,10 +523,14 @@ def main() -> None:
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--skip-hf-prefill", action="store_true", help="no transformers forward")
-    parser.add_argument("--skip-linears", action="store_true",
-                        help="no oneDNN-packed vs F.linear comparison")  # fmt: skip
-    parser.add_argument("--skip-attention", action="store_true",
-                        help="no in-place paged attention vs SDPA comparison")  # fmt: skip
+    parser.add_argument(
+        "--skip-linears", action="store_true", help="no oneDNN-packed vs F.linear comparison"
+    )
+    parser.add_argument(
+        "--skip-attention",
+        action="store_true",
+        help="no in-place paged attention vs SDPA comparison",
+    )
     parser.add_argument(
         "--no-block-kernel",
         action="store_true",
@@ -470,15 +538,28 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
     args = parser.parse_args()
-    sizes = {} if args.quick else {
-        "batch_sizes": tuple(int(b) for b in args.batch_sizes.split(",")),
-        "new_tokens": args.new_tokens, "prefill_tokens": args.prefill_tokens,
-    }  # fmt: skip
-    run(args.quick, model=args.model, chunk_tokens=args.chunk_tokens,
-        num_threads=args.num_threads, skip_decode=args.skip_decode,
-        skip_prefill=args.skip_prefill, skip_hf_prefill=args.skip_hf_prefill,
-        skip_linears=args.skip_linears, skip_attention=args.skip_attention,
-        block_kernel=not args.no_block_kernel, **sizes).print()  # fmt: skip
+    sizes = (
+        {}
+        if args.quick
+        else {
+            "batch_sizes": tuple(int(b) for b in args.batch_sizes.split(",")),
+            "new_tokens": args.new_tokens,
+            "prefill_tokens": args.prefill_tokens,
+        }
+    )
+    run(
+        args.quick,
+        model=args.model,
+        chunk_tokens=args.chunk_tokens,
+        num_threads=args.num_threads,
+        skip_decode=args.skip_decode,
+        skip_prefill=args.skip_prefill,
+        skip_hf_prefill=args.skip_hf_prefill,
+        skip_linears=args.skip_linears,
+        skip_attention=args.skip_attention,
+        block_kernel=not args.no_block_kernel,
+        **sizes,
+    ).print()
 
 
 if __name__ == "__main__":

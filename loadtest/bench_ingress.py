@@ -79,21 +79,24 @@ async def measure(args: argparse.Namespace, cluster: Cluster, result: BenchResul
     for i in range(args.requests):
         chat = Chat((Message("system", SYSTEM), Message("user", question(i))))
         prompts[i] = tokenizer.encode(chat)
-    result.note(f"prompt tokens: {statistics.mean(len(p) for p in prompts.values()):.0f} on "
-                "average")  # fmt: skip
+    result.note(
+        f"prompt tokens: {statistics.mean(len(p) for p in prompts.values()):.0f} on average"
+    )
 
     async def direct(i: int) -> None:
-        request = build_request(prompts[i], model=MODEL, max_tokens=args.max_tokens,
-                                block_size_tokens=64)  # fmt: skip
+        request = build_request(
+            prompts[i], model=MODEL, max_tokens=args.max_tokens, block_size_tokens=64
+        )
         result = await generate(bus, request)
         assert result.usage is not None
 
     # aiohttp's client, lighter than httpx: this machine's two cores serve the client,
     # ingress and the whole cluster at once, so the client's own CPU shows in the ratio.
     http = aiohttp.ClientSession(
-        url, connector=aiohttp.TCPConnector(limit=args.concurrency),
+        url,
+        connector=aiohttp.TCPConnector(limit=args.concurrency),
         headers={"authorization": f"Bearer {KEY}"},
-    )  # fmt: skip
+    )
 
     async def via_ingress(i: int) -> None:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(i)}]
@@ -123,10 +126,8 @@ async def measure(args: argparse.Namespace, cluster: Cluster, result: BenchResul
     d, g = summary["direct"], summary["ingress"]
     peer = "shared.client straight to the router"
     result.ratio("requests/s through HTTP ingress", g[0], d[0], peer, "requests/s", 0.7)
-    result.ratio("latency p50 through HTTP ingress", g[1], d[1], peer, "ms",
-                 lower_is_better=True)  # fmt: skip
-    result.ratio("latency p99 through HTTP ingress", g[2], d[2], peer, "ms",
-                 lower_is_better=True)  # fmt: skip
+    result.ratio("latency p50 through HTTP ingress", g[1], d[1], peer, "ms", lower_is_better=True)
+    result.ratio("latency p99 through HTTP ingress", g[2], d[2], peer, "ms", lower_is_better=True)
     result.figure("latency ingress adds at p50", g[1] - d[1], "ms", 3.0, lower_is_better=True)
     result.figure("latency ingress adds at p99", g[2] - d[2], "ms")
 
@@ -134,8 +135,13 @@ async def measure(args: argparse.Namespace, cluster: Cluster, result: BenchResul
 def run(quick: bool = False, **options: object) -> BenchResult:
     """Options: the CLI's (requests, concurrency, rounds, max_tokens, mock_speedup). Quick: 40
     requests, one round."""
-    defaults = {"requests": 200, "concurrency": 8, "rounds": 3, "max_tokens": 16,
-                "mock_speedup": 100.0}  # fmt: skip
+    defaults = {
+        "requests": 200,
+        "concurrency": 8,
+        "rounds": 3,
+        "max_tokens": 16,
+        "mock_speedup": 100.0,
+    }
     if quick:
         defaults |= {"requests": 40, "rounds": 1}
     args = bench_options(defaults, options)
@@ -143,10 +149,15 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     mock = ["--engine", "mock", "--mock-speedup", str(args.mock_speedup)]
     with tempfile.TemporaryDirectory(prefix="kvf-bench-ingress-") as tmp:
         spec = ClusterSpec(
-            state_dir=Path(tmp), nats_port=0, http_port=0, root=unique_root(),
-            replicas={BILLING: 0}, models=(MODEL,), log_level="warning",
+            state_dir=Path(tmp),
+            nats_port=0,
+            http_port=0,
+            root=unique_root(),
+            replicas={BILLING: 0},
+            models=(MODEL,),
+            log_level="warning",
             extra_args={PREFILL: mock, DECODE: mock, INGRESS: ["--dev-api-key", KEY]},
-        )  # fmt: skip
+        )
         cluster = Cluster(spec)
         cluster.start()
         try:

@@ -108,8 +108,9 @@ def raw_read(path: Path, nbytes: int) -> float:
 class StoreRun:
     """One store (one backend) holding the benchmark's blocks, rewritten and reread per round."""
 
-    def __init__(self, workdir: Path, backend: str, block_nbytes: int, num_blocks: int,
-                 batch: int) -> None:  # fmt: skip
+    def __init__(
+        self, workdir: Path, backend: str, block_nbytes: int, num_blocks: int, batch: int
+    ) -> None:
         self.root = workdir / f"store-{backend.replace(':', '-')}-{block_nbytes}"
         self.store = KvStore.open(
             KvStoreConfig(
@@ -119,7 +120,7 @@ class StoreRun:
                 capacity_bytes=(num_blocks + 8) * (block_nbytes + 8192),
                 backend=backend,
                 staging_nbytes=batch * (block_nbytes + 4096),
-            )  # fmt: skip
+            )
         )
         self.block_nbytes, self.num_blocks, self.batch = block_nbytes, num_blocks, batch
         self.stored: list[StoredBlock] = []
@@ -160,11 +161,20 @@ class StoreRun:
         return elapsed_s
 
 
-async def run_store(workdir: Path, block_nbytes: int, num_blocks: int, batch: int,  # noqa: PLR0913
-                    backends: list[str], rounds: int, result: BenchResult) -> None:  # fmt: skip
+async def run_store(
+    workdir: Path,
+    block_nbytes: int,
+    num_blocks: int,
+    batch: int,  # noqa: PLR0913
+    backends: list[str],
+    rounds: int,
+    result: BenchResult,
+) -> None:
     nbytes = block_nbytes * num_blocks
-    say(f"\n== store: {num_blocks} blocks x {block_nbytes} B = {nbytes / 1e6:.0f} MB, "
-        f"batches of {batch}, median of {rounds} interleaved rounds ==")  # fmt: skip
+    say(
+        f"\n== store: {num_blocks} blocks x {block_nbytes} B = {nbytes / 1e6:.0f} MB, "
+        f"batches of {batch}, median of {rounds} interleaved rounds =="
+    )
     data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     raw_path = workdir / f"raw-{block_nbytes}.bin"
     runs = {b: StoreRun(workdir, b, block_nbytes, num_blocks, batch) for b in backends}
@@ -172,8 +182,10 @@ async def run_store(workdir: Path, block_nbytes: int, num_blocks: int, batch: in
     times: dict[str, list[float]] = {}
     try:
         for round_index in range(rounds):
-            say(f"  round {round_index + 1}/{rounds}: write + fsync, then per backend: drop "
-                "cache, raw read of its slot file, drop cache, store read ...")  # fmt: skip
+            say(
+                f"  round {round_index + 1}/{rounds}: write + fsync, then per backend: drop "
+                "cache, raw read of its slot file, drop cache, store read ..."
+            )
             times.setdefault("raw write", []).append(raw_write(raw_path, data))
             for backend, run in runs.items():
                 times.setdefault(f"{backend} write", []).append(await run.write(data))
@@ -190,11 +202,20 @@ async def run_store(workdir: Path, block_nbytes: int, num_blocks: int, batch: in
     size = f"{block_nbytes // 1024} KiB blocks"
     for backend in backends:
         write_s, read_s = median[f"{backend} write"], median[f"{backend} read"]
-        result.ratio(f"store write + fsync, {backend}, {size}", gbps(nbytes, write_s),
-                     gbps(nbytes, median["raw write"]), "raw file write", "GB/s")  # fmt: skip
-        result.ratio(f"store read (payload), {backend}, {size}", gbps(nbytes, read_s),
-                     gbps(file_nbytes, median[f"{backend} raw read"]),
-                     "raw read of its slot file", "GB/s")  # fmt: skip
+        result.ratio(
+            f"store write + fsync, {backend}, {size}",
+            gbps(nbytes, write_s),
+            gbps(nbytes, median["raw write"]),
+            "raw file write",
+            "GB/s",
+        )
+        result.ratio(
+            f"store read (payload), {backend}, {size}",
+            gbps(nbytes, read_s),
+            gbps(file_nbytes, median[f"{backend} raw read"]),
+            "raw read of its slot file",
+            "GB/s",
+        )
 
 
 def memcpy_s(src: np.ndarray, dst: np.ndarray, ranges: list[ByteRange], repeats: int) -> float:
@@ -217,8 +238,11 @@ def scatter(block_nbytes: int, batch: int) -> list[ByteRange]:
 def peer(role: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "loadtest.bench_kv", role, *args],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 async def run_transfer(
@@ -230,8 +254,10 @@ async def run_transfer(
     result: BenchResult,
 ) -> None:
     nbytes = block_nbytes * batch
-    say(f"\n== NIXL UCX write between 2 processes: {batch} scattered blocks x {block_nbytes} B "
-        f"= {nbytes / 1e6:.1f} MB per transfer, x{repeats}, memcpy interleaved ==")  # fmt: skip
+    say(
+        f"\n== NIXL UCX write between 2 processes: {batch} scattered blocks x {block_nbytes} B "
+        f"= {nbytes / 1e6:.1f} MB per transfer, x{repeats}, memcpy interleaved =="
+    )
     # UCX picks its transports from UCX_TLS at start-up. On one host its default moved RMA
     # over TCP here; tcp,cma (cross-memory attach: process_vm_writev) is the fast path.
     for tls in tls_settings:
@@ -254,10 +280,19 @@ async def run_transfer(
             digest = await asyncio.to_thread(receiver.stdout.readline)  # type: ignore[union-attr]
             ucx_gbps, copy_gbps, sent_digest = line.split()
             what = f"{batch} x {block_nbytes // 1024} KiB, UCX_TLS={tls or '(default)'}"
-            result.ratio(f"NIXL write between processes, {what}", float(ucx_gbps),
-                         float(copy_gbps), "memcpy in one process", "GB/s")  # fmt: skip
-            result.figure(f"bytes at the peer equal the sent bytes, {what}",
-                          float(digest.strip() == sent_digest), "bool", 1.0)  # fmt: skip
+            result.ratio(
+                f"NIXL write between processes, {what}",
+                float(ucx_gbps),
+                float(copy_gbps),
+                "memcpy in one process",
+                "GB/s",
+            )
+            result.figure(
+                f"bytes at the peer equal the sent bytes, {what}",
+                float(digest.strip() == sent_digest),
+                "bool",
+                1.0,
+            )
         finally:
             for proc in (sender, receiver):
                 proc.stdin.close()  # type: ignore[union-attr]
@@ -321,30 +356,60 @@ async def measure(args: argparse.Namespace, result: BenchResult) -> None:
     else:
         result.note(f"page cache NOT dropped ({why_not}; needs root): reads may be from memory")
     try:
-        for block_nbytes, num_blocks in ((SMALL_BLOCK_NBYTES, args.small_blocks),
-                                         (BIG_BLOCK_NBYTES, args.big_blocks)):  # fmt: skip
-            await run_store(workdir, block_nbytes, num_blocks, args.batch,
-                            args.backends.split(","), args.rounds, result)  # fmt: skip
+        for block_nbytes, num_blocks in (
+            (SMALL_BLOCK_NBYTES, args.small_blocks),
+            (BIG_BLOCK_NBYTES, args.big_blocks),
+        ):
+            await run_store(
+                workdir,
+                block_nbytes,
+                num_blocks,
+                args.batch,
+                args.backends.split(","),
+                args.rounds,
+                result,
+            )
     finally:
         subprocess.run(["rm", "-rf", str(workdir)], check=False)
     with tempfile.TemporaryDirectory() as nats_dir, NatsServer(Path(nats_dir)) as server:
-        for block_nbytes, repeats in ((SMALL_BLOCK_NBYTES, args.small_repeats),
-                                      (BIG_BLOCK_NBYTES, args.big_repeats)):  # fmt: skip
-            await run_transfer(server.url, block_nbytes, args.batch, repeats,
-                               TLS_SETTINGS[: args.tls_settings], result)  # fmt: skip
+        for block_nbytes, repeats in (
+            (SMALL_BLOCK_NBYTES, args.small_repeats),
+            (BIG_BLOCK_NBYTES, args.big_repeats),
+        ):
+            await run_transfer(
+                server.url,
+                block_nbytes,
+                args.batch,
+                repeats,
+                TLS_SETTINGS[: args.tls_settings],
+                result,
+            )
 
 
 def run(quick: bool = False, **options: object) -> BenchResult:
     """Options: the CLI's (small_blocks, big_blocks, batch, rounds, backends, dir). Quick: 200
     small and 20 big blocks, one round, few transfers, UCX_TLS=tcp,cma only."""
     defaults = {
-        "dir": None, "small_blocks": 2000, "big_blocks": 100, "batch": 100, "rounds": 3,
-        "backends": "nixl:POSIX,aiofiles", "small_repeats": 50, "big_repeats": 5,
+        "dir": None,
+        "small_blocks": 2000,
+        "big_blocks": 100,
+        "batch": 100,
+        "rounds": 3,
+        "backends": "nixl:POSIX,aiofiles",
+        "small_repeats": 50,
+        "big_repeats": 5,
         "tls_settings": len(TLS_SETTINGS),
-    }  # fmt: skip
+    }
     if quick:  # transfers with UCX_TLS=tcp,cma only: each run starts two processes (~10 s)
-        defaults |= {"small_blocks": 200, "big_blocks": 20, "batch": 20, "rounds": 1,
-                     "small_repeats": 5, "big_repeats": 2, "tls_settings": 1}  # fmt: skip
+        defaults |= {
+            "small_blocks": 200,
+            "big_blocks": 20,
+            "batch": 20,
+            "rounds": 1,
+            "small_repeats": 5,
+            "big_repeats": 2,
+            "tls_settings": 1,
+        }
     result = BenchResult("kv", quick)
     asyncio.run(measure(bench_options(defaults, options), result))
     return result.finish()

@@ -118,8 +118,11 @@ def write_workload(directory: Path, num_filler_blocks: int, seed: int) -> Worklo
         while turns and event >= (NUM_TURNS - len(turns)) * num_events // NUM_TURNS:
             add(TURNS, turns.pop(0), new_chain=len(turns) == NUM_TURNS - 1)
         start = event * BLOCKS_PER_EVENT
-        add(event % NUM_FILLER_WRITERS, filler[start : start + BLOCKS_PER_EVENT],
-            new_chain=bool(new_chains[event]))  # fmt: skip
+        add(
+            event % NUM_FILLER_WRITERS,
+            filler[start : start + BLOCKS_PER_EVENT],
+            new_chain=bool(new_chains[event]),
+        )
         in_chunk += BLOCKS_PER_EVENT
         if in_chunk >= chunk_blocks:
             flush()
@@ -163,8 +166,9 @@ class Ours:
                 for i, h in enumerate(hashes.tolist())
             )
             event = BlocksStored(tier="ssd", blocks=blocks, parent_block_hash=parent or None)
-            batch = KvEventBatch(writer_id=WRITERS[writer], seq=self.seq[writer], ts_ms=0,
-                                 events=(event,))  # fmt: skip
+            batch = KvEventBatch(
+                writer_id=WRITERS[writer], seq=self.seq[writer], ts_ms=0, events=(event,)
+            )
             out.append(encode(batch))
         return out
 
@@ -197,9 +201,11 @@ class Dynamo:
 
     def __init__(self, python: Path) -> None:
         self.process = subprocess.Popen(
-            [str(python), str(PEER_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [str(python), str(PEER_SCRIPT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
 
     def ask(self, **command: object) -> dict:
         assert self.process.stdin is not None and self.process.stdout is not None
@@ -218,8 +224,9 @@ class Dynamo:
         return reply["wall_s"], reply["cpu_s"]
 
     def match(self, path: Path, count: int, writer: int) -> tuple[list[float], list[float]]:
-        reply = self.ask(op="match", path=str(path), count=count, worker=writer,
-                         expect=PREFIX_BLOCKS)  # fmt: skip
+        reply = self.ask(
+            op="match", path=str(path), count=count, worker=writer, expect=PREFIX_BLOCKS
+        )
         return reply["wall_s"], reply["cpu_s"]
 
     def resident_bytes(self) -> int:
@@ -273,8 +280,15 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def measure_size(result: BenchResult, size: int, dynamo_python: Path | None, num_matches: int,
-                 rounds: int, seed: int, memory: bool) -> None:  # fmt: skip
+def measure_size(
+    result: BenchResult,
+    size: int,
+    dynamo_python: Path | None,
+    num_matches: int,
+    rounds: int,
+    seed: int,
+    memory: bool,
+) -> None:
     label = f"{size / 1e6:g}M" if size >= 1_000_000 else f"{size / 1e3:g}K"
     with tempfile.TemporaryDirectory(prefix="bench-kv-index-") as tmp:
         workload = write_workload(Path(tmp), size, seed)
@@ -309,41 +323,88 @@ def measure_size(result: BenchResult, size: int, dynamo_python: Path | None, num
                 dynamo.close()
         report(result, label, workload.num_blocks, timing, latencies, our_resident, peer_resident)
         if memory:  # the target is at 10M blocks; a smaller table pays its growth steps
-            result.figure(f"memory per indexed block, {label} blocks (tracemalloc)",
-                          bytes_per_block(workload), "bytes", 32 if size >= 10**7 else None,
-                          lower_is_better=True)  # fmt: skip
+            result.figure(
+                f"memory per indexed block, {label} blocks (tracemalloc)",
+                bytes_per_block(workload),
+                "bytes",
+                32 if size >= 10**7 else None,
+                lower_is_better=True,
+            )
 
 
-def report(result: BenchResult, label: str, num_blocks: int, timing: dict,
-           latencies: dict, our_resident: float, peer_resident: float) -> None:  # fmt: skip
+def report(
+    result: BenchResult,
+    label: str,
+    num_blocks: int,
+    timing: dict,
+    latencies: dict,
+    our_resident: float,
+    peer_resident: float,
+) -> None:
     """Ratios where Dynamo was measured (figures of ours alone where not)."""
     peer = "Dynamo RadixTree"
     has_peer = timing["dynamo"][0] > 0
 
-    def compare(name: str, ours: float, theirs: float, unit: str, target: float | None = None,
-                lower: bool = False) -> None:  # fmt: skip
+    def compare(
+        name: str,
+        ours: float,
+        theirs: float,
+        unit: str,
+        target: float | None = None,
+        lower: bool = False,
+    ) -> None:
         if has_peer:
             result.ratio(name, ours, theirs, peer, unit, target, lower_is_better=lower)
         else:
             result.figure(name, ours, unit)
 
     (our_wall, our_cpu), (peer_wall, peer_cpu) = timing["ours"], timing["dynamo"]
-    compare(f"ingest, {label} blocks", num_blocks / our_wall,
-            num_blocks / peer_wall if has_peer else 0, "blocks/s", 1.0)  # fmt: skip
-    compare(f"ingest per CPU-second, {label} blocks", num_blocks / our_cpu,
-            num_blocks / peer_cpu if has_peer else 0, "blocks/s")  # fmt: skip
+    compare(
+        f"ingest, {label} blocks",
+        num_blocks / our_wall,
+        num_blocks / peer_wall if has_peer else 0,
+        "blocks/s",
+        1.0,
+    )
+    compare(
+        f"ingest per CPU-second, {label} blocks",
+        num_blocks / our_cpu,
+        num_blocks / peer_cpu if has_peer else 0,
+        "blocks/s",
+    )
     for writer, how in PREFIXES.items():
         name = f"match {PREFIX_BLOCKS} blocks {how}, {label} blocks"
         walls, cpus = latencies[("ours", writer)]
         peer_walls, peer_cpus = latencies.get(("dynamo", writer), ([0.0], [0.0]))
-        compare(f"{name}: p99", percentile(walls, 0.99) * 1e6,
-                percentile(peer_walls, 0.99) * 1e6, "us", 0.5, lower=True)  # fmt: skip
-        compare(f"{name}: p50", statistics.median(walls) * 1e6,
-                statistics.median(peer_walls) * 1e6, "us", lower=True)  # fmt: skip
-        compare(f"{name}: CPU p99", percentile(cpus, 0.99) * 1e6,
-                percentile(peer_cpus, 0.99) * 1e6, "us", lower=True)  # fmt: skip
-    compare(f"resident memory growth per indexed block, {label} blocks", our_resident,
-            peer_resident, "bytes", lower=True)  # fmt: skip
+        compare(
+            f"{name}: p99",
+            percentile(walls, 0.99) * 1e6,
+            percentile(peer_walls, 0.99) * 1e6,
+            "us",
+            0.5,
+            lower=True,
+        )
+        compare(
+            f"{name}: p50",
+            statistics.median(walls) * 1e6,
+            statistics.median(peer_walls) * 1e6,
+            "us",
+            lower=True,
+        )
+        compare(
+            f"{name}: CPU p99",
+            percentile(cpus, 0.99) * 1e6,
+            percentile(peer_cpus, 0.99) * 1e6,
+            "us",
+            lower=True,
+        )
+    compare(
+        f"resident memory growth per indexed block, {label} blocks",
+        our_resident,
+        peer_resident,
+        "bytes",
+        lower=True,
+    )
 
 
 def run(
@@ -390,8 +451,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20, help="rounds the matches alternate in")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
-    result = run(args.quick, not args.no_peer, tuple(args.sizes) if args.sizes else None,
-                 args.num_matches, args.rounds)  # fmt: skip
+    result = run(
+        args.quick,
+        not args.no_peer,
+        tuple(args.sizes) if args.sizes else None,
+        args.num_matches,
+        args.rounds,
+    )
     result.print()
     if args.json:
         result.write_json(args.json)

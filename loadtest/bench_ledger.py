@@ -40,13 +40,26 @@ def make_rows(num_rows: int) -> list[LedgerRow]:
     rows = []
     for i in range(num_rows):
         finished = t0 + i * 997
-        record = UsageRecord(request_id=f"req-{uuid.uuid4().hex}", api_key_id=f"key-{i % 50}",
-                             model="tiny-coder", num_cache_hit_tokens=74_000 + i % 900,
-                             num_cache_miss_tokens=3_000 + i % 70, num_output_tokens=400 + i % 300,
-                             finish_reason="stop", started_ms=finished - 9000,
-                             finished_ms=finished, account=f"acct-{i % 20}")  # fmt: skip
-        charge = price(book, record.model, finished, record.num_cache_hit_tokens,
-                       record.num_cache_miss_tokens, record.num_output_tokens)  # fmt: skip
+        record = UsageRecord(
+            request_id=f"req-{uuid.uuid4().hex}",
+            api_key_id=f"key-{i % 50}",
+            model="tiny-coder",
+            num_cache_hit_tokens=74_000 + i % 900,
+            num_cache_miss_tokens=3_000 + i % 70,
+            num_output_tokens=400 + i % 300,
+            finish_reason="stop",
+            started_ms=finished - 9000,
+            finished_ms=finished,
+            account=f"acct-{i % 20}",
+        )
+        charge = price(
+            book,
+            record.model,
+            finished,
+            record.num_cache_hit_tokens,
+            record.num_cache_miss_tokens,
+            record.num_output_tokens,
+        )
         rows.append(LedgerRow.of(record, source="decode" if i % 10 else "ingress", charge=charge))
     return rows
 
@@ -114,30 +127,46 @@ def bench_sqlite(rows: list[LedgerRow], size: int, repeat: int, result: BenchRes
     def service(directory: Path) -> float:
         return through_jetstream(records_of(rows), f"sqlite:///{directory}/service.db", size)
 
-    results = medians(repeat, {
-        "bare_executemany": in_fresh_file(bare(multi_row=False)),
-        "bare_multi_row": in_fresh_file(bare(multi_row=True)),
-        "ledger_record": in_fresh_file(ledger),
-        "service": in_fresh_file(service),
-    })  # fmt: skip
+    results = medians(
+        repeat,
+        {
+            "bare_executemany": in_fresh_file(bare(multi_row=False)),
+            "bare_multi_row": in_fresh_file(bare(multi_row=True)),
+            "ledger_record": in_fresh_file(ledger),
+            "service": in_fresh_file(service),
+        },
+    )
     result.figure("sqlite: bare INSERT, executemany", results["bare_executemany"], "rows/s")
-    result.figure("sqlite: bare INSERT, one multi-row per batch", results["bare_multi_row"],
-                  "rows/s")  # fmt: skip
+    result.figure(
+        "sqlite: bare INSERT, one multi-row per batch", results["bare_multi_row"], "rows/s"
+    )
     bare = max(results["bare_executemany"], results["bare_multi_row"])
     report("sqlite", results, bare, "the faster bare INSERT", result)
 
 
-def report(backend: str, results: dict[str, float], bare: float, peer: str,
-           result: BenchResult) -> None:  # fmt: skip
+def report(
+    backend: str, results: dict[str, float], bare: float, peer: str, result: BenchResult
+) -> None:
     result.ratio(f"{backend}: Ledger.record", results["ledger_record"], bare, peer, "rows/s")
-    result.ratio(f"{backend}: JetStream -> UsageConsumer -> ledger", results["service"], bare,
-                 peer, "records/s", 0.5)  # fmt: skip
-    result.figure(f"{backend}: records/s into the ledger per billing process",
-                  results["service"], "records/s", 5000)  # fmt: skip
+    result.ratio(
+        f"{backend}: JetStream -> UsageConsumer -> ledger",
+        results["service"],
+        bare,
+        peer,
+        "records/s",
+        0.5,
+    )
+    result.figure(
+        f"{backend}: records/s into the ledger per billing process",
+        results["service"],
+        "records/s",
+        5000,
+    )
 
 
-def bench_postgres(rows: list[LedgerRow], size: int, repeat: int, url: str,
-                   result: BenchResult) -> None:  # fmt: skip
+def bench_postgres(
+    rows: list[LedgerRow], size: int, repeat: int, url: str, result: BenchResult
+) -> None:
     import psycopg
 
     from shared.testing.postgres import schema_url
@@ -167,11 +196,14 @@ def bench_postgres(rows: list[LedgerRow], size: int, repeat: int, url: str,
 
             return timed(write, rows, size)
 
-    results = medians(repeat, {
-        "bare": bare,
-        "ledger_record": ledger,
-        "service": lambda: through_jetstream(records_of(rows), fresh(), size),
-    })  # fmt: skip
+    results = medians(
+        repeat,
+        {
+            "bare": bare,
+            "ledger_record": ledger,
+            "service": lambda: through_jetstream(records_of(rows), fresh(), size),
+        },
+    )
     report("postgres", results, results["bare"], "bare INSERT, executemany", result)
 
 
@@ -191,11 +223,16 @@ def through_jetstream(records: list[UsageRecord], ledger_url: str, size: int) ->
         await ensure_usage_stream(bus)
         subject = bus.subjects.usage("decode")
         for start in range(0, len(records), 1000):
-            await asyncio.gather(*(bus.js.publish(subject, r, msg_id=r.request_id)
-                                   for r in records[start : start + 1000]))  # fmt: skip
+            await asyncio.gather(
+                *(
+                    bus.js.publish(subject, r, msg_id=r.request_id)
+                    for r in records[start : start + 1000]
+                )
+            )
         ledger = open_ledger(ledger_url)
-        consumer = UsageConsumer(bus, ledger, PriceBook.default(), batch_size=size,
-                                 fetch_timeout_s=0.2)  # fmt: skip
+        consumer = UsageConsumer(
+            bus, ledger, PriceBook.default(), batch_size=size, fetch_timeout_s=0.2
+        )
         await consumer.start()
         started = time.perf_counter()
         task = asyncio.create_task(consumer.run())
@@ -221,12 +258,21 @@ def through_jetstream(records: list[UsageRecord], ledger_url: str, size: int) ->
 
 
 def records_of(rows: list[LedgerRow]) -> list[UsageRecord]:
-    return [UsageRecord(request_id=r.request_id, api_key_id=r.api_key_id, model=r.model,
-                        num_cache_hit_tokens=r.num_cache_hit_tokens,
-                        num_cache_miss_tokens=r.num_cache_miss_tokens,
-                        num_output_tokens=r.num_output_tokens, finish_reason=r.finish_reason,
-                        started_ms=r.started_ms, finished_ms=r.finished_ms, account=r.account)
-            for r in rows]  # fmt: skip
+    return [
+        UsageRecord(
+            request_id=r.request_id,
+            api_key_id=r.api_key_id,
+            model=r.model,
+            num_cache_hit_tokens=r.num_cache_hit_tokens,
+            num_cache_miss_tokens=r.num_cache_miss_tokens,
+            num_output_tokens=r.num_output_tokens,
+            finish_reason=r.finish_reason,
+            started_ms=r.started_ms,
+            finished_ms=r.finished_ms,
+            account=r.account,
+        )
+        for r in rows
+    ]
 
 
 def run(
@@ -244,8 +290,10 @@ def run(
     repeat = repeat or (1 if quick else 3)
     result = BenchResult("ledger", quick)
     rows = make_rows(num_rows)
-    result.note(f"{num_rows:,} rows in batches of {batch_size}, one commit per batch, "
-                f"median of {repeat} interleaved runs")  # fmt: skip
+    result.note(
+        f"{num_rows:,} rows in batches of {batch_size}, one commit per batch, "
+        f"median of {repeat} interleaved runs"
+    )
     if "sqlite" in backends:
         bench_sqlite(rows, batch_size, repeat, result)
     if "postgres" in backends:
@@ -271,13 +319,20 @@ def main() -> None:
     parser.add_argument("--num-rows", type=int, default=None, help="default 20000")
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--repeat", type=int, default=None, help="runs per figure (the median)")
-    parser.add_argument("--backends", nargs="+", choices=["sqlite", "postgres"],
-                        default=["sqlite", "postgres"])  # fmt: skip
+    parser.add_argument(
+        "--backends", nargs="+", choices=["sqlite", "postgres"], default=["sqlite", "postgres"]
+    )
     parser.add_argument("--postgres-url", help="an existing server; else a throwaway one")
     parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
     args = parser.parse_args()
-    run(args.quick, num_rows=args.num_rows, batch_size=args.batch_size, repeat=args.repeat,
-        backends=tuple(args.backends), postgres_url=args.postgres_url).print()  # fmt: skip
+    run(
+        args.quick,
+        num_rows=args.num_rows,
+        batch_size=args.batch_size,
+        repeat=args.repeat,
+        backends=tuple(args.backends),
+        postgres_url=args.postgres_url,
+    ).print()
 
 
 if __name__ == "__main__":

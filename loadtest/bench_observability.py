@@ -66,12 +66,16 @@ def cluster_for(setting: Setting, state_dir: Path, mock_speedup: float) -> Clust
     mock = ["--engine", "mock", "--mock-speedup", str(mock_speedup)]
     traced = setting.is_instrumented
     spec = ClusterSpec(
-        state_dir=state_dir, nats_port=0, http_port=0, root=unique_root(),
-        models=(MODEL,), log_level="warning",
+        state_dir=state_dir,
+        nats_port=0,
+        http_port=0,
+        root=unique_root(),
+        models=(MODEL,),
+        log_level="warning",
         extra_args={PREFILL: mock, DECODE: mock, INGRESS: ["--dev-api-key", KEY]},
         trace_dir=state_dir / "traces" if traced else None,
         trace_sample_ratio=setting.sample_ratio if traced else 1.0,
-    )  # fmt: skip
+    )
     return Cluster(spec)
 
 
@@ -113,9 +117,10 @@ async def measure(args: argparse.Namespace, settings: list[Setting], result: Ben
         await s.cluster.wait_ready(bus, timeout_s=120)
         await bus.close()
         s.http = aiohttp.ClientSession(
-            s.cluster.http_urls[0], connector=aiohttp.TCPConnector(limit=args.concurrency),
+            s.cluster.http_urls[0],
+            connector=aiohttp.TCPConnector(limit=args.concurrency),
             headers={"authorization": f"Bearer {KEY}"},
-        )  # fmt: skip
+        )
     scraper = aiohttp.ClientSession()
     rps: dict[str, list[float]] = {s.name: [] for s in settings}
     latencies: dict[str, list[float]] = {s.name: [] for s in settings}
@@ -149,12 +154,22 @@ async def measure(args: argparse.Namespace, settings: list[Setting], result: Ben
     for s in settings[1:]:
         peer = "the same cluster with nothing exported or scraped"
         target = 0.9 if s.name == "1%" else None
-        result.ratio(f"requests/s, tracing at {s.name} and metrics scraped",
-                     statistics.median(rps[s.name]), base_rps, peer, "requests/s",
-                     target)  # fmt: skip
-        result.ratio(f"latency p50, tracing at {s.name} and metrics scraped",
-                     pct(latencies[s.name], 0.5) * 1e3, base_p50, peer, "ms",
-                     lower_is_better=True)  # fmt: skip
+        result.ratio(
+            f"requests/s, tracing at {s.name} and metrics scraped",
+            statistics.median(rps[s.name]),
+            base_rps,
+            peer,
+            "requests/s",
+            target,
+        )
+        result.ratio(
+            f"latency p50, tracing at {s.name} and metrics scraped",
+            pct(latencies[s.name], 0.5) * 1e3,
+            base_p50,
+            peer,
+            "ms",
+            lower_is_better=True,
+        )
     result.note(
         f"{args.rounds} rounds of {args.requests} streamed requests per cluster at concurrency "
         f"{args.concurrency}, {args.max_tokens} new tokens each (mock engine, speedup "
@@ -180,8 +195,13 @@ def spans_written(trace_dir: Path) -> tuple[int, int]:
 def run(quick: bool = False, **options: object) -> BenchResult:
     """Options: the CLI's (requests, concurrency, rounds, max_tokens, mock_speedup). Quick: 30
     requests, one round."""
-    defaults = {"requests": 200, "concurrency": 8, "rounds": 3, "max_tokens": 16,
-                "mock_speedup": 100.0}  # fmt: skip
+    defaults = {
+        "requests": 200,
+        "concurrency": 8,
+        "rounds": 3,
+        "max_tokens": 16,
+        "mock_speedup": 100.0,
+    }
     if quick:
         defaults |= {"requests": 30, "rounds": 1}
     args = bench_options(defaults, options)
@@ -204,11 +224,14 @@ def run(quick: bool = False, **options: object) -> BenchResult:
             num_spans, num_traces = spans_written(s.cluster.spec.trace_dir)
             if s.sample_ratio == 1.0:
                 if num_traces < sent:
-                    raise RuntimeError(f"tracing at 100% wrote {num_traces} traces for {sent} "
-                                       "requests: the instrumented side did not trace")  # fmt: skip
+                    raise RuntimeError(
+                        f"tracing at 100% wrote {num_traces} traces for {sent} "
+                        "requests: the instrumented side did not trace"
+                    )
                 result.figure("spans per traced request", num_spans / num_traces, "spans")
-            result.note(f"tracing at {s.name}: {num_traces} of {sent} requests traced, "
-                        f"{num_spans} spans")  # fmt: skip
+            result.note(
+                f"tracing at {s.name}: {num_traces} of {sent} requests traced, {num_spans} spans"
+            )
     return result.finish()
 
 

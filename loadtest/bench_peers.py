@@ -128,8 +128,10 @@ def make_sessions(num: int, num_steps: int, context: int, growth: int) -> list[S
     per_session = context + (num_steps - 1) * growth
     stride = len(ids) // num
     if per_session > stride:
-        raise ValueError(f"{num} sessions of {per_session} tokens need more than the "
-                         f"{len(ids)} tokens of {', '.join(STDLIB_FILES)}")  # fmt: skip
+        raise ValueError(
+            f"{num} sessions of {per_session} tokens need more than the "
+            f"{len(ids)} tokens of {', '.join(STDLIB_FILES)}"
+        )
     sessions = []
     for index in range(num):
         piece = ids[index * stride : index * stride + per_session]
@@ -161,9 +163,13 @@ async def send(client: openai.AsyncOpenAI, messages: list[dict[str, str]], max_t
     """One streamed chat completion, timed from the call to the first text and to the end."""
     sent = time.perf_counter()
     stream = await client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        model=MODEL,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     first, text, usage = None, "", None
     async for chunk in stream:
         delta = chunk.choices[0].delta.content if chunk.choices else None
@@ -176,8 +182,9 @@ async def send(client: openai.AsyncOpenAI, messages: list[dict[str, str]], max_t
         raise RuntimeError(f"a stream without {'text' if first is None else 'usage'}")
     details = usage.prompt_tokens_details
     cached = (details.cached_tokens or 0) if details else 0
-    return Step(first - sent, done - sent, text, usage.prompt_tokens, cached,
-                usage.completion_tokens)  # fmt: skip
+    return Step(
+        first - sent, done - sent, text, usage.prompt_tokens, cached, usage.completion_tokens
+    )
 
 
 @dataclass
@@ -196,8 +203,13 @@ class SideResult:
 
 
 # SideResult's lists of steps, as the progress lines name them.
-PHASES = {"cold": "cold", "warm": "warm", "same_step_warm": "same step, no restart",
-          "after_restart": "after the restart", "moved": "on another worker"}  # fmt: skip
+PHASES = {
+    "cold": "cold",
+    "warm": "warm",
+    "same_step_warm": "same step, no restart",
+    "after_restart": "after the restart",
+    "moved": "on another worker",
+}
 
 
 @dataclass
@@ -267,8 +279,12 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
     phase runs one side at a time. `args.mode == "interleaved"`: every side but the one whose
     turn it is stays stopped (`Side.pause`), its quiet gap counted after it resumes."""
     n = args.sessions
-    every = make_sessions(2 * n + args.concurrency, max(args.steps + 1, args.concurrent_steps),
-                          args.context, args.growth)  # fmt: skip
+    every = make_sessions(
+        2 * n + args.concurrency,
+        max(args.steps + 1, args.concurrent_steps),
+        args.context,
+        args.growth,
+    )
     sessions, fresh = every[: 2 * n], every[2 * n :]
     restarted, controls = range(n), range(n, 2 * n)
     answers = {side.name: [[] for _ in sessions] for side in sides}
@@ -298,15 +314,20 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
             async with turn(side):
                 await asyncio.sleep(args.gap_s)
                 done = answers[side.name][index]
-                step = await send(clients[side.name], sessions[index].messages(done),
-                                  args.max_tokens)  # fmt: skip
+                step = await send(
+                    clients[side.name], sessions[index].messages(done), args.max_tokens
+                )
             getattr(side.result, phase).append(step)
             done.append(step.text)
-            took.append(f"{side.name} {step.ttft_s * 1e3:,.0f} ms "
-                        f"({step.cached_tokens}/{step.prompt_tokens} cached)")  # fmt: skip
+            took.append(
+                f"{side.name} {step.ttft_s * 1e3:,.0f} ms "
+                f"({step.cached_tokens}/{step.prompt_tokens} cached)"
+            )
         number = len(answers[taking[0].name][index])
-        _say(f"session {index + 1}/{len(sessions)}, step {number} ({PHASES[phase]}), TTFT: "
-             + "; ".join(took))  # fmt: skip
+        _say(
+            f"session {index + 1}/{len(sessions)}, step {number} ({PHASES[phase]}), TTFT: "
+            + "; ".join(took)
+        )
 
     each = ", each step on every side in turn" if len(sides) > 1 else ""
     paused = " (the others stopped)" if pausing else ""
@@ -351,8 +372,10 @@ async def drive(sides: list[Side], args: argparse.Namespace) -> None:
                 )
                 side.result.requests_per_s = sum(num_done) / (time.perf_counter() - started)
                 if side.result.errors:
-                    _say(f"{side.name}: {len(side.result.errors)} request(s) failed at "
-                         f"concurrency: {side.result.errors[0]}")  # fmt: skip
+                    _say(
+                        f"{side.name}: {len(side.result.errors)} request(s) failed at "
+                        f"concurrency: {side.result.errors[0]}"
+                    )
     finally:
         for side in sides:  # stopped processes would not see the SIGTERM that ends them
             if pausing:
@@ -408,11 +431,18 @@ async def vllm_side(args: argparse.Namespace, result: BenchResult) -> AsyncItera
     # A KV cache of a set size, as each vLLM worker has: its default (a share of the host's
     # RAM) does not fit beside the other sides.
     servers = [
-        VllmServer(checkpoint, MODEL, python=ensure_vllm(), block_size_tokens=args.block,
-                   dtype=args.dtype, env=bind, kv_cache_bytes=VLLM_KV_CACHE_BYTES,
-                   log_path=venvs_dir() / "vllm" / name)
+        VllmServer(
+            checkpoint,
+            MODEL,
+            python=ensure_vllm(),
+            block_size_tokens=args.block,
+            dtype=args.dtype,
+            env=bind,
+            kv_cache_bytes=VLLM_KV_CACHE_BYTES,
+            log_path=venvs_dir() / "vllm" / name,
+        )
         for name in ("server.log", "server-2.log")
-    ]  # fmt: skip
+    ]
     server, other = servers
     async with AsyncExitStack() as stack:
         stack.callback(other.stop)
@@ -420,8 +450,10 @@ async def vllm_side(args: argparse.Namespace, result: BenchResult) -> AsyncItera
         await asyncio.to_thread(server.start)
         how = f"VLLM_CPU_OMP_THREADS_BIND={args.vllm_cores}" if args.vllm_cores else "its choice"
         cores = re.findall(r"core ids=\[([^\]]*)\]", server.log_tail(1 << 20))
-        result.note(f"vLLM: ready {server.startup_s:.0f} s after start; OpenMP threads on "
-                    f"core(s) {cores[-1] if cores else '?'} ({how})")  # fmt: skip
+        result.note(
+            f"vLLM: ready {server.startup_s:.0f} s after start; OpenMP threads on "
+            f"core(s) {cores[-1] if cores else '?'} ({how})"
+        )
         client = _client(server.base_url, "unused")
         stack.push_async_callback(client.close)
 
@@ -485,13 +517,25 @@ async def vllm_workers_side(args: argparse.Namespace, result: BenchResult) -> As
 
     def spec_of(state: Path) -> ClusterSpec:
         return ClusterSpec(
-            state_dir=state, nats_port=0, http_port=0, root=unique_root(),
-            replicas={BILLING: 0, PREFILL: 0, DECODE: 0, VLLM_WORKER: 2}, models=(MODEL,),
-            log_level="warning", dev_api_key=KEY,
-            extra_args={VLLM_WORKER: ["--kv-block-size-tokens", str(args.block),
-                                      "--dtype", args.dtype,
-                                      "--kv-cache-bytes", str(VLLM_KV_CACHE_BYTES)]},
-        )  # fmt: skip
+            state_dir=state,
+            nats_port=0,
+            http_port=0,
+            root=unique_root(),
+            replicas={BILLING: 0, PREFILL: 0, DECODE: 0, VLLM_WORKER: 2},
+            models=(MODEL,),
+            log_level="warning",
+            dev_api_key=KEY,
+            extra_args={
+                VLLM_WORKER: [
+                    "--kv-block-size-tokens",
+                    str(args.block),
+                    "--dtype",
+                    args.dtype,
+                    "--kv-cache-bytes",
+                    str(VLLM_KV_CACHE_BYTES),
+                ]
+            },
+        )
 
     side = SideResult()
     async with _cluster(spec_of, 900, side) as (cluster, bus, client, ready_s):
@@ -501,9 +545,11 @@ async def vllm_workers_side(args: argparse.Namespace, result: BenchResult) -> As
             log = (cluster.spec.state_dir / "logs" / f"{instance_id}.vllm.log").read_text()
             found = re.findall(r"core ids=\[([^\]]*)\]", log)
             cores.append(f"{instance_id} on core(s) {found[-1] if found else '?'}")
-        result.note(f"kvfabric + vLLM workers: ready {ready_s:.0f} s after start (two vLLM "
-                    f"servers starting at once); OpenMP threads (vLLM's choice): "
-                    f"{', '.join(cores)}")  # fmt: skip
+        result.note(
+            f"kvfabric + vLLM workers: ready {ready_s:.0f} s after start (two vLLM "
+            f"servers starting at once); OpenMP threads (vLLM's choice): "
+            f"{', '.join(cores)}"
+        )
 
         async def restart() -> None:
             for instance_id in workers:
@@ -518,8 +564,14 @@ async def vllm_workers_side(args: argparse.Namespace, result: BenchResult) -> As
             await asyncio.to_thread(cluster.stop_instance, busiest)
             return client
 
-        yield Side(WORKERS, client, restart, move if args.move else None,
-                   lambda: cluster_processes(cluster), side)  # fmt: skip
+        yield Side(
+            WORKERS,
+            client,
+            restart,
+            move if args.move else None,
+            lambda: cluster_processes(cluster),
+            side,
+        )
 
 
 async def _busiest_vllm_worker(bus: Bus) -> str:
@@ -527,9 +579,10 @@ async def _busiest_vllm_worker(bus: Bus) -> str:
     counted = {}
     for instance in await discover(bus, service=VLLM_WORKER):
         counted[instance.instance_id] = sum(
-            v for k, v in instance.metrics.items()
+            v
+            for k, v in instance.metrics.items()
             if k.startswith("kvfabric_vllm_worker_requests_total")
-        )  # fmt: skip
+        )
     return max(sorted(counted), key=lambda i: counted[i])
 
 
@@ -541,24 +594,34 @@ async def kvfabric_side(args: argparse.Namespace, result: BenchResult) -> AsyncI
 
     def spec_of(state: Path) -> ClusterSpec:
         return ClusterSpec(
-            state_dir=state, nats_port=0, http_port=0, root=unique_root(),
-            replicas={BILLING: 0}, models=(MODEL,), log_level="warning", dev_api_key=KEY,
+            state_dir=state,
+            nats_port=0,
+            http_port=0,
+            root=unique_root(),
+            replicas={BILLING: 0},
+            models=(MODEL,),
+            log_level="warning",
+            dev_api_key=KEY,
             extra_args={PREFILL: worker_args, DECODE: worker_args},
-        )  # fmt: skip
+        )
 
     side = SideResult()
     async with _cluster(spec_of, 300, side) as (cluster, bus, client, ready_s):
-        threads = [f"{i.instance_id} {i.metadata.get('num_threads', '?')}"
-                   for i in await discover(bus) if i.service in (PREFILL, DECODE)]  # fmt: skip
-        result.note(f"kvfabric: ready {ready_s:.0f} s after start; torch threads (cores shared "
-                    f"through the OS): {', '.join(threads)}")  # fmt: skip
+        threads = [
+            f"{i.instance_id} {i.metadata.get('num_threads', '?')}"
+            for i in await discover(bus)
+            if i.service in (PREFILL, DECODE)
+        ]
+        result.note(
+            f"kvfabric: ready {ready_s:.0f} s after start; torch threads (cores shared "
+            f"through the OS): {', '.join(threads)}"
+        )
 
         async def restart() -> None:
             await asyncio.to_thread(restart_workers, cluster)
             await cluster.wait_ready(bus, timeout_s=300)
 
-        yield Side(OURS, client, restart, processes=lambda: cluster_processes(cluster),
-                   result=side)  # fmt: skip
+        yield Side(OURS, client, restart, processes=lambda: cluster_processes(cluster), result=side)
 
 
 def cluster_processes(cluster: Cluster) -> list[int]:
@@ -586,9 +649,13 @@ def restart_workers(cluster: Cluster) -> None:
 def _respawn(child: Child) -> None:
     with child.log_path.open("ab") as log:
         child.process = subprocess.Popen(
-            child.process.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=die_with_parent,
-        )  # fmt: skip
+            child.process.args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
 
 
 def report(
@@ -601,53 +668,123 @@ def report(
     """Ratios against vLLM: kvfabric's engine (ours), then kvfabric + vLLM workers."""
     ms = lambda steps: statistics.median(s.ttft_s for s in steps) * 1e3  # noqa: E731
     name = "vLLM 0.32 (CPU)"
-    result.ratio("TTFT, first step (cold), median", ms(ours.cold), ms(peer.cold), name, "ms",
-                 lower_is_better=True)  # fmt: skip
-    result.ratio("TTFT, later steps (warm), median", ms(ours.warm), ms(peer.warm), name, "ms",
-                 1.0, lower_is_better=True)  # fmt: skip
-    result.ratio("TTFT, next step after a worker restart (target: vLLM's >= 5x ours)",
-                 ms(ours.after_restart), ms(peer.after_restart), name, "ms", 0.2,
-                 lower_is_better=True)  # fmt: skip
-    result.ratio("decode tokens/s at batch 1", decode_tps(ours), decode_tps(peer), name,
-                 "tokens/s", 0.8)  # fmt: skip
+    result.ratio(
+        "TTFT, first step (cold), median",
+        ms(ours.cold),
+        ms(peer.cold),
+        name,
+        "ms",
+        lower_is_better=True,
+    )
+    result.ratio(
+        "TTFT, later steps (warm), median",
+        ms(ours.warm),
+        ms(peer.warm),
+        name,
+        "ms",
+        1.0,
+        lower_is_better=True,
+    )
+    result.ratio(
+        "TTFT, next step after a worker restart (target: vLLM's >= 5x ours)",
+        ms(ours.after_restart),
+        ms(peer.after_restart),
+        name,
+        "ms",
+        0.2,
+        lower_is_better=True,
+    )
+    result.ratio(
+        "decode tokens/s at batch 1", decode_tps(ours), decode_tps(peer), name, "tokens/s", 0.8
+    )
     # What the restart itself costs each side, and the floor of the ratios after a restart:
     # a restarted vLLM that got its KV back at no cost would take its same step warm.
-    result.figure("vLLM: TTFT of the same step warm (no restart) / after a restart: the best "
-                  "ratio any KV connector could give it", ms(peer.same_step_warm)
-                  / ms(peer.after_restart), "x")  # fmt: skip
-    result.ratio("TTFT after a worker restart against the same step without one",
-                 ms(ours.after_restart), ms(ours.same_step_warm), "kvfabric, no restart", "ms",
-                 lower_is_better=True)  # fmt: skip
-    result.ratio(f"requests/s at concurrency {concurrency}", ours.requests_per_s,
-                 peer.requests_per_s, name, "requests/s")  # fmt: skip
+    result.figure(
+        "vLLM: TTFT of the same step warm (no restart) / after a restart: the best "
+        "ratio any KV connector could give it",
+        ms(peer.same_step_warm) / ms(peer.after_restart),
+        "x",
+    )
+    result.ratio(
+        "TTFT after a worker restart against the same step without one",
+        ms(ours.after_restart),
+        ms(ours.same_step_warm),
+        "kvfabric, no restart",
+        "ms",
+        lower_is_better=True,
+    )
+    result.ratio(
+        f"requests/s at concurrency {concurrency}",
+        ours.requests_per_s,
+        peer.requests_per_s,
+        name,
+        "requests/s",
+    )
     sides = [("kvfabric", ours), ("vLLM", peer)]
     if workers is not None:
         w = "kvfabric + vLLM workers"
-        result.ratio(f"{w}: TTFT, later steps (warm), median", ms(workers.warm), ms(peer.warm),
-                     name, "ms", 1.1, lower_is_better=True)  # fmt: skip
-        result.ratio(f"{w}: TTFT, next step after both workers restart", ms(workers.after_restart),
-                     ms(peer.after_restart), name, "ms", 0.2, lower_is_better=True)  # fmt: skip
-        result.ratio(f"{w}: TTFT after both workers restart against vLLM's same step without "
-                     "one", ms(workers.after_restart), ms(peer.same_step_warm),
-                     "vLLM, no restart", "ms", lower_is_better=True)  # fmt: skip
+        result.ratio(
+            f"{w}: TTFT, later steps (warm), median",
+            ms(workers.warm),
+            ms(peer.warm),
+            name,
+            "ms",
+            1.1,
+            lower_is_better=True,
+        )
+        result.ratio(
+            f"{w}: TTFT, next step after both workers restart",
+            ms(workers.after_restart),
+            ms(peer.after_restart),
+            name,
+            "ms",
+            0.2,
+            lower_is_better=True,
+        )
+        result.ratio(
+            f"{w}: TTFT after both workers restart against vLLM's same step without one",
+            ms(workers.after_restart),
+            ms(peer.same_step_warm),
+            "vLLM, no restart",
+            "ms",
+            lower_is_better=True,
+        )
         if workers.moved and peer.moved:
-            result.ratio(f"{w}: TTFT, next step on another worker (vLLM: another server)",
-                         ms(workers.moved), ms(peer.moved), name, "ms", 0.2,
-                         lower_is_better=True)  # fmt: skip
-        result.ratio(f"{w}: decode tokens/s at batch 1", decode_tps(workers), decode_tps(peer),
-                     name, "tokens/s")  # fmt: skip
-        result.ratio(f"{w}: requests/s at concurrency {concurrency} (one worker left)",
-                     workers.requests_per_s, peer.requests_per_s, name, "requests/s")  # fmt: skip
+            result.ratio(
+                f"{w}: TTFT, next step on another worker (vLLM: another server)",
+                ms(workers.moved),
+                ms(peer.moved),
+                name,
+                "ms",
+                0.2,
+                lower_is_better=True,
+            )
+        result.ratio(
+            f"{w}: decode tokens/s at batch 1",
+            decode_tps(workers),
+            decode_tps(peer),
+            name,
+            "tokens/s",
+        )
+        result.ratio(
+            f"{w}: requests/s at concurrency {concurrency} (one worker left)",
+            workers.requests_per_s,
+            peer.requests_per_s,
+            name,
+            "requests/s",
+        )
         sides.insert(1, (w, workers))
     for side, r in sides:
         result.figure(f"{side}: cached share of warm steps' prompts", hit_share(r.warm), "share")
-        result.figure(f"{side}: cached share after the restart", hit_share(r.after_restart),
-                      "share")  # fmt: skip
+        result.figure(
+            f"{side}: cached share after the restart", hit_share(r.after_restart), "share"
+        )
         if r.moved:
             result.figure(f"{side}: cached share on another worker", hit_share(r.moved), "share")
         result.figure(f"{side}: restart until the first answer", r.restart_s, "s")
-        result.figure(f"{side}: failed requests at concurrency {concurrency}", len(r.errors),
-                      "requests")  # fmt: skip
+        result.figure(
+            f"{side}: failed requests at concurrency {concurrency}", len(r.errors), "requests"
+        )
         if r.errors:
             result.note(f"{side}: failed at concurrency: " + "; ".join(r.errors))
         # The medians above hide which session paid what: the first step a restarted worker
@@ -663,9 +800,13 @@ def report(
                 result.note(f"{side}: TTFT {label}, step by step: {each} ms")
     tokenizer = Checkpoint(model_path(MODEL)).tokenizer()
     first = [tokenizer.encode(r.cold[0].text, add_special_tokens=False).ids for r in (ours, peer)]
-    result.figure(f"first greedy answer: share of kvfabric's {len(first[0])} tokens that vLLM's "
-                  "matches from the start (re-tokenized text)",
-                  leading_agreement(*first) / max(1, len(first[0])), "share", 1.0)  # fmt: skip
+    result.figure(
+        f"first greedy answer: share of kvfabric's {len(first[0])} tokens that vLLM's "
+        "matches from the start (re-tokenized text)",
+        leading_agreement(*first) / max(1, len(first[0])),
+        "share",
+        1.0,
+    )
 
 
 def decode_tps(side: SideResult) -> float:
@@ -680,13 +821,32 @@ def hit_share(steps: list[Step]) -> float:
 def run(quick: bool = False, **options: object) -> BenchResult:
     """Options: the CLI's. Quick: two sessions of 3 steps (2 before the restart) from a
     256-token task, and 4 sessions of 2 steps at concurrency 4."""
-    defaults = {"sessions": 3, "steps": 5, "context": 1024, "growth": 192, "max_tokens": 48,
-                "concurrency": 4, "concurrent_steps": 3, "think_s": 1.0, "gap_s": 1.5,
-                "mode": "interleaved", "block": 64, "dtype": "float32", "vllm_cores": "",
-                "vllm_workers": True, "move": True}  # fmt: skip
+    defaults = {
+        "sessions": 3,
+        "steps": 5,
+        "context": 1024,
+        "growth": 192,
+        "max_tokens": 48,
+        "concurrency": 4,
+        "concurrent_steps": 3,
+        "think_s": 1.0,
+        "gap_s": 1.5,
+        "mode": "interleaved",
+        "block": 64,
+        "dtype": "float32",
+        "vllm_cores": "",
+        "vllm_workers": True,
+        "move": True,
+    }
     if quick:
-        defaults |= {"sessions": 2, "steps": 3, "context": 256, "growth": 64, "max_tokens": 24,
-                     "concurrent_steps": 2}  # fmt: skip
+        defaults |= {
+            "sessions": 2,
+            "steps": 3,
+            "context": 256,
+            "growth": 64,
+            "max_tokens": 24,
+            "concurrent_steps": 2,
+        }
     args = bench_options(defaults, options)
     if args.mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {args.mode!r}")
@@ -767,31 +927,59 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--concurrent-steps", type=int, default=3)
-    parser.add_argument("--think-s", type=float, default=1.0,
-                        help="between a session's steps at concurrency")  # fmt: skip
-    parser.add_argument("--gap-s", type=float, default=1.5,
-                        help="quiet before each timed step at batch 1 (vLLM's engine "
-                        "busy-polls for 1 s after a step)")  # fmt: skip
+    parser.add_argument(
+        "--think-s", type=float, default=1.0, help="between a session's steps at concurrency"
+    )
+    parser.add_argument(
+        "--gap-s",
+        type=float,
+        default=1.5,
+        help="quiet before each timed step at batch 1 (vLLM's engine "
+        "busy-polls for 1 s after a step)",
+    )
     parser.add_argument("--block", type=int, default=64, help="KV block size, both sides")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="every side's weights, arithmetic and KV cache")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="every side's weights, arithmetic and KV cache",
+    )
     parser.add_argument(
         "--vllm-cores",
         default="",
         help="VLLM_CPU_OMP_THREADS_BIND (`0-1`: both cores); default vLLM's own",
     )
-    parser.add_argument("--no-vllm-workers", dest="vllm_workers", action="store_false",
-                        help="leave out the side of kvfabric with vLLM workers")  # fmt: skip
-    parser.add_argument("--mode", default="interleaved", choices=MODES,
-                        help="interleaved: every side up, each step sent to each in turn, the "
-                        "others stopped; alone: one side at a time; together: as interleaved, "
-                        "the others left running")  # fmt: skip
-    parser.add_argument("--no-move", dest="move", action="store_false",
-                        help="no step on another worker after the restart")  # fmt: skip
+    parser.add_argument(
+        "--no-vllm-workers",
+        dest="vllm_workers",
+        action="store_false",
+        help="leave out the side of kvfabric with vLLM workers",
+    )
+    parser.add_argument(
+        "--mode",
+        default="interleaved",
+        choices=MODES,
+        help="interleaved: every side up, each step sent to each in turn, the "
+        "others stopped; alone: one side at a time; together: as interleaved, "
+        "the others left running",
+    )
+    parser.add_argument(
+        "--no-move",
+        dest="move",
+        action="store_false",
+        help="no step on another worker after the restart",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
     args = parser.parse_args()
-    sizes = ("sessions", "steps", "context", "growth", "max_tokens", "concurrency",
-             "concurrent_steps")  # fmt: skip
+    sizes = (
+        "sessions",
+        "steps",
+        "context",
+        "growth",
+        "max_tokens",
+        "concurrency",
+        "concurrent_steps",
+    )
     options = {k: v for k, v in vars(args).items() if k != "quick"}
     if args.quick:  # the quick sizes, with the other options as given
         options = {k: v for k, v in options.items() if k not in sizes}

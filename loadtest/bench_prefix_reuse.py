@@ -83,22 +83,35 @@ def prefill_flops(config: ModelConfig, num_cached: int, num_new: int) -> float:
 def prefill_ms(result: GenerateResult) -> tuple[float, dict[str, float]]:
     assert result.stats is not None
     p = result.stats.prefill
-    split = {"load": p.load_ms, "restore": p.restore_ms, "compute": p.compute_ms,
-             "transfer": p.transfer_ms}  # fmt: skip
+    split = {
+        "load": p.load_ms,
+        "restore": p.restore_ms,
+        "compute": p.compute_ms,
+        "transfer": p.transfer_ms,
+    }
     return p.load_ms + p.restore_ms + p.compute_ms, split
 
 
-async def measure(models: tuple[str, ...], context: int, hit: float, num_prompts: int,
-                  result: BenchResult) -> None:  # fmt: skip
+async def measure(
+    models: tuple[str, ...], context: int, hit: float, num_prompts: int, result: BenchResult
+) -> None:
     # Room for the prompt and its one token: the handoff staging is sized for that length
     # (2.8 MiB a block for SmolLM2).
-    worker_args = ["--num-kv-blocks", str(2 * context // BLOCK + 64),
-                   "--max-model-len", str(context + 2 * BLOCK)]  # fmt: skip
+    worker_args = [
+        "--num-kv-blocks",
+        str(2 * context // BLOCK + 64),
+        "--max-model-len",
+        str(context + 2 * BLOCK),
+    ]
     spec = ClusterSpec(
-        state_dir=Path(tempfile.mkdtemp(prefix="kvf-bench-")), nats_port=0, http_port=0,
-        root=unique_root(), extra_args={PREFILL: worker_args, DECODE: worker_args},
-        log_level="warning", models=models,
-    )  # fmt: skip
+        state_dir=Path(tempfile.mkdtemp(prefix="kvf-bench-")),
+        nats_port=0,
+        http_port=0,
+        root=unique_root(),
+        extra_args={PREFILL: worker_args, DECODE: worker_args},
+        log_level="warning",
+        models=models,
+    )
     cluster = Cluster(spec)
     cluster.start()
     bus = None
@@ -107,8 +120,10 @@ async def measure(models: tuple[str, ...], context: int, hit: float, num_prompts
         await cluster.wait_ready(bus, timeout_s=300)
         num_cached = round(context * hit / BLOCK) * BLOCK
         ideal = 1 / (1 - num_cached / context)
-        result.note(f"context {context} tokens, {num_cached} cached "
-                    f"({num_cached / context:.1%}): ideal speedup {ideal:.1f}x")  # fmt: skip
+        result.note(
+            f"context {context} tokens, {num_cached} cached "
+            f"({num_cached / context:.1%}): ideal speedup {ideal:.1f}x"
+        )
         for name in models:
             await one_model(bus, name, context, num_cached, ideal, num_prompts, result)
     finally:
@@ -117,8 +132,15 @@ async def measure(models: tuple[str, ...], context: int, hit: float, num_prompts
         cluster.stop()
 
 
-async def one_model(bus: Bus, name: str, context: int, num_cached: int, ideal: float,  # noqa: PLR0913
-                    num_prompts: int, result: BenchResult) -> None:  # fmt: skip
+async def one_model(
+    bus: Bus,
+    name: str,
+    context: int,
+    num_cached: int,
+    ideal: float,  # noqa: PLR0913
+    num_prompts: int,
+    result: BenchResult,
+) -> None:
     checkpoint = Checkpoint(model_path(name))
     tokenizer = checkpoint.tokenizer()
     model = served_name(name)
@@ -128,8 +150,9 @@ async def one_model(bus: Bus, name: str, context: int, num_cached: int, ideal: f
         prompt = corpus_tokens(tokenizer, context, offset=7 * i)
 
         def request(tokens: list[int], salt: str = ""):  # noqa: ANN202
-            return build_request(tokens, model=model, block_size_tokens=BLOCK, max_tokens=1,
-                                 cache_salt=salt)  # fmt: skip
+            return build_request(
+                tokens, model=model, block_size_tokens=BLOCK, max_tokens=1, cache_salt=salt
+            )
 
         await generate(bus, request(prompt[: num_cached + 1]))  # stores the prefix
         await asyncio.sleep(0.3)  # kv-index applies the event log asynchronously
@@ -151,18 +174,41 @@ async def one_model(bus: Bus, name: str, context: int, num_cached: int, ideal: f
             + "; warm "
             + " ".join(f"{k} {v:.1f}" for k, v in warm_split.items())
         )
-        print(f"{model} prompt {i}: prefill speedup {ratio:.1f}x, TTFT {ttft_ratio:.1f}x",
-              flush=True)  # fmt: skip
-    result.ratio(f"{model}: prefill time cold / warm", statistics.median(ratios), ideal,
-                 "the ideal 1 / (1 - h)", "x", 0.85)  # fmt: skip
-    result.ratio(f"{model}: TTFT cold / warm", statistics.median(ttft_ratios), ideal,
-                 "the ideal 1 / (1 - h)", "x", 0.85)  # fmt: skip
+        print(
+            f"{model} prompt {i}: prefill speedup {ratio:.1f}x, TTFT {ttft_ratio:.1f}x", flush=True
+        )
+    result.ratio(
+        f"{model}: prefill time cold / warm",
+        statistics.median(ratios),
+        ideal,
+        "the ideal 1 / (1 - h)",
+        "x",
+        0.85,
+    )
+    result.ratio(
+        f"{model}: TTFT cold / warm",
+        statistics.median(ttft_ratios),
+        ideal,
+        "the ideal 1 / (1 - h)",
+        "x",
+        0.85,
+    )
     cold_flops = prefill_flops(config, 0, context)
     arithmetic = cold_flops / prefill_flops(config, num_cached, context - num_cached)
-    result.ratio(f"{model}: FLOPs cold / warm (the same FLOP rate both ways)", arithmetic, ideal,
-                 "the ideal 1 / (1 - h)", "x")  # fmt: skip
-    result.ratio(f"{model}: prefill time cold / warm, against the FLOPs' ratio",
-                 statistics.median(ratios), arithmetic, "FLOPs cold / warm", "x")  # fmt: skip
+    result.ratio(
+        f"{model}: FLOPs cold / warm (the same FLOP rate both ways)",
+        arithmetic,
+        ideal,
+        "the ideal 1 / (1 - h)",
+        "x",
+    )
+    result.ratio(
+        f"{model}: prefill time cold / warm, against the FLOPs' ratio",
+        statistics.median(ratios),
+        arithmetic,
+        "FLOPs cold / warm",
+        "x",
+    )
 
 
 def run(
@@ -176,8 +222,15 @@ def run(
     """Quick: tiny-coder alone, a 1,024-token context, one prompt."""
     result = BenchResult("prefix", quick)
     models = models or (("tiny-coder",) if quick else ("tiny-coder", "SmolLM2-135M-Instruct"))
-    asyncio.run(measure(models, context or (1024 if quick else 8192), hit,
-                        prompts or (1 if quick else 3), result))  # fmt: skip
+    asyncio.run(
+        measure(
+            models,
+            context or (1024 if quick else 8192),
+            hit,
+            prompts or (1 if quick else 3),
+            result,
+        )
+    )
     return result.finish()
 
 
@@ -186,12 +239,18 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=None, help="default 8192 (quick: 1024)")
     parser.add_argument("--hit", type=float, default=0.96)
     parser.add_argument("--prompts", type=int, default=None, help="default 3 (quick: 1)")
-    parser.add_argument("--models", nargs="+", default=None,
-                        help="names (kvfabric models list); default: both")  # fmt: skip
+    parser.add_argument(
+        "--models", nargs="+", default=None, help="names (kvfabric models list); default: both"
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
     args = parser.parse_args()
-    run(args.quick, models=tuple(args.models) if args.models else None, context=args.context,
-        hit=args.hit, prompts=args.prompts).print()  # fmt: skip
+    run(
+        args.quick,
+        models=tuple(args.models) if args.models else None,
+        context=args.context,
+        hit=args.hit,
+        prompts=args.prompts,
+    ).print()
 
 
 if __name__ == "__main__":

@@ -112,8 +112,14 @@ class Fakes:
             seq = 0
             while True:
                 seq += 1
-                report = LoadReport(service=service, instance_id=bus.instance_id, seq=seq,
-                                    ts_ms=0, node_id=node_id, **load)  # fmt: skip
+                report = LoadReport(
+                    service=service,
+                    instance_id=bus.instance_id,
+                    seq=seq,
+                    ts_ms=0,
+                    node_id=node_id,
+                    **load,
+                )
                 await bus.publish(bus.subjects.load(service, bus.instance_id), report)
                 await asyncio.sleep(1.0)
 
@@ -124,10 +130,13 @@ class Fakes:
         num_hit = int(len(hashes) * HIT)
         zeros = np.zeros(num_hit, np.uint32)
         columns = {
-            "block_hash": hashes[:num_hit], "writer": np.zeros(num_hit, np.uint16),
-            "file_id": zeros, "slot": np.arange(num_hit, dtype=np.uint32),
-            "generation": zeros + 1, "num_bytes": zeros + 98_304,
-        }  # fmt: skip
+            "block_hash": hashes[:num_hit],
+            "writer": np.zeros(num_hit, np.uint16),
+            "file_id": zeros,
+            "slot": np.arange(num_hit, dtype=np.uint32),
+            "generation": zeros + 1,
+            "num_bytes": zeros + 98_304,
+        }
         locations = BlockLocations.from_columns("ssd", ("prefill-0",), columns)
         tier = to_wire("ssd", num_hit, list(range(num_hit)), locations)
         return MatchReply(shard_id=0, num_shards=1, tiers=(tier,))
@@ -158,12 +167,29 @@ async def measure(
 ) -> tuple[float, float, int]:
     """(router CPU ms per request, wall ms per request, contains asked per request)."""
     router = subprocess.Popen(
-        [sys.executable, "-m", "services.router", "--nats-url", url, "--root", root,
-         "--instance-id", "router-bench", "--ttft-objective-s", "0",
-         "--max-queued-tokens", str(10**12), "--heartbeat-timeout-s", "30",
-         "--log-level", "warning"],
-        cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.router",
+            "--nats-url",
+            url,
+            "--root",
+            root,
+            "--instance-id",
+            "router-bench",
+            "--ttft-objective-s",
+            "0",
+            "--max-queued-tokens",
+            str(10**12),
+            "--heartbeat-timeout-s",
+            "30",
+            "--log-level",
+            "warning",
+        ],
+        cwd=tree,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     inbox = await client.open_inbox()
     try:
         probe = build_request(prompts[0][:128], model=MODEL, block_size_tokens=BLOCK)
@@ -227,15 +253,20 @@ async def run(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 32_000, args.tokens).tolist() for _ in range(args.requests)]
     rehash_ms, check_ms = check_costs(prompts[0])
-    print(f"{args.tokens}-token prompt, {args.tokens // BLOCK} blocks: rehash check "
-          f"{rehash_ms:.2f} ms, RequestBlocks.check {check_ms:.3f} ms "
-          f"({rehash_ms / check_ms:.0f}x less)")  # fmt: skip
+    print(
+        f"{args.tokens}-token prompt, {args.tokens // BLOCK} blocks: rehash check "
+        f"{rehash_ms:.2f} ms, RequestBlocks.check {check_ms:.3f} ms "
+        f"({rehash_ms / check_ms:.0f}x less)"
+    )
     trees = {"this tree": REPO}
     worktree = None
     if args.before:
         worktree = Path(tempfile.mkdtemp(prefix="kvf-before-"))
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(worktree),
-                        args.before], check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(worktree), args.before],
+            check=True,
+            capture_output=True,
+        )
         trees = {f"before ({args.before})": worktree, "this tree": REPO}
     with NatsServer(Path(tempfile.mkdtemp(prefix="kvf-bench-nats-"))) as server:
         root = unique_root()
@@ -248,15 +279,19 @@ async def run(args: argparse.Namespace) -> None:
                 for name, tree in trees.items():
                     result = await measure(tree, server.url, root, fakes, client, prompts)
                     results[name].append(result)
-                    print(f"round {round_ + 1} {name}: router CPU {result[0]:.2f} ms/request, "
-                          f"wall {result[1]:.2f} ms/request, contains asked {result[2]}"
-                          )  # fmt: skip
+                    print(
+                        f"round {round_ + 1} {name}: router CPU {result[0]:.2f} ms/request, "
+                        f"wall {result[1]:.2f} ms/request, contains asked {result[2]}"
+                    )
         finally:
             await client.close()
             await fakes.stop()
             if worktree is not None:
-                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
-                                str(worktree)], check=False, capture_output=True)  # fmt: skip
+                subprocess.run(
+                    ["git", "-C", str(REPO), "worktree", "remove", "--force", str(worktree)],
+                    check=False,
+                    capture_output=True,
+                )
     best = {name: min(r[0] for r in runs) for name, runs in results.items()}
     for name, cpu_ms in best.items():
         print(f"{name}: router CPU {cpu_ms:.2f} ms per {args.tokens}-token request (best round)")

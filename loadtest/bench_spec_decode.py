@@ -91,8 +91,15 @@ def generate_all(runner, prompts, new_tokens, spec: SpecDecodeConfig, num_slots:
     return [tokens[i] for i in seq_ids], num_tokens / (end - start), decode_tps, engine.spec_stats
 
 
-def compare(name, runner, prompts, new_tokens, repeats, result: BenchResult,  # noqa: PLR0913
-            num_slots: int | None = None) -> None:  # fmt: skip
+def compare(
+    name,
+    runner,
+    prompts,
+    new_tokens,
+    repeats,
+    result: BenchResult,  # noqa: PLR0913
+    num_slots: int | None = None,
+) -> None:
     """Off and on alternately, `repeats` times each; the median tokens/s of each side."""
     off_tps, on_tps, off_dec, on_dec = [], [], [], []
     stats = SpecStats()
@@ -101,8 +108,9 @@ def compare(name, runner, prompts, new_tokens, repeats, result: BenchResult,  # 
         plain, tps, dec, _ = generate_all(runner, prompts, new_tokens, off_spec, num_slots)
         off_tps.append(tps)
         off_dec.append(dec)
-        spec, tps, dec, stats = generate_all(runner, prompts, new_tokens, SpecDecodeConfig(),
-                                             num_slots)  # fmt: skip
+        spec, tps, dec, stats = generate_all(
+            runner, prompts, new_tokens, SpecDecodeConfig(), num_slots
+        )
         on_tps.append(tps)
         on_dec.append(dec)
     off, on = statistics.median(off_tps), statistics.median(on_tps)
@@ -110,15 +118,26 @@ def compare(name, runner, prompts, new_tokens, repeats, result: BenchResult,  # 
     identical = sum(a == b for a, b in zip(plain, spec, strict=True))
     batch = f"{num_slots}q{len(prompts)}" if num_slots else str(len(prompts))
     what = f"{name}, batch {batch}"
-    result.ratio(f"tok/s with drafts / without, {what}, end to end", on, off,
-                 "the same engine without drafts", "tokens/s")  # fmt: skip
+    result.ratio(
+        f"tok/s with drafts / without, {what}, end to end",
+        on,
+        off,
+        "the same engine without drafts",
+        "tokens/s",
+    )
     if off_d:
-        result.ratio(f"tok/s with drafts / without, {what}, decode phase", on_d, off_d,
-                     "the same engine without drafts", "tokens/s")  # fmt: skip
+        result.ratio(
+            f"tok/s with drafts / without, {what}, decode phase",
+            on_d,
+            off_d,
+            "the same engine without drafts",
+            "tokens/s",
+        )
     result.figure(f"draft acceptance, {what}", stats.acceptance_rate, "share")
     result.figure(f"tokens per sequence-step, {what}", stats.tokens_per_forward, "tokens")
-    result.figure(f"outputs identical with and without drafts, {what}",
-                  identical / len(prompts), "share", 1.0)  # fmt: skip
+    result.figure(
+        f"outputs identical with and without drafts, {what}", identical / len(prompts), "share", 1.0
+    )
     print(f"{what}: {on / off:.2f}x", flush=True)
 
 
@@ -148,8 +167,9 @@ def random_prompts(vocab_size: int, count: int) -> list[list[int]]:
     return [[rng.randrange(vocab_size) for _ in range(300)] for _ in range(count)]
 
 
-def calibrate(runner, ids: list[int], batch_size: int, result: BenchResult,
-              repeats: int = 30) -> None:  # fmt: skip
+def calibrate(
+    runner, ids: list[int], batch_size: int, result: BenchResult, repeats: int = 30
+) -> None:
     """ms of one decode step vs one score_drafts of 1 + k tokens per sequence."""
     seqs = [Sequence(10**6 + i, ids[i * 50 : i * 50 + 300]) for i in range(batch_size)]
     for seq in seqs:
@@ -253,12 +273,22 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
     args = parser.parse_args()
-    sizes = {} if args.quick else {
-        "batch_sizes": tuple(int(b) for b in args.batch_sizes.split(",")),
-        "new_tokens": args.new_tokens, "repeats": args.repeats,
-    }  # fmt: skip
-    run(args.quick, model=args.model, workloads=tuple(args.workloads.split(",")),
-        num_threads=args.num_threads, **sizes).print()  # fmt: skip
+    sizes = (
+        {}
+        if args.quick
+        else {
+            "batch_sizes": tuple(int(b) for b in args.batch_sizes.split(",")),
+            "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
+        }
+    )
+    run(
+        args.quick,
+        model=args.model,
+        workloads=tuple(args.workloads.split(",")),
+        num_threads=args.num_threads,
+        **sizes,
+    ).print()
 
 
 if __name__ == "__main__":

@@ -107,8 +107,9 @@ def sized_conversation(
     return messages
 
 
-def bench(name: str, tokenizer: Tokenizer, fmt: ChatFormat, args: argparse.Namespace,
-          result: BenchResult) -> None:  # fmt: skip
+def bench(
+    name: str, tokenizer: Tokenizer, fmt: ChatFormat, args: argparse.Namespace, result: BenchResult
+) -> None:
     messages = sized_conversation(tokenizer, fmt, args.target_tokens, args.rounds)
     history = messages[: NUM_MESSAGES - 1]  # 98 shared messages + each round's call
     prompt = PromptTokenizer(tokenizer, fmt)
@@ -136,12 +137,16 @@ def bench(name: str, tokenizer: Tokenizer, fmt: ChatFormat, args: argparse.Names
             raise SystemExit(f"{name}: segmented ids differ from whole-text ids")
         num_tokens = len(ids)
     cached, whole = statistics.median(cached_s), statistics.median(whole_s)
-    result.ratio(f"{name}: tokenize a {num_tokens:,}-token chat, last message new",
-                 num_tokens / cached, num_tokens / whole, "the whole rendered text at once",
-                 "tokens/s", 20.0)  # fmt: skip
+    result.ratio(
+        f"{name}: tokenize a {num_tokens:,}-token chat, last message new",
+        num_tokens / cached,
+        num_tokens / whole,
+        "the whole rendered text at once",
+        "tokens/s",
+        20.0,
+    )
     result.figure(f"{name}: the same chat cold (no segment cached)", cold_s * 1e3, "ms")
-    result.note(f"{name}: segments {new_hits} hit, {new_misses} miss; ids equal the whole "
-                "text's")  # fmt: skip
+    result.note(f"{name}: segments {new_hits} hit, {new_misses} miss; ids equal the whole text's")
 
 
 def run(
@@ -172,8 +177,9 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
     args = parser.parse_args()
-    run(args.quick, rounds=args.rounds, target_tokens=args.target_tokens,
-        models=tuple(args.models)).print()  # fmt: skip
+    run(
+        args.quick, rounds=args.rounds, target_tokens=args.target_tokens, models=tuple(args.models)
+    ).print()
 
 
 if __name__ == "__main__":

@@ -73,9 +73,13 @@ def _label(capacity: int | None) -> str:
 
 
 def offline_table(
-    result: BenchResult, requests: list[TraceRequest], prompts: PromptHashes,
-    base: ReplayConfig, capacities: Sequence[int | None], jobs: int,
-) -> None:  # fmt: skip
+    result: BenchResult,
+    requests: list[TraceRequest],
+    prompts: PromptHashes,
+    base: ReplayConfig,
+    capacities: Sequence[int | None],
+    jobs: int,
+) -> None:
     """Every policy at every capacity, and the shared store; ratios and figures."""
     for request in requests:  # hash every prompt once, before the pool forks
         prompts.hashes(request)
@@ -90,7 +94,7 @@ def offline_table(
                 shared_cache=shared,
             ),
             policy,
-        )  # fmt: skip
+        )
         for c, policy, shared in runs
     ]
     if jobs > 1:
@@ -109,34 +113,54 @@ def offline_table(
     for r in requests:
         repeats += sum(h in seen for h in r.hash_ids)
         seen.update(r.hash_ids)
-    result.figure("trace blocks (512 tokens) repeating an earlier one", repeats / num_ids,
-                  "share of blocks")  # fmt: skip
+    result.figure(
+        "trace blocks (512 tokens) repeating an earlier one", repeats / num_ids, "share of blocks"
+    )
     for c in capacities:
         label = _label(c)
         ours = got[c, OURS, False].hit_rate
         result.ratio(f"hit rate / upper bound, ours, {label}", ours, bound, "upper bound", SHARE)
         for name in BASELINES:
-            result.ratio(f"hit rate, ours vs {name}, {label}", ours, got[c, name, False].hit_rate,
-                         name, SHARE)  # fmt: skip
-        result.ratio(f"hit rate, RoutePolicy given per-worker hits vs as is, {label}",
-                     got[c, OURS_PER_WORKER, False].hit_rate, ours, "RoutePolicy as is",
-                     SHARE)  # fmt: skip
-        result.ratio(f"hit rate, ours, one shared store vs a cache per worker, {label}",
-                     got[c, OURS, True].hit_rate, ours, "a cache per worker", SHARE)  # fmt: skip
+            result.ratio(
+                f"hit rate, ours vs {name}, {label}",
+                ours,
+                got[c, name, False].hit_rate,
+                name,
+                SHARE,
+            )
+        result.ratio(
+            f"hit rate, RoutePolicy given per-worker hits vs as is, {label}",
+            got[c, OURS_PER_WORKER, False].hit_rate,
+            ours,
+            "RoutePolicy as is",
+            SHARE,
+        )
+        result.ratio(
+            f"hit rate, ours, one shared store vs a cache per worker, {label}",
+            got[c, OURS, True].hit_rate,
+            ours,
+            "a cache per worker",
+            SHARE,
+        )
     for c in capacities:
         for name in POLICY_NAMES:
             result.figure(f"hit rate, {name}, {_label(c)}", got[c, name, False].hit_rate, SHARE)
         total = "unlimited" if c is None else f"{c * base.num_workers / 1e6:g}M tokens"
-        result.figure(f"hit rate, ours, one shared store ({total})", got[c, OURS, True].hit_rate,
-                      SHARE)  # fmt: skip
-    result.figure(f"simulated prefill utilization, ours, {_label(None)}",
-                  got[None, OURS, False].utilization, "share of worker time")  # fmt: skip
+        result.figure(
+            f"hit rate, ours, one shared store ({total})", got[c, OURS, True].hit_rate, SHARE
+        )
+    result.figure(
+        f"simulated prefill utilization, ours, {_label(None)}",
+        got[None, OURS, False].utilization,
+        "share of worker time",
+    )
     tight = capacities[-1]
     for name in POLICY_NAMES:
         out = got[tight, name, False]
         for q in (0.5, 0.99):
-            result.figure(f"simulated TTFT p{q * 100:g}, {name}, {_label(tight)}",
-                          out.ttft_s(q) * 1e3, "ms")  # fmt: skip
+            result.figure(
+                f"simulated TTFT p{q * 100:g}, {name}, {_label(tight)}", out.ttft_s(q) * 1e3, "ms"
+            )
     result.note(
         f"offline: {len(requests):,} requests at {base.speed:g}x the trace's rate, "
         f"{base.num_workers} prefill workers (a node each) with a cache each, LRU past "
@@ -147,8 +171,13 @@ def offline_table(
 def live_figures(result: BenchResult, trace: list[TraceRequest], config: LiveConfig) -> None:
     live = run_live(trace, config)
     if live.answered:
-        result.ratio("live hit share vs offline prediction", live.hit_share,
-                     live.predicted_share, "offline replay, same requests", SHARE)  # fmt: skip
+        result.ratio(
+            "live hit share vs offline prediction",
+            live.hit_share,
+            live.predicted_share,
+            "offline replay, same requests",
+            SHARE,
+        )
     result.figure("live: hit share from the cluster's usage", live.hit_share, SHARE)
     result.figure("live: predicted hit share", live.predicted_share, SHARE)
     result.figure("live: requests answered", len(live.answered), "requests")
@@ -188,9 +217,13 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     offline_table(result, trace, prompts, base, _capacities(args.capacities), args.jobs)
     if not args.offline:
         print("trace: live replay ...", file=sys.stderr, flush=True)
-        live = LiveConfig(num_requests=args.live_requests, speed=args.live_speed,
-                          mock_speedup=args.mock_speedup, num_workers=args.live_workers,
-                          model=args.model)  # fmt: skip
+        live = LiveConfig(
+            num_requests=args.live_requests,
+            speed=args.live_speed,
+            mock_speedup=args.mock_speedup,
+            num_workers=args.live_workers,
+            model=args.model,
+        )
         live_figures(result, trace, live)
     return result.finish()
 
@@ -199,16 +232,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, help="the first N requests (default: all)")
     parser.add_argument("--workers", type=int, default=DEFAULTS["workers"])
-    parser.add_argument("--speed", type=float, default=DEFAULTS["speed"],
-                        help="the trace's arrivals, this many times faster")  # fmt: skip
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=DEFAULTS["speed"],
+        help="the trace's arrivals, this many times faster",
+    )
     parser.add_argument(
         "--capacities",
         default=DEFAULTS["capacities"],
         help="cache sizes per worker, tokens, comma-separated (unlimited too)",
     )
     parser.add_argument("--offline", action="store_true", help="skip the live replay")
-    parser.add_argument("--jobs", type=int, default=DEFAULTS["jobs"],
-                        help="offline replays run in parallel processes")  # fmt: skip
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=DEFAULTS["jobs"],
+        help="offline replays run in parallel processes",
+    )
     parser.add_argument("--model", default=DEFAULTS["model"])
     parser.add_argument("--live-requests", type=int, default=DEFAULTS["live_requests"])
     parser.add_argument("--live-speed", type=float, default=DEFAULTS["live_speed"])

@@ -71,8 +71,9 @@ def _target(entry: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("results_dir", type=Path)
-    parser.add_argument("--command", default="kvfabric bench all",
-                        help="for results that do not name theirs")  # fmt: skip
+    parser.add_argument(
+        "--command", default="kvfabric bench all", help="for results that do not name theirs"
+    )
     args = parser.parse_args()
     files = sorted(args.results_dir.glob("*.json"))
     if not files:

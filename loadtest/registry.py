@@ -32,8 +32,10 @@ class Benchmark:
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
             known = set(params) - {"quick", "peer"}
             if unknown := set(options) - known:
-                raise UnknownOption(f"unknown option(s): {', '.join(sorted(unknown))}; "
-                                    f"known: {', '.join(sorted(known))}")  # fmt: skip
+                raise UnknownOption(
+                    f"unknown option(s): {', '.join(sorted(unknown))}; "
+                    f"known: {', '.join(sorted(known))}"
+                )
             hints = typing.get_type_hints(module.run)
             options = {k: _as_hinted(k, v, hints.get(k)) for k, v in options.items()}
         if self.has_peer_option:
@@ -63,46 +65,86 @@ def _as_hinted(name: str, value: Any, hint: Any) -> Any:
 BENCHMARKS = {
     b.name: b
     for b in (
-        Benchmark("bus", "loadtest.bench_bus",
-                  "request/reply and events through shared.bus against raw nats-py"),
-        Benchmark("engine", "loadtest.bench_engine",
-                  "decode and prefill tokens/s against transformers on the same weights; "
-                  "oneDNN-packed linear layers against F.linear; attention over the pool in "
-                  "place against SDPA"),
-        Benchmark("kv", "loadtest.bench_kv",
-                  "store GB/s against raw file I/O; NIXL transfers against memcpy"),
-        Benchmark("connector", "loadtest.bench_connector",
-                  "vLLM's paged cache to and from store payloads (its CPU layout here, its "
-                  "GPU layout on a GPU) and a load from the store's files, against one copy "
-                  "of as many bytes"),
-        Benchmark("kv-index", "loadtest.bench_kv_index",
-                  "match latency, ingest and memory against NVIDIA Dynamo's indexer "
-                  "(its own venv, built on demand)", has_peer_option=True),
-        Benchmark("prefix", "loadtest.bench_prefix_reuse",
-                  "prefill time and TTFT after a cached prefix against the ideal 1/(1-h)"),
-        Benchmark("spec", "loadtest.bench_spec_decode",
-                  "tokens/s with prompt-lookup drafts against without"),
-        Benchmark("tokenize", "loadtest.bench_tokenize",
-                  "segment-cached chat tokenization against tokenizing the whole text"),
-        Benchmark("ingress", "loadtest.bench_ingress",
-                  "HTTP ingress against calling the router directly"),
-        Benchmark("observability", "loadtest.bench_observability",
-                  "requests/s and p50 with tracing (1% and 100%) and metrics scraped "
-                  "against neither"),
-        Benchmark("ledger", "loadtest.bench_ledger",
-                  "usage records into the ledger against a bare batched INSERT"),
-        Benchmark("agent", "loadtest.bench_agent",
-                  "coding-agent sessions over HTTP: warm steps against the cold first step"),
-        Benchmark("peers", "loadtest.bench_peers",
-                  "the agent workload against vLLM (CPU build, its own venv) on the same "
-                  "SmolLM2 weights, for kvfabric's engine and for kvfabric with vLLM workers: "
-                  "warm TTFT, TTFT after a restart and on another worker, decode tokens/s",
-                  in_suite=False),
-        Benchmark("trace", "loadtest.bench_trace",
-                  "the production trace: our routing's hit rate against the upper bound "
-                  "and other policies"),
+        Benchmark(
+            "bus",
+            "loadtest.bench_bus",
+            "request/reply and events through shared.bus against raw nats-py",
+        ),
+        Benchmark(
+            "engine",
+            "loadtest.bench_engine",
+            "decode and prefill tokens/s against transformers on the same weights; "
+            "oneDNN-packed linear layers against F.linear; attention over the pool in "
+            "place against SDPA",
+        ),
+        Benchmark(
+            "kv",
+            "loadtest.bench_kv",
+            "store GB/s against raw file I/O; NIXL transfers against memcpy",
+        ),
+        Benchmark(
+            "connector",
+            "loadtest.bench_connector",
+            "vLLM's paged cache to and from store payloads (its CPU layout here, its "
+            "GPU layout on a GPU) and a load from the store's files, against one copy "
+            "of as many bytes",
+        ),
+        Benchmark(
+            "kv-index",
+            "loadtest.bench_kv_index",
+            "match latency, ingest and memory against NVIDIA Dynamo's indexer "
+            "(its own venv, built on demand)",
+            has_peer_option=True,
+        ),
+        Benchmark(
+            "prefix",
+            "loadtest.bench_prefix_reuse",
+            "prefill time and TTFT after a cached prefix against the ideal 1/(1-h)",
+        ),
+        Benchmark(
+            "spec",
+            "loadtest.bench_spec_decode",
+            "tokens/s with prompt-lookup drafts against without",
+        ),
+        Benchmark(
+            "tokenize",
+            "loadtest.bench_tokenize",
+            "segment-cached chat tokenization against tokenizing the whole text",
+        ),
+        Benchmark(
+            "ingress", "loadtest.bench_ingress", "HTTP ingress against calling the router directly"
+        ),
+        Benchmark(
+            "observability",
+            "loadtest.bench_observability",
+            "requests/s and p50 with tracing (1% and 100%) and metrics scraped against neither",
+        ),
+        Benchmark(
+            "ledger",
+            "loadtest.bench_ledger",
+            "usage records into the ledger against a bare batched INSERT",
+        ),
+        Benchmark(
+            "agent",
+            "loadtest.bench_agent",
+            "coding-agent sessions over HTTP: warm steps against the cold first step",
+        ),
+        Benchmark(
+            "peers",
+            "loadtest.bench_peers",
+            "the agent workload against vLLM (CPU build, its own venv) on the same "
+            "SmolLM2 weights, for kvfabric's engine and for kvfabric with vLLM workers: "
+            "warm TTFT, TTFT after a restart and on another worker, decode tokens/s",
+            in_suite=False,
+        ),
+        Benchmark(
+            "trace",
+            "loadtest.bench_trace",
+            "the production trace: our routing's hit rate against the upper bound "
+            "and other policies",
+        ),
     )
-}  # fmt: skip
+}
 
 
 def get(name: str) -> Benchmark:

@@ -85,14 +85,30 @@ class BenchResult:
     _started: float = field(default_factory=time.perf_counter, repr=False)
     duration_s: float = 0.0
 
-    def ratio(self, name: str, ours: float, peer: float, peer_name: str, unit: str,
-              target: float | None = None, *, lower_is_better: bool = False) -> Ratio:  # fmt: skip
+    def ratio(
+        self,
+        name: str,
+        ours: float,
+        peer: float,
+        peer_name: str,
+        unit: str,
+        target: float | None = None,
+        *,
+        lower_is_better: bool = False,
+    ) -> Ratio:
         ratio = Ratio(name, ours, peer, peer_name, unit, target, lower_is_better)
         self.ratios.append(ratio)
         return ratio
 
-    def figure(self, name: str, value: float, unit: str, target: float | None = None, *,
-               lower_is_better: bool = False) -> Figure:  # fmt: skip
+    def figure(
+        self,
+        name: str,
+        value: float,
+        unit: str,
+        target: float | None = None,
+        *,
+        lower_is_better: bool = False,
+    ) -> Figure:
         figure = Figure(name, value, unit, target, lower_is_better)
         self.figures.append(figure)
         return figure

@@ -111,7 +111,7 @@ def build_request(
             top_k=top_k,
             seed=seed,
             stop=tuple(stop),
-        ),  # fmt: skip
+        ),
         api_key_id=api_key_id,
         account=account,
         cache_salt=cache_salt,
@@ -153,23 +153,36 @@ async def generate(
     """
     with telemetry.span("client generate") as span:
         if span.is_recording():
-            span.set_attributes({
-                REQUEST_ID: request.request_id, "kvfabric.model": request.model,
-                "kvfabric.num_prompt_tokens": num_packed_tokens(request.prompt_token_ids),
-            })  # fmt: skip
+            span.set_attributes(
+                {
+                    REQUEST_ID: request.request_id,
+                    "kvfabric.model": request.model,
+                    "kvfabric.num_prompt_tokens": num_packed_tokens(request.prompt_token_ids),
+                }
+            )
         result = await _generate(
-            bus, request, on_chunk, on_decision, liveness_timeout_s, first_chunk_timeout_s,
-            idle_timeout_s, route_timeout_s, overload_wait_s, outbox,
-        )  # fmt: skip
+            bus,
+            request,
+            on_chunk,
+            on_decision,
+            liveness_timeout_s,
+            first_chunk_timeout_s,
+            idle_timeout_s,
+            route_timeout_s,
+            overload_wait_s,
+            outbox,
+        )
         if span.is_recording():
             decision = result.decision
-            span.set_attributes({
-                "kvfabric.hit_tokens": decision.num_cached_tokens,
-                "kvfabric.prefill_worker_id": decision.prefill_worker_id,
-                "kvfabric.decode_worker_id": decision.decode_worker_id,
-                "kvfabric.num_output_tokens": len(result.token_ids),
-                "kvfabric.finish_reason": result.finish_reason or "",
-            })  # fmt: skip
+            span.set_attributes(
+                {
+                    "kvfabric.hit_tokens": decision.num_cached_tokens,
+                    "kvfabric.prefill_worker_id": decision.prefill_worker_id,
+                    "kvfabric.decode_worker_id": decision.decode_worker_id,
+                    "kvfabric.num_output_tokens": len(result.token_ids),
+                    "kvfabric.finish_reason": result.finish_reason or "",
+                }
+            )
             if result.ttft_s is not None:
                 span.set_attribute("kvfabric.ttft_ms", round(result.ttft_s * 1000, 3))
         return result
@@ -202,16 +215,26 @@ async def _generate(
                 deadline_ms=request.deadline_ms,
             )
             call = _Generation(
-                bus, attempt, reader, on_chunk, on_decision, liveness_timeout_s,
-                route_timeout_s, outbox,
-            )  # fmt: skip
+                bus,
+                attempt,
+                reader,
+                on_chunk,
+                on_decision,
+                liveness_timeout_s,
+                route_timeout_s,
+                outbox,
+            )
             return await call.run()
         except Overloaded as exc:
             wait_s = _overload_wait_s(exc, request.deadline_ms, overload_wait_s - waited_s)
             if not call.refused_by_router or wait_s is None:
                 raise
-            log.info("router overloaded: sending again", request_id=request.request_id,
-                     wait_s=round(wait_s, 3), reason=exc.message)  # fmt: skip
+            log.info(
+                "router overloaded: sending again",
+                request_id=request.request_id,
+                wait_s=round(wait_s, 3),
+                reason=exc.message,
+            )
             telemetry.current_span().add_event("overloaded", {"kvfabric.wait_s": round(wait_s, 3)})
         finally:
             await inbox.close()

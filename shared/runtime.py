@@ -141,9 +141,10 @@ class ServiceRuntime:
         bus's own counts, read when scraped); and the requests in flight."""
         bus = self.bus
         self.metrics.gauge_from(
-            "kvfabric_inflight_requests", "Requests being handled now, every endpoint's.",
+            "kvfabric_inflight_requests",
+            "Requests being handled now, every endpoint's.",
             lambda: bus.num_inflight,
-        )  # fmt: skip
+        )
         names = tuple(s.name for s in bus.endpoint_stats())
         if not names:
             return  # a service that serves no endpoint (ingress: HTTP only)
@@ -153,20 +154,25 @@ class ServiceRuntime:
 
         labels = {"endpoint": names}
         self.metrics.counter_from(
-            "kvfabric_endpoint_requests_total", "Requests each endpoint received.",
-            lambda: {s.name: s.num_requests for s in served()}, labels=labels,
-        )  # fmt: skip
+            "kvfabric_endpoint_requests_total",
+            "Requests each endpoint received.",
+            lambda: {s.name: s.num_requests for s in served()},
+            labels=labels,
+        )
         self.metrics.counter_from(
-            "kvfabric_endpoint_errors_total", "Error replies of each endpoint, by error code.",
-            lambda: {(s.name, code): n for s in served()
-                     for code, n in s.num_errors_by_code.items()},
+            "kvfabric_endpoint_errors_total",
+            "Error replies of each endpoint, by error code.",
+            lambda: {
+                (s.name, code): n for s in served() for code, n in s.num_errors_by_code.items()
+            },
             labels={"endpoint": names, "code": ErrorCode},
-        )  # fmt: skip
+        )
         self.metrics.counter_from(
             "kvfabric_endpoint_processing_seconds_total",
             "Time each endpoint's handlers ran, summed over its requests.",
-            lambda: {s.name: s.processing_time_ns / 1e9 for s in served()}, labels=labels,
-        )  # fmt: skip
+            lambda: {s.name: s.processing_time_ns / 1e9 for s in served()},
+            labels=labels,
+        )
 
     def load_report(self) -> LoadReport:
         self._num_heartbeats += 1
@@ -186,9 +192,12 @@ class ServiceRuntime:
             service=self.service, instance_id=self.instance_id, level=self.config.log_level
         )
         telemetry.setup_tracing(
-            self.service, self.instance_id, otlp_endpoint=self.config.otlp_endpoint,
-            trace_dir=self.config.trace_dir, sample_ratio=self.config.trace_sample_ratio,
-        )  # fmt: skip
+            self.service,
+            self.instance_id,
+            otlp_endpoint=self.config.otlp_endpoint,
+            trace_dir=self.config.trace_dir,
+            sample_ratio=self.config.trace_sample_ratio,
+        )
         log.info("config", **(self.config.to_log() | {"instance_id": self.instance_id}))
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

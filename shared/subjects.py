@@ -26,8 +26,15 @@ BILLING = "billing"
 # A vLLM engine behind the same messages: prefill and decode in one instance (aggregated).
 VLLM_WORKER = "vllm-worker"
 SERVICES: tuple[str, ...] = (
-    INGRESS, ROUTER, PREFILL, DECODE, KV_INDEX, SWA_MEMCACHE, BILLING, VLLM_WORKER,
-)  # fmt: skip
+    INGRESS,
+    ROUTER,
+    PREFILL,
+    DECODE,
+    KV_INDEX,
+    SWA_MEMCACHE,
+    BILLING,
+    VLLM_WORKER,
+)
 
 # The NATS micro discovery API: `$SRV.<VERB>[.<name>[.<id>]]`, fixed by the protocol and
 # therefore outside our root; instances carry the root in their metadata instead.

@@ -130,9 +130,11 @@ class SwaClient:
 
     async def _put(self, message: SwaPut, timeout_s: float | None = None) -> bool:
         reply = await self.bus.request(
-            self._subject(self.bus.subjects.swa_put), message, SwaPutReply,
+            self._subject(self.bus.subjects.swa_put),
+            message,
+            SwaPutReply,
             timeout_s=timeout_s or self.timeout_s,
-        )  # fmt: skip
+        )
         if not reply.stored:
             log.info("snapshot not stored", block_hash=message.block_hash, reason=reply.reason)
         return reply.stored

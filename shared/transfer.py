@@ -246,23 +246,38 @@ class KvTransferAgent:
             log.info("NIXL peer already removed", peer=info.agent_name, error=str(exc))
 
     async def write(
-        self, service: str, instance_id: str, ranges: Sequence[ByteRange], *,
-        notification: bytes, timeout_s: float = 5.0,
-    ) -> None:  # fmt: skip
+        self,
+        service: str,
+        instance_id: str,
+        ranges: Sequence[ByteRange],
+        *,
+        notification: bytes,
+        timeout_s: float = 5.0,
+    ) -> None:
         """Push our bytes into the peer's region; the peer is notified once they landed."""
         await self._transfer("WRITE", service, instance_id, ranges, notification, timeout_s)
 
     async def read(
-        self, service: str, instance_id: str, ranges: Sequence[ByteRange], *,
-        notification: bytes = b"", timeout_s: float = 5.0,
-    ) -> None:  # fmt: skip
+        self,
+        service: str,
+        instance_id: str,
+        ranges: Sequence[ByteRange],
+        *,
+        notification: bytes = b"",
+        timeout_s: float = 5.0,
+    ) -> None:
         """Pull the peer's bytes into our region (the peer is notified when done)."""
         await self._transfer("READ", service, instance_id, ranges, notification, timeout_s)
 
     async def _transfer(
-        self, op: str, service: str, instance_id: str, ranges: Sequence[ByteRange],
-        notification: bytes, timeout_s: float,
-    ) -> None:  # fmt: skip
+        self,
+        op: str,
+        service: str,
+        instance_id: str,
+        ranges: Sequence[ByteRange],
+        notification: bytes,
+        timeout_s: float,
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         was_cached = (service, instance_id) in self._peers
         info = await self.peer(service, instance_id, timeout_s=timeout_s)
@@ -273,11 +288,12 @@ class KvTransferAgent:
             if not was_cached:
                 raise
             # Most likely the peer restarted since we cached it: ask again, once.
-            log.info("NIXL peer changed: asking for its metadata again", peer=instance_id,
-                     error=str(exc))  # fmt: skip
+            log.info(
+                "NIXL peer changed: asking for its metadata again", peer=instance_id, error=str(exc)
+            )
             info = await self.peer(
                 service, instance_id, timeout_s=max(deadline - time.monotonic(), _POLL_MAX_S)
-            )  # fmt: skip
+            )
             try:
                 handle, state = self._post(op, info, ranges, notification)
             except TransferError:
@@ -308,9 +324,12 @@ class KvTransferAgent:
         handle = None
         try:
             handle = self._agent.initialize_xfer(
-                op, self._agent.get_xfer_descs(local, "DRAM"),
-                self._agent.get_xfer_descs(remote, "DRAM"), info.agent_name, notification,
-            )  # fmt: skip
+                op,
+                self._agent.get_xfer_descs(local, "DRAM"),
+                self._agent.get_xfer_descs(remote, "DRAM"),
+                info.agent_name,
+                notification,
+            )
             return handle, self._agent.transfer(handle)
         except Exception as exc:  # nixlBind errors share no importable base class
             if handle is not None:

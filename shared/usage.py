@@ -31,8 +31,9 @@ class _Count(Protocol):
     def inc(self, amount: float = 1) -> None: ...
 
 
-async def keep_record(outbox: UsageOutbox, record: UsageRecord, *, kept: _Count,
-                      lost: _Count) -> bool:  # fmt: skip
+async def keep_record(
+    outbox: UsageOutbox, record: UsageRecord, *, kept: _Count, lost: _Count
+) -> bool:
     """A worker's record of a request it served, into its durable outbox (which publishes it
     until JetStream has it), counted kept or lost; the current span's context goes with it,
     so billing's span continues the request's trace. False only when the disk failed: the
@@ -42,8 +43,12 @@ async def keep_record(outbox: UsageOutbox, record: UsageRecord, *, kept: _Count,
         await outbox.add(record)
     except Exception as exc:  # the disk itself failed: counted, logged with its traceback
         lost.inc()
-        log.exception("usage record not kept", request_id=record.request_id, record=str(record),
-                      error=repr(exc))  # fmt: skip
+        log.exception(
+            "usage record not kept",
+            request_id=record.request_id,
+            record=str(record),
+            error=repr(exc),
+        )
         return False
     kept.inc()
     return True

@@ -146,8 +146,15 @@ class UsageOutbox:
         self._drained = asyncio.Event()
         self._sender: asyncio.Task[None] | None = None
         self._counters = dict.fromkeys(
-            ("num_added", "num_published", "num_replayed", "num_publish_failures",
-             "num_compactions"), 0)  # fmt: skip
+            (
+                "num_added",
+                "num_published",
+                "num_replayed",
+                "num_publish_failures",
+                "num_compactions",
+            ),
+            0,
+        )
 
     @property
     def num_pending(self) -> int:
@@ -197,8 +204,11 @@ class UsageOutbox:
         if self._sender is None:
             return
         if not await self.flush(timeout_s):
-            log.warning("usage outbox closing with records pending; kept for the next open",
-                        path=str(self._path), num_pending=len(self._pending))  # fmt: skip
+            log.warning(
+                "usage outbox closing with records pending; kept for the next open",
+                path=str(self._path),
+                num_pending=len(self._pending),
+            )
         sender, self._sender = self._sender, None
         await cancel_and_wait(sender)
         async with self._io:  # waits for a shielded write in flight
@@ -240,8 +250,11 @@ class UsageOutbox:
             data = self._path.read_bytes()
             entries, end = _scan(data, self._path)
             if end < len(data):
-                log.warning("usage outbox: dropped a torn or corrupt tail",
-                            path=str(self._path), num_bytes=len(data) - end)  # fmt: skip
+                log.warning(
+                    "usage outbox: dropped a torn or corrupt tail",
+                    path=str(self._path),
+                    num_bytes=len(data) - end,
+                )
             end = end if entries else 0
             if end < len(data):
                 os.ftruncate(fds[1], end)
@@ -296,12 +309,20 @@ class UsageOutbox:
                 now = asyncio.get_running_loop().time()
                 if not isinstance(exc, ServiceError) and not traced:
                     traced, last_logged = True, now
-                    log.error("usage record publish raised unexpectedly; retrying",
-                              request_id=request_id, attempt=attempt, exc_info=True)  # fmt: skip
+                    log.error(
+                        "usage record publish raised unexpectedly; retrying",
+                        request_id=request_id,
+                        attempt=attempt,
+                        exc_info=True,
+                    )
                 elif attempt == 1 or now - last_logged >= _LOG_EVERY_S:
                     last_logged = now
-                    log.warning("usage record not stored yet; retrying", request_id=request_id,
-                                attempt=attempt, error=str(exc))  # fmt: skip
+                    log.warning(
+                        "usage record not stored yet; retrying",
+                        request_id=request_id,
+                        attempt=attempt,
+                        error=str(exc),
+                    )
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, self._retry_max_s)
 
@@ -323,8 +344,12 @@ class UsageOutbox:
                         rest = b"".join(e.frame for e in itertools.islice(self._pending, 1, None))
                         await asyncio.to_thread(self._compact, self._fd, rest)
             except OSError as exc:  # the record was stored; at worst it is replayed and deduped
-                log.error("usage outbox file update failed", path=str(self._path),
-                          request_id=entry.record.request_id, error=str(exc))  # fmt: skip
+                log.error(
+                    "usage outbox file update failed",
+                    path=str(self._path),
+                    request_id=entry.record.request_id,
+                    error=str(exc),
+                )
             self._pending.popleft()
             self._live_nbytes = live_nbytes
             self._counters["num_published"] += 1

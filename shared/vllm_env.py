@@ -74,9 +74,11 @@ def ensure_vllm() -> Path:
     """The python of vLLM's venv (built on first use: minutes, ~1 GB of wheels), with the
     connector's few extra packages."""
     return ensure_venv(
-        "vllm", list(REQUIREMENTS), remove_after=list(REMOVE_AFTER),
+        "vllm",
+        list(REQUIREMENTS),
+        remove_after=list(REMOVE_AFTER),
         add_ons=list(CONNECTOR_REQUIREMENTS),
-    )  # fmt: skip
+    )
 
 
 def connector_config(extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -103,8 +105,14 @@ def export_checkpoint(model_name: str, out_dir: Path | None = None) -> Path:
         return source
     out_dir = Path(out_dir or venvs_dir() / "checkpoints" / served_name(model_name))
     stat = source.stat()
-    stamp = json.dumps({"gguf": str(source.resolve()), "nbytes": stat.st_size,
-                        "mtime_ns": stat.st_mtime_ns, "version": EXPORT_VERSION})  # fmt: skip
+    stamp = json.dumps(
+        {
+            "gguf": str(source.resolve()),
+            "nbytes": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+            "version": EXPORT_VERSION,
+        }
+    )
     if (out_dir / EXPORT_STAMP).is_file() and (out_dir / EXPORT_STAMP).read_text() == stamp:
         return out_dir
     staging = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
@@ -123,29 +131,35 @@ def _write_checkpoint(gguf_path: Path, out: Path) -> None:
     gguf = read_gguf(gguf_path)
     config = config_from_gguf(gguf)
     if config.model_type != "llama":
-        raise ValueError(f"{gguf_path}: only llama GGUF files are exported, not "
-                         f"{config.model_type}")  # fmt: skip
+        raise ValueError(
+            f"{gguf_path}: only llama GGUF files are exported, not {config.model_type}"
+        )
     checkpoint = Checkpoint(gguf_path)
     eos = list(config.eos_token_ids)
     eos_field = eos[0] if len(eos) == 1 else eos
     _write_json(out / "config.json", hf_config(config, eos_field))
-    _write_json(out / "generation_config.json",
-                {"bos_token_id": config.bos_token_id, "eos_token_id": eos_field})  # fmt: skip
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": config.bos_token_id, "eos_token_id": eos_field},
+    )
     (out / "tokenizer.json").write_text(tokenizer_from_gguf(gguf).to_str(), encoding="utf-8")
     template = checkpoint.chat_template()
-    _write_json(out / "tokenizer_config.json", {
-        # Load tokenizer.json as it is (a model-specific class would rebuild the split).
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": template.bos_token,
-        "eos_token": template.eos_token,
-        "unk_token": special_token(gguf, "unknown_token_id"),
-        "pad_token": special_token(gguf, "padding_token_id"),
-        "add_bos_token": bool(gguf.metadata.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(gguf.metadata.get("tokenizer.ggml.add_eos_token", False)),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": config.max_position_embeddings,
-        "chat_template": template.template,
-    })  # fmt: skip
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            # Load tokenizer.json as it is (a model-specific class would rebuild the split).
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": template.bos_token,
+            "eos_token": template.eos_token,
+            "unk_token": special_token(gguf, "unknown_token_id"),
+            "pad_token": special_token(gguf, "padding_token_id"),
+            "add_bos_token": bool(gguf.metadata.get("tokenizer.ggml.add_bos_token", False)),
+            "add_eos_token": bool(gguf.metadata.get("tokenizer.ggml.add_eos_token", False)),
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": config.max_position_embeddings,
+            "chat_template": template.template,
+        },
+    )
     tensors = {}
     for name, tensor in gguf.tensors.items():
         hf_name = engine_name(name)
@@ -244,17 +258,27 @@ class VllmServer:
     def argv(self) -> list[str]:
         python = str(self.python or ensure_vllm())
         args = [
-            python, "-m", SERVER_MODULE,
-            "--model", str(self.checkpoint_dir),
-            "--served-model-name", self.served_model_name,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", self.dtype,
-            "--max-model-len", str(self.max_model_len),
+            python,
+            "-m",
+            SERVER_MODULE,
+            "--model",
+            str(self.checkpoint_dir),
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",  # usage's cached_tokens, as ours reports
-            "--gpu-memory-utilization", "0.4",  # of this machine's RAM on the CPU build
+            "--gpu-memory-utilization",
+            "0.4",  # of this machine's RAM on the CPU build
             "--disable-uvicorn-access-log",
-        ]  # fmt: skip
+        ]
         if self.block_size_tokens:
             args += ["--block-size", str(self.block_size_tokens)]
         if self.kv_transfer_config is not None:
@@ -296,9 +320,14 @@ class VllmServer:
             log.write(f"\n$ {' '.join(argv)}\n".encode())
             log.flush()
             self.process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True, preexec_fn=die_with_parent,
-            )  # fmt: skip
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
         started = time.monotonic()
         try:
             self._wait_ready(self.process, started)

@@ -45,8 +45,13 @@ def _ttft_per_step(reports: Mapping[str, AgentReport]) -> plt.Figure:
         steps = report.by_step()
         x = [s["step"] for s in steps]
         (line,) = ax.plot(x, [_ms(s["ttft_s"]["p50"]) for s in steps], "o-", label=f"{label} p50")
-        ax.plot(x, [_ms(s["ttft_s"]["p90"]) for s in steps], "--", color=line.get_color(),
-                label=f"{label} p90")  # fmt: skip
+        ax.plot(
+            x,
+            [_ms(s["ttft_s"]["p90"]) for s in steps],
+            "--",
+            color=line.get_color(),
+            label=f"{label} p90",
+        )
     ax.set(xlabel="step in session", ylabel="time to first token (ms)", title="TTFT per step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(bottom=0)
@@ -62,8 +67,12 @@ def _hit_share_per_step(reports: Mapping[str, AgentReport]) -> plt.Figure:
         x = np.array([s["step"] for s in steps]) + (i - (len(reports) - 1) / 2) * width
         shares = [100 * (s["hit_share"] or 0.0) for s in steps]
         ax.bar(x, shares, width=width, label=label)
-    ax.set(xlabel="step in session", ylabel="prompt tokens from the cache (%)",
-           title="Cache-hit share per step", ylim=(0, 100))  # fmt: skip
+    ax.set(
+        xlabel="step in session",
+        ylabel="prompt tokens from the cache (%)",
+        title="Cache-hit share per step",
+        ylim=(0, 100),
+    )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend()
     return fig
@@ -73,13 +82,16 @@ def _latency_cdf(reports: Mapping[str, AgentReport]) -> plt.Figure:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric, title in zip(axes, ("ttft_s", "e2e_s"), ("TTFT", "end to end"), strict=True):
         for label, report in reports.items():
-            values = np.sort([_ms(getattr(r, metric)) for r in report.answered
-                              if getattr(r, metric) is not None])  # fmt: skip
+            values = np.sort(
+                [_ms(getattr(r, metric)) for r in report.answered if getattr(r, metric) is not None]
+            )
             if values.size:
-                ax.step(values, np.arange(1, values.size + 1) / values.size, where="post",
-                        label=label)  # fmt: skip
-        ax.set(xlabel=f"{title} (ms)", ylabel="share of requests", title=f"{title} CDF",
-               ylim=(0, 1.01))  # fmt: skip
+                ax.step(
+                    values, np.arange(1, values.size + 1) / values.size, where="post", label=label
+                )
+        ax.set(
+            xlabel=f"{title} (ms)", ylabel="share of requests", title=f"{title} CDF", ylim=(0, 1.01)
+        )
         ax.legend()
     return fig
 

@@ -181,18 +181,28 @@ async def _timed(
     if reply.first_token_at is not None and (reply.output_tokens or 0) > 1:
         tpot = (done - reply.first_token_at) / (reply.output_tokens - 1)
     record = RequestRecord(
-        session=session.index, step=index, started_s=sent - started, e2e_s=done - sent,
-        ttft_s=ttft, tpot_s=tpot, prompt_tokens=reply.prompt_tokens,
-        cached_tokens=reply.cached_tokens, output_tokens=reply.output_tokens,
-    )  # fmt: skip
+        session=session.index,
+        step=index,
+        started_s=sent - started,
+        e2e_s=done - sent,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        prompt_tokens=reply.prompt_tokens,
+        cached_tokens=reply.cached_tokens,
+        output_tokens=reply.output_tokens,
+    )
     return record, reply.text
 
 
 def _client(target: Target, workload: Workload) -> tuple[StepFn, Callable[[], Awaitable[None]]]:
     """The step function of `target`'s protocol and the coroutine function that closes it."""
     if target.protocol == "openai":
-        oai = openai.AsyncOpenAI(base_url=f"{target.root_url}/v1", api_key=target.api_key,
-                                 max_retries=0, timeout=target.timeout_s)  # fmt: skip
+        oai = openai.AsyncOpenAI(
+            base_url=f"{target.root_url}/v1",
+            api_key=target.api_key,
+            max_retries=0,
+            timeout=target.timeout_s,
+        )
 
         async def openai_step(system: str, messages: list[Message]) -> _Reply:
             reply = _Reply()
@@ -217,8 +227,9 @@ def _client(target: Target, workload: Workload) -> tuple[StepFn, Callable[[], Aw
 
         return openai_step, oai.close
 
-    ant = anthropic.AsyncAnthropic(base_url=target.root_url, api_key=target.api_key,
-                                   max_retries=0, timeout=target.timeout_s)  # fmt: skip
+    ant = anthropic.AsyncAnthropic(
+        base_url=target.root_url, api_key=target.api_key, max_retries=0, timeout=target.timeout_s
+    )
 
     async def anthropic_step(system: str, messages: list[Message]) -> _Reply:
         reply = _Reply()

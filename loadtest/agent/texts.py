@@ -19,23 +19,59 @@ from collections.abc import Callable
 PROSE, CODE, TESTS, GREP, DIFF = 3.9, 3.2, 3.45, 2.55, 2.6  # characters a token
 
 VERBS = (
-    "load", "parse", "merge", "resolve", "render", "collect", "encode", "validate", "flush",
-    "schedule", "split", "normalize", "fetch", "index", "retry", "compact",
-)  # fmt: skip
+    "load",
+    "parse",
+    "merge",
+    "resolve",
+    "render",
+    "collect",
+    "encode",
+    "validate",
+    "flush",
+    "schedule",
+    "split",
+    "normalize",
+    "fetch",
+    "index",
+    "retry",
+    "compact",
+)
 NOUNS = (
-    "config", "blocks", "tokens", "request", "session", "payload", "entries", "records",
-    "segments", "headers", "window", "snapshot", "batch", "ledger", "route", "cache",
-)  # fmt: skip
+    "config",
+    "blocks",
+    "tokens",
+    "request",
+    "session",
+    "payload",
+    "entries",
+    "records",
+    "segments",
+    "headers",
+    "window",
+    "snapshot",
+    "batch",
+    "ledger",
+    "route",
+    "cache",
+)
 ATTRS = ("size", "offset", "name", "count", "deadline", "status", "weight", "key", "level")
 TYPES = ("int", "str", "bool", "float", "list[str]", "dict[str, int]", "bytes", "None")
 PACKAGES = ("core", "io", "net", "store", "sched", "api", "util", "cli")
 ERRORS = ("KeyError", "ValueError", "IndexError", "TypeError", "AssertionError")
-PHRASES = ("before the deadline", "in arrival order", "without copying", "once per batch",
-           "under the lock", "from the newest first", "when the cache is cold")  # fmt: skip
+PHRASES = (
+    "before the deadline",
+    "in arrival order",
+    "without copying",
+    "once per batch",
+    "under the lock",
+    "from the newest first",
+    "when the cache is cold",
+)
 
 
-def fill(num_tokens: int, chars_per_token: float, next_lines: Callable[[], list[str]],
-         head: str = "") -> str:  # fmt: skip
+def fill(
+    num_tokens: int, chars_per_token: float, next_lines: Callable[[], list[str]], head: str = ""
+) -> str:
     """`head`, then groups of lines from `next_lines` until the text is about `num_tokens`
     tokens long: a line that would overshoot by more than it would fall short is left out."""
     lines = [head] if head else []
@@ -82,8 +118,14 @@ def function_lines(rng: random.Random) -> list[str]:
 
 def code_listing(rng: random.Random, num_tokens: int, path: str) -> str:
     """`cat -n` of a Python module: an import block, then functions."""
-    head = [f'"""{rng.choice(NOUNS).capitalize()} handling for {path}."""', "",
-            "from __future__ import annotations", "", "import logging", ""]  # fmt: skip
+    head = [
+        f'"""{rng.choice(NOUNS).capitalize()} handling for {path}."""',
+        "",
+        "from __future__ import annotations",
+        "",
+        "import logging",
+        "",
+    ]
     numbered: list[str] = []
 
     def next_lines() -> list[str]:
@@ -142,9 +184,16 @@ def diff_output(rng: random.Random, num_tokens: int) -> str:
     def hunk() -> list[str]:
         path, start = module_path(rng), rng.randint(1, 800)
         old, new = function_lines(rng), function_lines(rng)
-        return [f"diff --git a/{path} b/{path}", f"--- a/{path}", f"+++ b/{path}",
-                f"@@ -{start},4 +{start},4 @@", f" {old[0]}", f"-{old[4]}", f"+{new[4]}",
-                f" {old[5]}"]  # fmt: skip
+        return [
+            f"diff --git a/{path} b/{path}",
+            f"--- a/{path}",
+            f"+++ b/{path}",
+            f"@@ -{start},4 +{start},4 @@",
+            f" {old[0]}",
+            f"-{old[4]}",
+            f"+{new[4]}",
+            f" {old[5]}",
+        ]
 
     return fill(num_tokens, DIFF, hunk, "$ git diff")
 
@@ -167,16 +216,20 @@ def tool_result(rng: random.Random, num_tokens: int) -> str:
 
 def system_prompt(rng: random.Random, num_tokens: int) -> str:
     """An agent's instructions: rules, then the tools it may call."""
-    head = ("You are a coding agent working in a Python repository. Read before you edit, "
-            "run the tests after every change and answer with the next tool call.")  # fmt: skip
+    head = (
+        "You are a coding agent working in a Python repository. Read before you edit, "
+        "run the tests after every change and answer with the next tool call."
+    )
     count = 0
 
     def rule() -> list[str]:
         nonlocal count
         count += 1
         verb, noun = rng.choice(VERBS), rng.choice(NOUNS)
-        return [f"{count}. When you {verb} {noun}, do it {rng.choice(PHRASES)}; "
-                f"check the {rng.choice(ATTRS)} of every one and say what changed."]  # fmt: skip
+        return [
+            f"{count}. When you {verb} {noun}, do it {rng.choice(PHRASES)}; "
+            f"check the {rng.choice(ATTRS)} of every one and say what changed."
+        ]
 
     return fill(num_tokens, PROSE, rule, head)
 
@@ -184,6 +237,8 @@ def system_prompt(rng: random.Random, num_tokens: int) -> str:
 def first_task(rng: random.Random, num_tokens: int) -> str:
     """The user's request and the file it is about."""
     path, name = module_path(rng), ident(rng)
-    ask = (f"{name} in {path} raises {rng.choice(ERRORS)} {rng.choice(PHRASES)}. "
-           "Find the cause, fix it and make the tests pass. The file:")  # fmt: skip
+    ask = (
+        f"{name} in {path} raises {rng.choice(ERRORS)} {rng.choice(PHRASES)}. "
+        "Find the cause, fix it and make the tests pass. The file:"
+    )
     return f"{ask}\n{code_listing(rng, max(1, num_tokens - estimate(ask)), path)}"

@@ -81,8 +81,7 @@ class Indexer:
             apply(worker, payload)
         self.tree.find_matches([0])  # queued behind every event: returns once they are in
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        return {"num_events": len(payloads), "num_blocks": num_blocks, "wall_s": wall,
-                "cpu_s": cpu}  # fmt: skip
+        return {"num_events": len(payloads), "num_blocks": num_blocks, "wall_s": wall, "cpu_s": cpu}
 
     def match(self, path: str, count: int, worker: int, expect: int) -> dict:
         with open(path, "rb") as query_file:
@@ -127,8 +126,9 @@ def main() -> None:
             if op == "ingest":
                 reply = indexer.ingest(command["path"])
             elif op == "match":
-                reply = indexer.match(command["path"], command["count"], command["worker"],
-                                      command["expect"])  # fmt: skip
+                reply = indexer.match(
+                    command["path"], command["count"], command["worker"], command["expect"]
+                )
             elif op == "memory":
                 reply = {"resident_bytes": resident_bytes()}
             elif op == "quit":

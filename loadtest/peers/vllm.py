@@ -52,9 +52,12 @@ def smoke(model_name: str = "SmolLM2-135M-Instruct", max_tokens: int = 48) -> di
     with VllmServer(export_checkpoint(model_name), name, max_model_len=2048) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         reply = client.chat.completions.create(
-            model=name, messages=messages, max_tokens=max_tokens, temperature=0,
+            model=name,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0,
             extra_body={"return_token_ids": True},
-        )  # fmt: skip
+        )
         startup_s = server.startup_s
     choice = reply.choices[0]
     theirs_prompt = list(getattr(reply, "prompt_token_ids", None) or [])

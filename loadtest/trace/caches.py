@@ -35,8 +35,12 @@ class BlockCache:
         if capacity_blocks is not None and capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be > 0, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks or UNLIMITED_BLOCKS
-        self.index = KvIndex({TIER: self.capacity_blocks}, ttl_s=ttl_s, high_watermark=1.0,
-                             low_watermark=LOW_WATERMARK)  # fmt: skip
+        self.index = KvIndex(
+            {TIER: self.capacity_blocks},
+            ttl_s=ttl_s,
+            high_watermark=1.0,
+            low_watermark=LOW_WATERMARK,
+        )
         self._seq: dict[str, int] = {}
         # An upper bound on the blocks the index holds (a store may repeat some): counted so
         # that `evict`, a scan of the whole table, runs only when it may be past capacity.
@@ -57,8 +61,12 @@ class BlockCache:
             return
         seq = self._seq[writer_id] = self._seq.get(writer_id, 0) + 1
         blocks = tuple(StoredBlock(h, 0, slot, 0, 1) for slot, h in enumerate(hashes))
-        batch = KvEventBatch(writer_id=writer_id, seq=seq, ts_ms=round(now_s * 1000),
-                             events=(BlocksStored(tier=TIER, blocks=blocks),))  # fmt: skip
+        batch = KvEventBatch(
+            writer_id=writer_id,
+            seq=seq,
+            ts_ms=round(now_s * 1000),
+            events=(BlocksStored(tier=TIER, blocks=blocks),),
+        )
         self.index.apply(batch, now_s)
         self._num_blocks_at_most += len(hashes)
         if self._num_blocks_at_most > self.capacity_blocks:
@@ -73,9 +81,13 @@ class Caches:
     """The caches of one replay: one per prefill worker, or one shared by all."""
 
     def __init__(
-        self, worker_ids: Sequence[str], capacity_blocks: int | None, ttl_s: float, *,
+        self,
+        worker_ids: Sequence[str],
+        capacity_blocks: int | None,
+        ttl_s: float,
+        *,
         shared: bool,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if shared:
             one = BlockCache(capacity_blocks, ttl_s)
             self._by_worker = dict.fromkeys(worker_ids, one)

@@ -162,18 +162,23 @@ def run_live(trace: Sequence[TraceRequest], config: LiveConfig) -> LiveResult:
     vocab_size = Checkpoint(model_path(config.model)).config().vocab_size
     prompts = PromptHashes(model, vocab_size)
     predicted = replay(
-        requests, prompts,
-        ReplayConfig(num_workers=config.num_workers, shared_cache=True, speed=config.speed,
-                     cost=sped_up(CostModel(), config.mock_speedup),
-                     max_output_tokens=config.max_output_tokens),
-    )  # fmt: skip
+        requests,
+        prompts,
+        ReplayConfig(
+            num_workers=config.num_workers,
+            shared_cache=True,
+            speed=config.speed,
+            cost=sped_up(CostModel(), config.mock_speedup),
+            max_output_tokens=config.max_output_tokens,
+        ),
+    )
     generate_requests = [
         build_request(
             prompt_token_ids(r, vocab_size),
             model=model,
             request_id=f"trace-{r.index}",
             max_tokens=config.max_output_tokens,
-        )  # fmt: skip
+        )
         for r in requests
     ]
     with tempfile.TemporaryDirectory(prefix="kvf-trace-") as tmp:
@@ -190,18 +195,26 @@ def run_live(trace: Sequence[TraceRequest], config: LiveConfig) -> LiveResult:
 
 def _spec(state_dir: Path, config: LiveConfig) -> ClusterSpec:
     mock = [
-        "--engine", "mock", "--mock-speedup", str(config.mock_speedup),
-        "--max-model-len", str(config.max_model_len),
-        "--store-file-nbytes", str(32 << 20),  # 4 workers x the 256 MiB default, preallocated
-    ]  # fmt: skip
+        "--engine",
+        "mock",
+        "--mock-speedup",
+        str(config.mock_speedup),
+        "--max-model-len",
+        str(config.max_model_len),
+        "--store-file-nbytes",
+        str(32 << 20),  # 4 workers x the 256 MiB default, preallocated
+    ]
     return ClusterSpec(
-        state_dir=state_dir, nats_port=0, http_port=0,
+        state_dir=state_dir,
+        nats_port=0,
+        http_port=0,
         root=f"trace{uuid.uuid4().hex[:8]}.{DEFAULT_ROOT}",
-        replicas={PREFILL: config.num_workers, DECODE: config.num_workers, BILLING: 0,
-                  INGRESS: 0},
-        models=(config.model,), log_level="warning", shutdown_grace_s=3.0,
+        replicas={PREFILL: config.num_workers, DECODE: config.num_workers, BILLING: 0, INGRESS: 0},
+        models=(config.model,),
+        log_level="warning",
+        shutdown_grace_s=3.0,
         extra_args={PREFILL: mock, DECODE: mock, ROUTER: NO_ADMISSION},
-    )  # fmt: skip
+    )
 
 
 async def _drive(
@@ -228,10 +241,16 @@ async def _drive(
                 return LiveOutcome(request.index, request.input_length, 0, None, error)
             usage = result.usage
             if usage is None:
-                return LiveOutcome(request.index, request.input_length, 0, result.ttft_s,
-                                   "NoUsage: the stream ended without usage")  # fmt: skip
-            return LiveOutcome(request.index, usage.num_prompt_tokens, usage.num_cached_tokens,
-                               result.ttft_s)  # fmt: skip
+                return LiveOutcome(
+                    request.index,
+                    request.input_length,
+                    0,
+                    result.ttft_s,
+                    "NoUsage: the stream ended without usage",
+                )
+            return LiveOutcome(
+                request.index, usage.num_prompt_tokens, usage.num_cached_tokens, result.ttft_s
+            )
 
         at = arrivals_s(requests, config.speed)
         outcomes = await asyncio.gather(

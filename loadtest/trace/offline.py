@@ -119,14 +119,20 @@ class Replay:
         if any(a.timestamp_ms > b.timestamp_ms for a, b in itertools.pairwise(requests)):
             raise ValueError("requests must be in arrival order")
         self.requests, self.prompts, self.config, self.policy_name = (
-            requests, prompts, config, policy
-        )  # fmt: skip
+            requests,
+            prompts,
+            config,
+            policy,
+        )
         self.model = prompts.hasher.model_id
         self.policy = RoutePolicy(
             config.cost,
-            PolicyConfig(ttft_objective_s=None, max_queued_tokens=1 << 62,
-                         decode_page_size_tokens=prompts.block_size),
-        )  # fmt: skip
+            PolicyConfig(
+                ttft_objective_s=None,
+                max_queued_tokens=1 << 62,
+                decode_page_size_tokens=prompts.block_size,
+            ),
+        )
         self.baseline = baseline(policy, config.seed) if policy in BASELINES else None
         # The router's: a worker is gone after three missed heartbeats (1 s and 3 s there).
         self.table = LoadTable(ROUTER_ID, heartbeat_timeout_s=3 * config.heartbeat_s)
@@ -159,8 +165,9 @@ class Replay:
         workers = self.prefill.values()
         end_s = max(p.free_at_s for p in workers)
         utilization = sum(p.busy_s for p in workers) / (len(workers) * end_s) if end_s else 0.0
-        return ReplayResult(self.policy_name, self.config, outcomes,
-                            self.caches.num_blocks_evicted, utilization)  # fmt: skip
+        return ReplayResult(
+            self.policy_name, self.config, outcomes, self.caches.num_blocks_evicted, utilization
+        )
 
     def _at(self, at_s: float, kind: int, handler: Callable[..., None], arg: object) -> None:
         heapq.heappush(self._events, (at_s, kind, next(self._order), handler, arg))
@@ -169,10 +176,13 @@ class Replay:
     def _facts(self, request: TraceRequest, blocks: RequestBlocks, num_hit: int) -> RequestFacts:
         num_blocks = blocks.num_reusable_blocks(num_hit)
         return RequestFacts(
-            request_id=str(request.index), num_prompt_tokens=request.input_length,
-            num_cached_tokens=num_blocks * blocks.block_size, max_tokens=self._num_output(request),
-            boundary_block_hash=blocks.boundary_hash(num_blocks), model=self.model,
-        )  # fmt: skip
+            request_id=str(request.index),
+            num_prompt_tokens=request.input_length,
+            num_cached_tokens=num_blocks * blocks.block_size,
+            max_tokens=self._num_output(request),
+            boundary_block_hash=blocks.boundary_hash(num_blocks),
+            model=self.model,
+        )
 
     def _choose(self, facts: RequestFacts) -> RouteDecision:
         swa_node_ids = self.windows.holders(facts.boundary_block_hash, self.now_s)
@@ -206,8 +216,9 @@ class Replay:
             )
         for delta in self.policy.inflight_deltas(ROUTER_ID, decision, facts):
             self.table.record_sent(delta, now_s)
-        self._start(request, blocks, prefill, self.decode[decision.decode_worker_id], own,
-                    has_window)  # fmt: skip
+        self._start(
+            request, blocks, prefill, self.decode[decision.decode_worker_id], own, has_window
+        )
 
     def _least_ttft_by_own_hit(self, request: TraceRequest, blocks: RequestBlocks) -> str:
         """RoutePolicy's estimate for each worker with that worker's own hit (its
@@ -223,8 +234,15 @@ class Replay:
         return min(options, key=lambda o: o.key()).worker.instance_id
 
     # -- workers -------------------------------------------------------------------------
-    def _start(self, request: TraceRequest, blocks: RequestBlocks, prefill: SimPrefill,
-               decode: SimDecode, facts: RequestFacts, has_window: bool) -> None:  # fmt: skip
+    def _start(
+        self,
+        request: TraceRequest,
+        blocks: RequestBlocks,
+        prefill: SimPrefill,
+        decode: SimDecode,
+        facts: RequestFacts,
+        has_window: bool,
+    ) -> None:
         cost, cached = self.config.cost, facts.num_cached_tokens
         replayed = cost.num_replay_tokens(cached, has_window)
         duration_s = cost.prefill_s(request.input_length - cached, cached, replayed)
@@ -232,8 +250,9 @@ class Replay:
         end_s = prefill.enqueue(self.now_s, duration_s, num_tokens)
         num_pages = self.policy.pages_needed(facts)
         decode.num_pages_used += num_pages
-        job = Job(request, blocks, self.now_s, prefill, decode,
-                   cached // blocks.block_size, num_pages)  # fmt: skip
+        job = Job(
+            request, blocks, self.now_s, prefill, decode, cached // blocks.block_size, num_pages
+        )
         self._at(end_s, _DONE, self._prefill_done, job)
 
     def _prefill_done(self, job: Job) -> None:
@@ -248,9 +267,12 @@ class Replay:
         decode.num_running += 1
         request = job.request
         self._outcomes[request.index] = Outcome(
-            request.index, request.input_length, job.num_cached_blocks * blocks.block_size,
-            prefill.worker_id, self.now_s + step_s - job.arrival_s,
-        )  # fmt: skip
+            request.index,
+            request.input_length,
+            job.num_cached_blocks * blocks.block_size,
+            prefill.worker_id,
+            self.now_s + step_s - job.arrival_s,
+        )
         end_s = self.now_s + self._num_output(request) * step_s
         self._at(end_s, _DONE, self._decode_done, job)
 
@@ -283,15 +305,25 @@ class Replay:
         common = {"seq": self._num_beats, "ts_ms": round(now_s * 1000), "model": self.model}
         for p in self.prefill.values():
             queued = p.num_queued_tokens(now_s)
-            report = LoadReport(service=PREFILL, instance_id=p.worker_id, node_id=p.node_id,
-                                num_queued=len(p.jobs), num_queued_tokens=queued,
-                                **common)  # fmt: skip
+            report = LoadReport(
+                service=PREFILL,
+                instance_id=p.worker_id,
+                node_id=p.node_id,
+                num_queued=len(p.jobs),
+                num_queued_tokens=queued,
+                **common,
+            )
             self.table.observe(report, now_s)
         for d in self.decode.values():
             free = DECODE_PAGES - d.num_pages_used
-            report = LoadReport(service=DECODE, instance_id=d.worker_id, num_running=d.num_running,
-                                num_kv_pages_total=DECODE_PAGES, num_kv_pages_free=free,
-                                **common)  # fmt: skip
+            report = LoadReport(
+                service=DECODE,
+                instance_id=d.worker_id,
+                num_running=d.num_running,
+                num_kv_pages_total=DECODE_PAGES,
+                num_kv_pages_free=free,
+                **common,
+            )
             self.table.observe(report, now_s)
 
 

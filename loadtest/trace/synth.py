@@ -94,8 +94,9 @@ def parse_line(line: str, index: int) -> TraceRequest:
             f"{len(ids)} hash_ids for input_length {row['input_length']}: expected {expected} "
             f"(one per {TRACE_BLOCK_TOKENS}-token block)"
         )
-    return TraceRequest(index, row["timestamp"], row["input_length"], row["output_length"],
-                        tuple(ids))  # fmt: skip
+    return TraceRequest(
+        index, row["timestamp"], row["input_length"], row["output_length"], tuple(ids)
+    )
 
 
 def load_trace(path: Path = DEFAULT_TRACE, limit: int | None = None) -> list[TraceRequest]:
@@ -156,8 +157,11 @@ def arrivals_s(requests: Sequence[TraceRequest], speed: float = 1.0) -> list[flo
 
 
 # -- tokens ----------------------------------------------------------------------------------
-_SPLITMIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9),
-             np.uint64(0x94D049BB133111EB))  # fmt: skip
+_SPLITMIX = (
+    np.uint64(0x9E3779B97F4A7C15),
+    np.uint64(0xBF58476D1CE4E5B9),
+    np.uint64(0x94D049BB133111EB),
+)
 _POSITIONS = np.arange(TRACE_BLOCK_TOKENS, dtype=np.uint64)
 
 

@@ -37,15 +37,16 @@ def bench_command(
         metavar="KEY=VALUE",
         help="one of the benchmark's own options (repeatable; its module's flags, e.g. "
         "`--set vllm-cores=0-1` for peers); one benchmark only",
-    ),  # fmt: skip
+    ),
 ) -> None:
     """Run a benchmark (or `list` them, or run `all`)."""
     # What the benchmark prints is the report; its in-process clients log warnings only.
     configure_logging(service="bench", instance_id="bench", level="warning")
     options = parse_settings(settings)
     if options and name in ("list", "all"):
-        raise typer.BadParameter("options are for one benchmark, not `list` or `all`",
-                                 param_hint="--set")  # fmt: skip
+        raise typer.BadParameter(
+            "options are for one benchmark, not `list` or `all`", param_hint="--set"
+        )
     if name == "list":
         width = max(len(b) for b in BENCHMARKS)
         for bench in BENCHMARKS.values():

@@ -26,8 +26,9 @@ from services.billing.report import (
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
 DEFAULT_LEDGER = f"sqlite:///{(Path('.kvfabric') / 'billing' / 'ledger.db').resolve()}"
-LEDGER = typer.Option(DEFAULT_LEDGER, help="sqlite:///PATH or postgresql://...",
-                      envvar="KVF_BILLING_LEDGER_URL")  # fmt: skip
+LEDGER = typer.Option(
+    DEFAULT_LEDGER, help="sqlite:///PATH or postgresql://...", envvar="KVF_BILLING_LEDGER_URL"
+)
 FORMAT = typer.Option("table", "--format", help="table | csv | json")
 USD_RATE = typer.Option(None, help="USD per CNY (e.g. 0.145): adds a USD column")
 
@@ -66,11 +67,15 @@ def _emit(rows, fmt: str, usd_rate: str | None, device_ms: int | None = None) ->
         typer.echo(render_table(rows, usd_rate=usd_rate))
         mix = revenue_mix(whole)
         if mix is not None:
-            typer.echo(f"revenue mix (hit / miss / output): {format_share(mix.hit)} / "
-                       f"{format_share(mix.miss)} / {format_share(mix.output)}")  # fmt: skip
+            typer.echo(
+                f"revenue mix (hit / miss / output): {format_share(mix.hit)} / "
+                f"{format_share(mix.miss)} / {format_share(mix.output)}"
+            )
         if per_hour is not None:
-            typer.echo(f"revenue per GPU-hour: CNY {cny(per_hour, 2)} over "
-                       f"{device_ms / 3.6e6:,.3f} device-hours the workers reported")  # fmt: skip
+            typer.echo(
+                f"revenue per GPU-hour: CNY {cny(per_hour, 2)} over "
+                f"{device_ms / 3.6e6:,.3f} device-hours the workers reported"
+            )
     else:
         raise typer.BadParameter("one of table, csv, json", param_hint="--format")
 
@@ -91,9 +96,13 @@ def report(
     if by not in ("account", "model", "hour", "day"):
         raise typer.BadParameter("one of account, model, hour, day", param_hint="--by")
     since_ms, until_ms = _ms(since, "--since"), _ms(until, "--until")
-    rows, device_ms = _read(ledger_url, lambda ledger: (
-        ledger.report(by, since_ms, until_ms, time_zone=time_zone),  # type: ignore[arg-type]
-        ledger.device_ms(since_ms, until_ms)))  # fmt: skip
+    rows, device_ms = _read(
+        ledger_url,
+        lambda ledger: (
+            ledger.report(by, since_ms, until_ms, time_zone=time_zone),  # type: ignore[arg-type]
+            ledger.device_ms(since_ms, until_ms),
+        ),
+    )
     _emit(rows, fmt, usd_rate, device_ms)
 
 

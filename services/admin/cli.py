@@ -132,8 +132,9 @@ def up(
         shutdown_grace_s,
     )
     if not 0 <= metrics_port < 65536:
-        raise typer.BadParameter(f"must be in [0, 65536), got {metrics_port}",
-                                 param_hint="--metrics-port")  # fmt: skip
+        raise typer.BadParameter(
+            f"must be in [0, 65536), got {metrics_port}", param_hint="--metrics-port"
+        )
     spec.metrics_port = metrics_port
     apply_engine(spec, engine, models_)
     spec.dev_api_key = dev_api_key
@@ -296,10 +297,16 @@ def _spec(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--replicas") from exc
     return ClusterSpec(
-        state_dir=state_dir, nats_url=nats_url, nats_port=nats_port, root=root,
-        http_host=http_host, http_port=http_port, replicas=parsed, log_level=log_level,
+        state_dir=state_dir,
+        nats_url=nats_url,
+        nats_port=nats_port,
+        root=root,
+        http_host=http_host,
+        http_port=http_port,
+        replicas=parsed,
+        log_level=log_level,
         shutdown_grace_s=grace,
-    )  # fmt: skip
+    )
 
 
 async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
@@ -331,16 +338,20 @@ async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
             echo("interrupted during start-up")
             return 130
         instances = ready.result()
-        echo(f"HTTP API      {', '.join(cluster.http_urls)}  (/v1/chat/completions, "
-             "/v1/responses, /v1/messages; GET /health)")  # fmt: skip
+        echo(
+            f"HTTP API      {', '.join(cluster.http_urls)}  (/v1/chat/completions, "
+            "/v1/responses, /v1/messages; GET /health)"
+        )
         width = max(map(len, cluster.metrics_urls), default=0)
         for instance_id, url in cluster.metrics_urls.items():
             echo(f"metrics       {instance_id.ljust(width)}  {url}")
         if spec.dev_api_key:
             echo("API key       the --dev-api-key given (account 'dev')")
         else:
-            echo(f"API key       create one: kvfabric keys create --account NAME "
-                 f"--nats-url {cluster.nats_url} --root {spec.root}")  # fmt: skip
+            echo(
+                f"API key       create one: kvfabric keys create --account NAME "
+                f"--nats-url {cluster.nats_url} --root {spec.root}"
+            )
         echo(f"ready         {len(instances)} instances under root {spec.root}")
         if serve_forever:
             echo("Ctrl-C stops the cluster")

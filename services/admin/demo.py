@@ -53,12 +53,20 @@ class Turn:
 
 def chat_stream(url: str, api_key: str, messages: list[dict[str, str]]) -> Turn:
     """POST /v1/chat/completions with stream=true; the text, usage and time to first token."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     request = urllib.request.Request(
-        f"{url}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+        f"{url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
         headers={"authorization": f"Bearer {api_key}", "content-type": "application/json"},
-    )  # fmt: skip
+    )
     texts, usage, finish, first_at = [], {}, "", None
     sent_at = time.perf_counter()
     with urllib.request.urlopen(request, timeout=300) as response:
@@ -88,8 +96,10 @@ async def demo_requests(
     messages = [{"role": "user", "content": QUESTION}]
     first = await _turn(url, api_key, messages, echo, turn=1)
     tool_turn = f"I ran your function:\n{TOOL_RESULT}\n{FOLLOW_UP}"
-    messages += [{"role": "assistant", "content": first.text},
-                 {"role": "user", "content": tool_turn}]  # fmt: skip
+    messages += [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": tool_turn},
+    ]
     second = await _turn(url, api_key, messages, echo, turn=2)
 
     # Turn 2's prompt once more where nothing is cached (another tenant namespace).

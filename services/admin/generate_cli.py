@@ -233,20 +233,31 @@ def generate_command(
         raise typer.BadParameter(str(exc), param_hint="--model") from exc
     token_ids = tokenizer.encode(text, add_special_tokens=False).ids
     request = build_request(
-        token_ids, model=name, block_size_tokens=block_size, max_tokens=max_tokens,
-        temperature=temperature, seed=seed, stop=stop, cache_salt=cache_salt,
+        token_ids,
+        model=name,
+        block_size_tokens=block_size,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        stop=stop,
+        cache_salt=cache_salt,
         deadline_s=timeout_s,
-    )  # fmt: skip
+    )
     # Logs go to stderr, and only errors: stdout is the model's text.
     configure_logging(service="admin", instance_id="generate", level="error")
     printer = None if as_json else TextPrinter()
     try:
         result = asyncio.run(
             _run(
-                nats_url, root, request, printer=printer, timeout_s=timeout_s,
-                overload_wait_s=overload_wait_s, outbox_dir=state_dir / "outbox",
+                nats_url,
+                root,
+                request,
+                printer=printer,
+                timeout_s=timeout_s,
+                overload_wait_s=overload_wait_s,
+                outbox_dir=state_dir / "outbox",
             )
-        )  # fmt: skip
+        )
     except ServiceError as exc:
         retry = f" (retry after {exc.retry_after_s:g} s)" if exc.retry_after_s else ""
         _end_line(printer)

@@ -38,8 +38,15 @@ from shared.subjects import (
 # Start order: what others call comes up first. Stop order is the reverse: ingress stops
 # taking HTTP requests before the workers behind it drain.
 START_ORDER: tuple[str, ...] = (
-    KV_INDEX, SWA_MEMCACHE, BILLING, DECODE, PREFILL, VLLM_WORKER, ROUTER, INGRESS,
-)  # fmt: skip
+    KV_INDEX,
+    SWA_MEMCACHE,
+    BILLING,
+    DECODE,
+    PREFILL,
+    VLLM_WORKER,
+    ROUTER,
+    INGRESS,
+)
 MODEL_WORKERS = (PREFILL, DECODE, VLLM_WORKER)  # the services that run a model
 # Instances a service gets unless `replicas` says: one each, but no vLLM workers (they take
 # vLLM's own venv; `kvfabric up --engine vllm` runs them instead of prefill and decode).
@@ -174,13 +181,20 @@ class Cluster:
 
     def _spawn(self, service: str, index: int, instance_id: str, model: str | None) -> None:
         args = [
-            sys.executable, "-m", module_of(service),
-            "--nats-url", self.nats_url,
-            "--root", self.spec.root,
-            "--instance-id", instance_id,
-            "--log-level", self.spec.log_level,
-            "--shutdown-grace-s", str(self.spec.shutdown_grace_s),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            module_of(service),
+            "--nats-url",
+            self.nats_url,
+            "--root",
+            self.spec.root,
+            "--instance-id",
+            instance_id,
+            "--log-level",
+            self.spec.log_level,
+            "--shutdown-grace-s",
+            str(self.spec.shutdown_grace_s),
+        ]
         if self.spec.trace_dir is not None:
             args += ["--trace-dir", str(self.spec.trace_dir.resolve())]
         if self.spec.otlp_endpoint:

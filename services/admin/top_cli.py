@@ -39,8 +39,10 @@ REQUESTS = {
     INGRESS: "kvfabric_ingress_requests_total",
     BILLING: "kvfabric_billing_records_ledgered_total",
 }
-TOKENS = {DECODE: ("kvfabric_decode_output_tokens_total", {}),
-          PREFILL: ("kvfabric_prefill_tokens_total", {"source": "computed"})}  # fmt: skip
+TOKENS = {
+    DECODE: ("kvfabric_decode_output_tokens_total", {}),
+    PREFILL: ("kvfabric_prefill_tokens_total", {"source": "computed"}),
+}
 
 Samples = dict[tuple[str, frozenset], float]  # (sample name, its labels) -> value
 
@@ -174,17 +176,28 @@ def render(now: Reading, before: Reading, root: str, frame: int) -> Group:
     f = figures(now, before)
     clock = datetime.now().strftime("%H:%M:%S")
     header = Text.assemble(
-        ("kvfabric top", "bold"), f"  root {root}  frame {frame}  {clock}\n",
+        ("kvfabric top", "bold"),
+        f"  root {root}  frame {frame}  {clock}\n",
         f"requests {f['requests']:.0f}  ",
         f"req/s {f['requests_per_s']:.1f}  ",
         f"hit share {_show(f['hit_share'], '{:.1%}')}  ",
         f"tokens/s {f['tokens_per_s']:.0f}  ",
         f"TTFT p50 {_show(f['ttft_p50_s'], '{:.3f} s')}  ",
         f"revenue/GPU-h {_show(f['revenue_per_gpu_hour'], 'CNY {:.4f}')}",
-    )  # fmt: skip
+    )
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("SERVICE", "INSTANCE", "MODEL", "STATE", "INFLIGHT", "QUEUED", "RUNNING",
-                   "KV USED/TOTAL", "REQ/S", "TOKENS/S"):  # fmt: skip
+    for column in (
+        "SERVICE",
+        "INSTANCE",
+        "MODEL",
+        "STATE",
+        "INFLIGHT",
+        "QUEUED",
+        "RUNNING",
+        "KV USED/TOTAL",
+        "REQ/S",
+        "TOKENS/S",
+    ):
         table.add_column(column, no_wrap=True)
     for i in now.instances:
         load = i.load
@@ -192,10 +205,17 @@ def render(now: Reading, before: Reading, root: str, frame: int) -> Group:
         kv = f"{total - load.get('num_kv_pages_free', 0)}/{total}" if total else "-"
         requests, tokens = instance_rates(now, before, i)
         table.add_row(
-            i.service, i.instance_id, i.metadata.get("model", ""), str(load.get("state", "?")),
-            str(load.get("num_inflight", 0)), str(load.get("num_queued", 0)),
-            str(load.get("num_running", 0)), kv, requests, tokens,
-        )  # fmt: skip
+            i.service,
+            i.instance_id,
+            i.metadata.get("model", ""),
+            str(load.get("state", "?")),
+            str(load.get("num_inflight", 0)),
+            str(load.get("num_queued", 0)),
+            str(load.get("num_running", 0)),
+            kv,
+            requests,
+            tokens,
+        )
     if not now.instances:
         return Group(header, Text(f"no kvfabric instances under root {root!r}"))
     return Group(header, table)

@@ -22,8 +22,9 @@ from services.admin.launcher import TRACE_DIR_RECORD, recorded_trace_dir
 from shared.telemetry import ATTRIBUTE_PREFIX, REQUEST_ID
 
 # Attributes not worth a column: the request id is in the heading, the subject in the name.
-HIDDEN_ATTRIBUTES = frozenset({REQUEST_ID, "messaging.destination.name", "url.path",
-                               "http.request.method"})  # fmt: skip
+HIDDEN_ATTRIBUTES = frozenset(
+    {REQUEST_ID, "messaging.destination.name", "url.path", "http.request.method"}
+)
 SHORT_NAMES = {"http.response.status_code": "status"}
 
 
@@ -133,11 +134,12 @@ def render(spans: list[dict[str, Any]], request_id: str = "") -> list[str]:
     services = sorted({s["service"] for s in spans})
     width = max(len(s) for s in services)
     lines = [
-        f"trace {spans[0]['trace_id']}" + (f"  request {request_id}" if request_id else "")
+        f"trace {spans[0]['trace_id']}"
+        + (f"  request {request_id}" if request_id else "")
         + f"  {len(spans)} spans, {len(services)} services ({', '.join(services)}), "
         f"{_ms((end_ns - start_ns) / 1e6)}",
         f"{'start':>10} {'duration':>10}  {'service':<{width}}  span",
-    ]  # fmt: skip
+    ]
 
     def walk(node: Node, depth: int) -> None:
         span = node.span

@@ -86,8 +86,9 @@ class UsageConsumer:
 
     async def start(self) -> None:
         s = self.bus.subjects
-        await self.bus.js.ensure_stream(s.usage_dead_stream, [s.usage_dead],
-                                        max_age_s=DEAD_LETTER_MAX_AGE_S)  # fmt: skip
+        await self.bus.js.ensure_stream(
+            s.usage_dead_stream, [s.usage_dead], max_age_s=DEAD_LETTER_MAX_AGE_S
+        )
         self._consumer = await self.bus.js.pull(s.usage_stream, s.usage_all, DURABLE)
 
     async def run(self) -> None:
@@ -140,8 +141,11 @@ class UsageConsumer:
                 result = await asyncio.to_thread(self.ledger.record, rows)
             except Exception as exc:
                 self.counts.num_ledger_failures += 1
-                log.error("ledger write failed: the batch is delivered again", error=str(exc),
-                          num_records=len(rows))  # fmt: skip
+                log.error(
+                    "ledger write failed: the batch is delivered again",
+                    error=str(exc),
+                    num_records=len(rows),
+                )
                 _trace_records(rows, taken, started_ns, f"ledger write failed: {exc}")
                 for msg in taken:
                     await msg.nak(self.retry_delay_s)
@@ -174,18 +178,30 @@ class UsageConsumer:
             return problem
         at_ms = record.finished_ms or int(time.time() * 1000)
         try:
-            charge = price(self.prices, record.model, at_ms, record.num_cache_hit_tokens,
-                           record.num_cache_miss_tokens, record.num_output_tokens)  # fmt: skip
+            charge = price(
+                self.prices,
+                record.model,
+                at_ms,
+                record.num_cache_hit_tokens,
+                record.num_cache_miss_tokens,
+                record.num_output_tokens,
+            )
             return LedgerRow.of(record, source=source, charge=charge)
         except ValueError as exc:  # a source no producer should use, a price that cannot be
             return str(exc)
 
     async def _dead_letter(self, msg: PulledMessage, reason: str) -> None:
-        letter = DeadLetter(subject=msg.subject, stream_seq=msg.stream_seq, reason=reason,
-                            data=msg.data, dead_ms=int(time.time() * 1000))  # fmt: skip
+        letter = DeadLetter(
+            subject=msg.subject,
+            stream_seq=msg.stream_seq,
+            reason=reason,
+            data=msg.data,
+            dead_ms=int(time.time() * 1000),
+        )
         try:
-            await self.bus.js.publish(self.bus.subjects.usage_dead, letter,
-                                      msg_id=f"dead-{msg.stream_seq}")  # fmt: skip
+            await self.bus.js.publish(
+                self.bus.subjects.usage_dead, letter, msg_id=f"dead-{msg.stream_seq}"
+            )
         except Exception as exc:  # kept in the usage log: delivered again later
             log.error("dead letter not stored", stream_seq=msg.stream_seq, error=str(exc))
             await msg.nak(self.retry_delay_s)
@@ -211,11 +227,15 @@ def _trace_records(
             telemetry.remote_parent(headers), "billing record", start_ns=started_ns
         )
         if span.is_recording():
-            span.set_attributes({
-                REQUEST_ID: row.request_id, "kvfabric.source": row.source,
-                "kvfabric.model": row.model, "kvfabric.total_pico_cny": row.total_pico_cny,
-                "kvfabric.batch_size": len(rows),
-            })  # fmt: skip
+            span.set_attributes(
+                {
+                    REQUEST_ID: row.request_id,
+                    "kvfabric.source": row.source,
+                    "kvfabric.model": row.model,
+                    "kvfabric.total_pico_cny": row.total_pico_cny,
+                    "kvfabric.batch_size": len(rows),
+                }
+            )
             if error is not None:
                 span.set_status(StatusCode.ERROR, error)
         span.end(end_time=ended_ns)

@@ -38,8 +38,13 @@ async def setup(runtime: ServiceRuntime) -> None:
         PriceBook.from_file(config.pricing_file) if config.pricing_file else PriceBook.default()
     )
     await ensure_usage_stream(runtime.bus)
-    consumer = UsageConsumer(runtime.bus, ledger, prices, batch_size=config.batch_size,
-                             fetch_timeout_s=config.fetch_timeout_s)  # fmt: skip
+    consumer = UsageConsumer(
+        runtime.bus,
+        ledger,
+        prices,
+        batch_size=config.batch_size,
+        fetch_timeout_s=config.fetch_timeout_s,
+    )
     await consumer.start()
     task = asyncio.create_task(consumer.run())
 
@@ -49,8 +54,9 @@ async def setup(runtime: ServiceRuntime) -> None:
     async def on_heartbeat(report: LoadReport) -> None:
         spans.observe(report)
 
-    await runtime.bus.subscribe(runtime.bus.subjects.load_all, LoadReport, on_heartbeat,
-                                queue=queue_group(BILLING))  # fmt: skip
+    await runtime.bus.subscribe(
+        runtime.bus.subjects.load_all, LoadReport, on_heartbeat, queue=queue_group(BILLING)
+    )
 
     async def flush_spans() -> None:
         drained = spans.drain()

@@ -37,9 +37,10 @@ def observe(metrics: Metrics, counts: Counts) -> None:
         lambda: counts.num_ledger_failures,
     )
     m.counter_from(
-        "kvfabric_billing_batches_total", "Batches committed and acknowledged.",
+        "kvfabric_billing_batches_total",
+        "Batches committed and acknowledged.",
         lambda: counts.num_batches,
-    )  # fmt: skip
+    )
     m.counter_from(
         "kvfabric_billing_commit_seconds_total",
         "Time committing batches to the ledger and acknowledging them.",

@@ -202,8 +202,10 @@ class PriceBook:
         models_data = data.get("models", {})
         if not isinstance(models_data, dict):
             raise PricingError('models must be a table of [models."<name>"] entries')
-        models = {name: _model(entry, name, default, f"models.{name}")
-                  for name, entry in models_data.items()}  # fmt: skip
+        models = {
+            name: _model(entry, name, default, f"models.{name}")
+            for name, entry in models_data.items()
+        }
         if "usd_per_cny" in data and "usd_micro_per_cny" in data:
             raise PricingError("give usd_per_cny or usd_micro_per_cny, not both")
         rate = data.get("usd_per_cny", data.get("usd_micro_per_cny"))
@@ -232,14 +234,17 @@ class Charge(NamedTuple):
 
 def price(book: PriceBook, model: str, at_ms: int, hit: int, miss: int, output: int) -> Charge:
     """Price one request that finished at `at_ms` (Unix ms) with these token counts."""
-    if not (type(hit) is type(miss) is type(output) is type(at_ms) is int  # noqa: E721
-            and min(hit, miss, output, at_ms) >= 0):  # fmt: skip
+    if not (
+        type(hit) is type(miss) is type(output) is type(at_ms) is int  # noqa: E721
+        and min(hit, miss, output, at_ms) >= 0
+    ):
         for name, count in (("hit", hit), ("miss", miss), ("output", output), ("at_ms", at_ms)):
             if type(count) is not int or count < 0:
                 raise PricingError(f"{name} must be a non-negative integer, got {count!r}")
     window, prices = book.for_model(model).window_at(at_ms)
-    return Charge(model, window, prices, at_ms,
-                  hit * prices.hit, miss * prices.miss, output * prices.output)  # fmt: skip
+    return Charge(
+        model, window, prices, at_ms, hit * prices.hit, miss * prices.miss, output * prices.output
+    )
 
 
 def micro_cny(pico_cny: int) -> Decimal:

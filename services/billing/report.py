@@ -45,8 +45,9 @@ def revenue_mix(row: ReportRow) -> RevenueMix | None:
     if row.total_pico_cny == 0:
         return None
     whole = Decimal(row.total_pico_cny)
-    return RevenueMix(row.hit_pico_cny / whole, row.miss_pico_cny / whole,
-                      row.output_pico_cny / whole)  # fmt: skip
+    return RevenueMix(
+        row.hit_pico_cny / whole, row.miss_pico_cny / whole, row.output_pico_cny / whole
+    )
 
 
 def effective_price(row: ReportRow) -> Decimal | None:
@@ -82,17 +83,31 @@ def render_table(
     rows: Sequence[ReportRow], *, places: int = 2, usd_rate: int | str | Decimal | None = None
 ) -> str:
     """Aligned text, one line per row and a total line; money in CNY (and USD at a rate)."""
-    header = ["key", "requests", "hit tok", "miss tok", "out tok", "hit %", "CNY hit",
-              "CNY miss", "CNY out", "CNY total", "CNY/M tok"]  # fmt: skip
+    header = [
+        "key",
+        "requests",
+        "hit tok",
+        "miss tok",
+        "out tok",
+        "hit %",
+        "CNY hit",
+        "CNY miss",
+        "CNY out",
+        "CNY total",
+        "CNY/M tok",
+    ]
     if usd_rate is not None:
         header.append("USD total")
     lines = [header]
     for row in [*rows, total(rows)]:
         price = effective_price(row)
-        cells = [row.key, *(f"{getattr(row, c):,}" for c in _COUNTS),
-                 format_share(cache_hit_share(row)),
-                 *(f"{cny(getattr(row, c), _places(places)):,}" for c in _MONEY),
-                 "-" if price is None else f"{price / 10**6:.4f}"]  # fmt: skip
+        cells = [
+            row.key,
+            *(f"{getattr(row, c):,}" for c in _COUNTS),
+            format_share(cache_hit_share(row)),
+            *(f"{cny(getattr(row, c), _places(places)):,}" for c in _MONEY),
+            "-" if price is None else f"{price / 10**6:.4f}",
+        ]
         if usd_rate is not None:
             cells.append(f"{usd(row.total_pico_cny, usd_rate, _places(places)):,}")
         lines.append(cells)
@@ -105,8 +120,10 @@ def render_table(
 
 def _aligned(cells: list[str], widths: list[int]) -> str:
     """The key left-aligned, numbers right-aligned."""
-    padded = [c.ljust(w) if i == 0 else c.rjust(w)
-              for i, (c, w) in enumerate(zip(cells, widths, strict=True))]  # fmt: skip
+    padded = [
+        c.ljust(w) if i == 0 else c.rjust(w)
+        for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+    ]
     return "  ".join(padded).rstrip()
 
 
@@ -116,8 +133,9 @@ def render_csv(rows: Sequence[ReportRow]) -> str:
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(["key", *_COUNTS, *_MONEY, "total_cny"])
     for row in rows:
-        writer.writerow([row.key, *(getattr(row, c) for c in _COUNTS + _MONEY),
-                         cny(row.total_pico_cny, 6)])  # fmt: skip
+        writer.writerow(
+            [row.key, *(getattr(row, c) for c in _COUNTS + _MONEY), cny(row.total_pico_cny, 6)]
+        )
     return out.getvalue()
 
 
@@ -132,10 +150,15 @@ def _json_row(row: ReportRow) -> dict[str, object]:
     out.update({c: str(getattr(row, c)) for c in _MONEY})
     out["total_cny"] = str(cny(row.total_pico_cny, 6))
     mix = revenue_mix(row)
-    out["revenue_mix"] = None if mix is None else {
-        "hit": str(round(mix.hit, 6)), "miss": str(round(mix.miss, 6)),
-        "output": str(round(mix.output, 6)),
-    }  # fmt: skip
+    out["revenue_mix"] = (
+        None
+        if mix is None
+        else {
+            "hit": str(round(mix.hit, 6)),
+            "miss": str(round(mix.miss, 6)),
+            "output": str(round(mix.output, 6)),
+        }
+    )
     return out
 
 

@@ -33,9 +33,15 @@ class DeviceSpan:
         return (self.last_ms - self.first_ms) * self.num_devices
 
     def merged(self, other: DeviceSpan) -> DeviceSpan:
-        return DeviceSpan(self.hour_ms, self.instance_id, self.service, self.model,
-                          self.num_devices, min(self.first_ms, other.first_ms),
-                          max(self.last_ms, other.last_ms))  # fmt: skip
+        return DeviceSpan(
+            self.hour_ms,
+            self.instance_id,
+            self.service,
+            self.model,
+            self.num_devices,
+            min(self.first_ms, other.first_ms),
+            max(self.last_ms, other.last_ms),
+        )
 
 
 class DeviceSpans:
@@ -48,8 +54,15 @@ class DeviceSpans:
         if report.num_devices <= 0:
             return
         hour = report.ts_ms - report.ts_ms % HOUR_MS
-        span = DeviceSpan(hour, report.instance_id, report.service, report.model,
-                          report.num_devices, report.ts_ms, report.ts_ms)  # fmt: skip
+        span = DeviceSpan(
+            hour,
+            report.instance_id,
+            report.service,
+            report.model,
+            report.num_devices,
+            report.ts_ms,
+            report.ts_ms,
+        )
         self._add(span)
 
     def drain(self) -> list[DeviceSpan]:

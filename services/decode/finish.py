@@ -120,11 +120,16 @@ class Finisher:
                 await state.stream.fail(error)
             else:
                 chunk = TokenChunk(
-                    request_id=state.request_id, seq=state.stream.num_sent,
-                    token_ids=pack_token_ids(token_ids), text=text + state.detokenizer.flush(),
-                    final=True, finish_reason=reason, usage=state.usage(), stats=state.stats(),
+                    request_id=state.request_id,
+                    seq=state.stream.num_sent,
+                    token_ids=pack_token_ids(token_ids),
+                    text=text + state.detokenizer.flush(),
+                    final=True,
+                    finish_reason=reason,
+                    usage=state.usage(),
+                    stats=state.stats(),
                     stop_sequence=state.detokenizer.matched_stop,
-                )  # fmt: skip
+                )
                 await state.stream.send(chunk, final=True)
         except Exception:
             log.exception("ending the stream failed", request_id=state.request_id)
@@ -167,8 +172,9 @@ class Finisher:
             span.set_attributes(
                 {"kvfabric.usage_status": str(status), "kvfabric.finish_reason": reason}
             )
-        await keep_record(self.outbox, record, kept=self.counts.usage_kept,
-                          lost=self.counts.usage_lost)  # fmt: skip
+        await keep_record(
+            self.outbox, record, kept=self.counts.usage_kept, lost=self.counts.usage_lost
+        )
 
     def _count(self, state: DecodeRequest, outcome: str) -> None:
         """The request's end, once its stream has ended: how, how long, its tokens."""
@@ -188,13 +194,15 @@ def _end_generate_span(
     """The generation's span ends with the request's last step (or its failure)."""
     span = state.generate_span
     if span.is_recording():
-        span.set_attributes({
-            "kvfabric.num_output_tokens": len(state.output_ids),
-            "kvfabric.num_forward_passes": state.num_forward_passes,
-            "kvfabric.num_draft_tokens": state.num_draft_tokens,
-            "kvfabric.num_accepted_draft_tokens": state.num_accepted_draft_tokens,
-            "kvfabric.finish_reason": finished.reason if finished is not None else "cancelled",
-        })  # fmt: skip
+        span.set_attributes(
+            {
+                "kvfabric.num_output_tokens": len(state.output_ids),
+                "kvfabric.num_forward_passes": state.num_forward_passes,
+                "kvfabric.num_draft_tokens": state.num_draft_tokens,
+                "kvfabric.num_accepted_draft_tokens": state.num_accepted_draft_tokens,
+                "kvfabric.finish_reason": finished.reason if finished is not None else "cancelled",
+            }
+        )
         if error is not None:
             span.set_status(StatusCode.ERROR, f"{error.code.value}: {error.message}")
     span.end()

@@ -137,9 +137,11 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
     async def handle_job(self, job: DecodeJob, ctx: Context) -> JobAccepted:
         request = job.request
         token_ids, blocks = checked_prompt(
-            request, model_name=self.model_name, block_size_tokens=self.block_size,
+            request,
+            model_name=self.model_name,
+            block_size_tokens=self.block_size,
             max_model_len=self.max_model_len,
-        )  # fmt: skip
+        )
         if not request.stream_inbox:
             raise BadRequest("stream_inbox is required")
         if request.request_id in self.requests:
@@ -154,10 +156,13 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
                 retry_after_s=self.retry_after_s,
             )
         state = DecodeRequest(
-            job, token_ids, blocks,
+            job,
+            token_ids,
+            blocks,
             StreamWriter(self.bus, request.stream_inbox, request_id=request.request_id),
-            IncrementalDetokenizer(self.tokenizer, stop=sampling.stop), params,
-        )  # fmt: skip
+            IncrementalDetokenizer(self.tokenizer, stop=sampling.stop),
+            params,
+        )
         state.span = telemetry.current_span()
         self._admit(state, num_pages)
         self.requests[request.request_id] = state

@@ -77,20 +77,34 @@ async def setup(runtime: ServiceRuntime) -> None:
     )
     outbox = await open_outbox(runtime, config)
     kv = await open_model_kv(
-        runtime, config, DECODE, runner.layout.block_nbytes,
+        runtime,
+        config,
+        DECODE,
+        runner.layout.block_nbytes,
         has_windows=bool(runner.config.sliding_layer_ids),
         staging_nbytes=handoff_staging_bytes(runner, config),
-    )  # fmt: skip
+    )
     worker = DecodeWorker(
-        bus, engine, tokenizer, kv.agent, kv.staging,
+        bus,
+        engine,
+        tokenizer,
+        kv.agent,
+        kv.staging,
         Finisher(
-            bus, kv.store, kv.publisher, kv.swa, outbox, report_load=runtime.publish_load_report,
+            bus,
+            kv.store,
+            kv.publisher,
+            kv.swa,
+            outbox,
+            report_load=runtime.publish_load_report,
             metrics=runtime.metrics,
         ),
         model_name=config.model_name,
-        retry_after_s=config.retry_after_s, pull_timeout_s=config.pull_timeout_s,
-        suffix_timeout_s=config.suffix_timeout_s, model_thread=model_thread,
-    )  # fmt: skip
+        retry_after_s=config.retry_after_s,
+        pull_timeout_s=config.pull_timeout_s,
+        suffix_timeout_s=config.suffix_timeout_s,
+        model_thread=model_thread,
+    )
     await serve(runtime, worker, kv.store, kv.agent.close)
 
 
@@ -101,17 +115,25 @@ async def setup_mock(runtime: ServiceRuntime, config: DecodeConfig) -> None:
     tokenizer = Checkpoint(config.model_path).tokenizer()
     engine = MockEngine(
         MockEngineConfig(
-            model_id=model.name, block_size_tokens=config.kv_block_size_tokens,
-            vocab_size=model.vocab_size, max_model_len=model.max_model_len,
-            max_num_batched_tokens=config.max_batch_tokens, max_num_seqs=config.max_num_seqs,
+            model_id=model.name,
+            block_size_tokens=config.kv_block_size_tokens,
+            vocab_size=model.vocab_size,
+            max_model_len=model.max_model_len,
+            max_num_batched_tokens=config.max_batch_tokens,
+            max_num_seqs=config.max_num_seqs,
             num_kv_pages=config.pool_pages(config.mock_block_nbytes),
         )
-    )  # fmt: skip
+    )
     # Mock sequences have no window: no swa-memcache.
     finisher = Finisher(
-        bus, store, publisher, None, outbox, report_load=runtime.publish_load_report,
+        bus,
+        store,
+        publisher,
+        None,
+        outbox,
+        report_load=runtime.publish_load_report,
         metrics=runtime.metrics,
-    )  # fmt: skip
+    )
     await serve(runtime, MockDecodeWorker(bus, engine, tokenizer, finisher, config, model), store)
 
 

@@ -53,19 +53,26 @@ class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
         model: MockModel,
     ) -> None:
         super().__init__(
-            bus, engine, tokenizer, finisher, model_name=model.name,
-            max_model_len=model.max_model_len, block_size_tokens=engine.config.block_size_tokens,
-            retry_after_s=config.retry_after_s, suffix_timeout_s=config.suffix_timeout_s,
-        )  # fmt: skip
+            bus,
+            engine,
+            tokenizer,
+            finisher,
+            model_name=model.name,
+            max_model_len=model.max_model_len,
+            block_size_tokens=engine.config.block_size_tokens,
+            retry_after_s=config.retry_after_s,
+            suffix_timeout_s=config.suffix_timeout_s,
+        )
         self.config = config
         self.model = model
         # request id -> pages reserved in the engine at admission, until the request joins it
         self._reserved: dict[str, int] = {}
         self._payload = bytes(config.mock_block_nbytes)
         self.counts.metrics.gauge_from(
-            "kvfabric_decode_mock_clock_seconds", "The mock engine's simulated time so far.",
+            "kvfabric_decode_mock_clock_seconds",
+            "The mock engine's simulated time so far.",
             lambda: engine.clock_s,
-        )  # fmt: skip
+        )
 
     def kv_pages(self) -> tuple[int, int]:
         """The engine's count: reservations of admitted requests and running sequences."""
@@ -100,9 +107,13 @@ class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
         num_ready = state.blocks.num_prefill_blocks * self.block_size
         try:
             seq_id = self.engine.add_request(
-                state.token_ids, state.params, num_cached_tokens=num_ready,
-                has_swa_snapshot=True, blocks=state.blocks, pages_reserved=True,
-            )  # fmt: skip
+                state.token_ids,
+                state.params,
+                num_cached_tokens=num_ready,
+                has_swa_snapshot=True,
+                blocks=state.blocks,
+                pages_reserved=True,
+            )
         except MockRequestError as exc:
             raise BadRequest(str(exc)) from exc
         del self._reserved[state.request_id]  # the engine's sequence holds them now
@@ -139,6 +150,8 @@ class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
         end = (len(token_ids) - 1) // self.block_size
         blocks = [(i, self._payload) for i in range(first, end)]
         return Finished(
-            "stop" if stopped_by_string else STREAM_FINISH_REASONS[reason], token_ids, blocks,
+            "stop" if stopped_by_string else STREAM_FINISH_REASONS[reason],
+            token_ids,
+            blocks,
             boundary_snapshot=None,
-        )  # fmt: skip
+        )

@@ -58,11 +58,16 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         model_thread: ModelThread,
     ) -> None:
         super().__init__(
-            bus, engine, tokenizer, finisher, model_name=model_name,
+            bus,
+            engine,
+            tokenizer,
+            finisher,
+            model_name=model_name,
             max_model_len=engine.max_model_len,
             block_size_tokens=engine.runner.layout.block_size_tokens,
-            retry_after_s=retry_after_s, suffix_timeout_s=suffix_timeout_s,
-        )  # fmt: skip
+            retry_after_s=retry_after_s,
+            suffix_timeout_s=suffix_timeout_s,
+        )
         self.runner = engine.runner
         self.agent = agent
         self.buffer = agent.buffer.reshape(-1).view(np.uint8)
@@ -109,9 +114,13 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         started = time.perf_counter()
         with telemetry.span("decode load", parent=state.span):
             prefix = await take_prefix(
-                self.finisher.store, self.runner.pool, self.runner.allocator,
-                state.job.cached_blocks, state.blocks.hashes, num_blocks,
-            )  # fmt: skip
+                self.finisher.store,
+                self.runner.pool,
+                self.runner.allocator,
+                state.job.cached_blocks,
+                state.blocks.hashes,
+                num_blocks,
+            )
         state.prefix_load_ms = (time.perf_counter() - started) * 1000
         return prefix
 
@@ -132,9 +141,13 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
                 suffix_pages, window, pull_ms = await self._pull(ready)
                 if span.is_recording():
                     nbytes = ready.num_blocks * ready.block_nbytes + ready.window_nbytes
-                    span.set_attributes({"kvfabric.prefill_worker_id": ready.prefill_worker_id,
-                                         "kvfabric.num_blocks": ready.num_blocks,
-                                         "kvfabric.bytes": nbytes})  # fmt: skip
+                    span.set_attributes(
+                        {
+                            "kvfabric.prefill_worker_id": ready.prefill_worker_id,
+                            "kvfabric.num_blocks": ready.num_blocks,
+                            "kvfabric.bytes": nbytes,
+                        }
+                    )
         except BaseException:
             allocator.free(pages)
             raise
@@ -149,10 +162,14 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
                     seq_id = self.engine.add_request(state.token_ids, params)
                 else:
                     seq_id = self.engine.add_request(
-                        state.token_ids, params, prefix_block_ids=pages, prefix_window=window,
+                        state.token_ids,
+                        params,
+                        prefix_block_ids=pages,
+                        prefix_window=window,
                         num_prefix_tokens=ready.num_computed_tokens,
-                        first_token_id=ready.first_token_id, sampler_state=ready.sampler_state,
-                    )  # fmt: skip
+                        first_token_id=ready.first_token_id,
+                        sampler_state=ready.sampler_state,
+                    )
             except RequestError as exc:
                 raise BadRequest(str(exc)) from exc
             finally:
@@ -169,10 +186,11 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         try:
             started = time.perf_counter()
             await self.agent.read(
-                PREFILL, ready.prefill_worker_id,
+                PREFILL,
+                ready.prefill_worker_id,
                 [ByteRange(extent.offset, ready.region_offset, nbytes)],
                 timeout_s=self.pull_timeout_s,
-            )  # fmt: skip
+            )
             pull_ms = (time.perf_counter() - started) * 1000
             self.counts.transfer_bytes.inc(nbytes)
             self.counts.transfer_seconds.observe(pull_ms / 1000)

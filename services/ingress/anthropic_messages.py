@@ -37,8 +37,13 @@ from services.ingress.pipeline import (
 from services.ingress.protocol import text_of, tool_choice_of
 from shared.tokenizer.chat import Chat, Message, Tool, ToolCall, canonical_json
 
-STOP_REASON = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens",
-               "tool_calls": "tool_use", "cancelled": "end_turn"}  # fmt: skip
+STOP_REASON = {
+    "stop": "end_turn",
+    "stop_sequence": "stop_sequence",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "cancelled": "end_turn",
+}
 
 
 class _Open(BaseModel):
@@ -94,8 +99,11 @@ class MessagesRequest(CountTokensRequest):
 def to_chat(body: CountTokensRequest) -> Chat:
     messages: list[Message] = []
     if body.system:
-        system = body.system if isinstance(body.system, str) else text_of(
-            [b.model_dump() for b in body.system], "system")  # fmt: skip
+        system = (
+            body.system
+            if isinstance(body.system, str)
+            else text_of([b.model_dump() for b in body.system], "system")
+        )
         messages.append(Message("system", system))
     names: dict[str, str] = {}
     for i, m in enumerate(body.messages):
@@ -115,15 +123,27 @@ def to_chat(body: CountTokensRequest) -> Chat:
             elif block.type == "tool_result" and m.role == "user":
                 if not block.tool_use_id:
                     raise invalid(f"{where}.content[{j}]: tool_result needs tool_use_id", where)
-                result = block.content if isinstance(block.content, str) else text_of(
-                    block.content, f"{where}.content[{j}]")  # fmt: skip
-                messages.append(Message("tool", result, tool_call_id=block.tool_use_id,
-                                        name=names.get(block.tool_use_id, "")))  # fmt: skip
+                result = (
+                    block.content
+                    if isinstance(block.content, str)
+                    else text_of(block.content, f"{where}.content[{j}]")
+                )
+                messages.append(
+                    Message(
+                        "tool",
+                        result,
+                        tool_call_id=block.tool_use_id,
+                        name=names.get(block.tool_use_id, ""),
+                    )
+                )
             elif block.type in ("thinking", "redacted_thinking"):
                 continue  # earlier reasoning is not rendered back (the templates drop it)
             else:
-                raise invalid(f"{where}.content[{j}]: blocks of type {block.type!r} are not "
-                              f"supported in {m.role} messages", where)  # fmt: skip
+                raise invalid(
+                    f"{where}.content[{j}]: blocks of type {block.type!r} are not "
+                    f"supported in {m.role} messages",
+                    where,
+                )
         if texts or calls:
             messages.append(Message(m.role, "".join(texts), tuple(calls)))
     tools = tuple(Tool(t.name, t.description or "", t.input_schema) for t in body.tools or ())
@@ -168,8 +188,9 @@ def _tool_input(arguments: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def response(body: MessagesRequest, events: list[Any], finished: Finished,
-             request_id: str) -> dict[str, Any]:  # fmt: skip
+def response(
+    body: MessagesRequest, events: list[Any], finished: Finished, request_id: str
+) -> dict[str, Any]:
     content: list[dict[str, Any]] = []
     begins: dict[int, ToolCallBegin] = {}
     for e in events:
@@ -186,8 +207,9 @@ def response(body: MessagesRequest, events: list[Any], finished: Finished,
             if value is None:  # not a JSON object: what the model wrote goes out as text
                 content.append({"type": "text", "text": e.arguments})
             else:
-                content.append({"type": "tool_use", "id": begin.id, "name": begin.name,
-                                "input": value})  # fmt: skip
+                content.append(
+                    {"type": "tool_use", "id": begin.id, "name": begin.name, "input": value}
+                )
     return {
         "id": f"msg_{request_id}",
         "type": "message",
@@ -200,14 +222,27 @@ def response(body: MessagesRequest, events: list[Any], finished: Finished,
     }
 
 
-async def stream(body: MessagesRequest, generation: Generation,
-                 request_id: str) -> AsyncIterator[bytes]:  # fmt: skip
+async def stream(
+    body: MessagesRequest, generation: Generation, request_id: str
+) -> AsyncIterator[bytes]:
     prompt = generation.prepared.num_prompt_tokens
     estimate = min(generation.num_cached_estimate, prompt)
-    yield sse.event("message_start", {"type": "message_start", "message": {
-        "id": f"msg_{request_id}", "type": "message", "role": "assistant", "model": body.model,
-        "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": usage_json(Usage(prompt, estimate, 0))}})  # fmt: skip
+    yield sse.event(
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": f"msg_{request_id}",
+                "type": "message",
+                "role": "assistant",
+                "model": body.model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": usage_json(Usage(prompt, estimate, 0)),
+            },
+        },
+    )
     yield sse.event("ping", {"type": "ping"})
     index, open_kind = -1, None  # the block being written: "text" / "tool_use" / None
     sent: dict[int, int] = {}  # call index -> argument chars sent
@@ -215,8 +250,10 @@ async def stream(body: MessagesRequest, generation: Generation,
     def start(kind: str, block: dict[str, Any]) -> bytes:
         nonlocal index, open_kind
         index, open_kind = index + 1, kind
-        return sse.event("content_block_start", {"type": "content_block_start", "index": index,
-                                                 "content_block": block})  # fmt: skip
+        return sse.event(
+            "content_block_start",
+            {"type": "content_block_start", "index": index, "content_block": block},
+        )
 
     def stop() -> bytes:
         nonlocal open_kind
@@ -224,8 +261,9 @@ async def stream(body: MessagesRequest, generation: Generation,
         return sse.event("content_block_stop", {"type": "content_block_stop", "index": index})
 
     def delta(payload: dict[str, Any]) -> bytes:
-        return sse.event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                 "delta": payload})  # fmt: skip
+        return sse.event(
+            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": payload}
+        )
 
     try:
         while (event := await generation.next()) is not None:
@@ -241,8 +279,10 @@ async def stream(body: MessagesRequest, generation: Generation,
                 if open_kind is not None:
                     yield stop()
                 sent[event.index] = 0
-                yield start("tool_use", {"type": "tool_use", "id": event.id, "name": event.name,
-                                         "input": {}})  # fmt: skip
+                yield start(
+                    "tool_use",
+                    {"type": "tool_use", "id": event.id, "name": event.name, "input": {}},
+                )
             elif isinstance(event, ToolCallDelta) and event.arguments:
                 sent[event.index] = sent.get(event.index, 0) + len(event.arguments)
                 yield delta({"type": "input_json_delta", "partial_json": event.arguments})
@@ -253,10 +293,17 @@ async def stream(body: MessagesRequest, generation: Generation,
             elif isinstance(event, Finished):
                 if open_kind is not None:
                     yield stop()
-                yield sse.event("message_delta", {"type": "message_delta",
-                    "delta": {"stop_reason": STOP_REASON[event.reason],
-                              "stop_sequence": event.stop_sequence},
-                    "usage": usage_json(event.usage)})  # fmt: skip
+                yield sse.event(
+                    "message_delta",
+                    {
+                        "type": "message_delta",
+                        "delta": {
+                            "stop_reason": STOP_REASON[event.reason],
+                            "stop_sequence": event.stop_sequence,
+                        },
+                        "usage": usage_json(event.usage),
+                    },
+                )
                 yield sse.event("message_stop", {"type": "message_stop"})
     except ApiError as exc:
         yield sse.event("error", exc.anthropic_body(request_id))

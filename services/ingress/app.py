@@ -66,8 +66,9 @@ def build_app(services: Services) -> FastAPI:
     # FastAPI's own OpenTelemetry (a span, metrics and logs per request) is off: it cost
     # ~1 ms a request here; the request's span is TraceRequests' (tracing.py).
     telemetry = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
-    app = FastAPI(title="kvfabric ingress", version="1", docs_url=None, redoc_url=None,
-                  telemetry=telemetry)  # fmt: skip
+    app = FastAPI(
+        title="kvfabric ingress", version="1", docs_url=None, redoc_url=None, telemetry=telemetry
+    )
     pipeline = services.pipeline
 
     @app.exception_handler(ApiError)
@@ -126,18 +127,39 @@ def build_app(services: Services) -> FastAPI:
         await pipeline.models.refresh()
         served = pipeline.models.served()
         if "anthropic-version" in request.headers:
-            data = [{"type": "model", "id": m.name, "display_name": m.name,
-                     "created_at": _rfc3339(m.created)} for m in served]  # fmt: skip
-            return {"data": data, "has_more": False,
-                    "first_id": data[0]["id"] if data else None,
-                    "last_id": data[-1]["id"] if data else None}  # fmt: skip
-        return {"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": m.created, "owned_by": "kvfabric",
-             "context_length": m.max_model_len} for m in served]}  # fmt: skip
+            data = [
+                {
+                    "type": "model",
+                    "id": m.name,
+                    "display_name": m.name,
+                    "created_at": _rfc3339(m.created),
+                }
+                for m in served
+            ]
+            return {
+                "data": data,
+                "has_more": False,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+            }
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": m.name,
+                    "object": "model",
+                    "created": m.created,
+                    "owned_by": "kvfabric",
+                    "context_length": m.max_model_len,
+                }
+                for m in served
+            ],
+        }
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: openai_chat.ChatCompletionRequest,
-                               who: Caller = Depends(caller)) -> Response:  # fmt: skip
+    async def chat_completions(
+        body: openai_chat.ChatCompletionRequest, who: Caller = Depends(caller)
+    ) -> Response:
         prepared = await pipeline.prepare(who.bill(openai_chat.to_completion(body, who.key_id)))
         generations = await _start([pipeline.fork(prepared, i) for i in range(body.n)], pipeline)
         rid = prepared.request.request_id
@@ -150,8 +172,9 @@ def build_app(services: Services) -> FastAPI:
         return _json(openai_chat.response(body, list(results), rid))
 
     @app.post("/v1/messages")
-    async def messages(body: anthropic_messages.MessagesRequest,
-                       who: Caller = Depends(caller)) -> Response:  # fmt: skip
+    async def messages(
+        body: anthropic_messages.MessagesRequest, who: Caller = Depends(caller)
+    ) -> Response:
         prepared = await pipeline.prepare(
             who.bill(anthropic_messages.to_completion(body, who.key_id))
         )
@@ -166,21 +189,26 @@ def build_app(services: Services) -> FastAPI:
         return _json(anthropic_messages.response(body, events, finished, rid))
 
     @app.post("/v1/messages/count_tokens")
-    async def count_tokens(body: anthropic_messages.CountTokensRequest,
-                           _: Caller = Depends(caller)) -> dict[str, int]:  # fmt: skip
+    async def count_tokens(
+        body: anthropic_messages.CountTokensRequest, _: Caller = Depends(caller)
+    ) -> dict[str, int]:
         chat = anthropic_messages.to_chat(body)
         return {"input_tokens": await pipeline.count_tokens(body.model, chat)}
 
     @app.post("/v1/responses")
-    async def responses(body: openai_responses.ResponsesRequest,
-                        who: Caller = Depends(caller)) -> Response:  # fmt: skip
+    async def responses(
+        body: openai_responses.ResponsesRequest, who: Caller = Depends(caller)
+    ) -> Response:
         context = []
         if body.previous_response_id:
             stored = await services.responses.get(body.previous_response_id)
             if stored is None:
-                raise ApiError("not_found", f"response {body.previous_response_id!r} not found "
-                               "(never stored, stored with store=false, or expired)",
-                               param="previous_response_id")  # fmt: skip
+                raise ApiError(
+                    "not_found",
+                    f"response {body.previous_response_id!r} not found "
+                    "(never stored, stored with store=false, or expired)",
+                    param="previous_response_id",
+                )
             context = stored[1]
         prompt = [*context, *openai_responses.input_messages(body.input)]
         completion = who.bill(openai_responses.to_completion(body, prompt, who.key_id))
@@ -217,8 +245,9 @@ def build_app(services: Services) -> FastAPI:
     for route in list(app.routes):
         path = getattr(route, "path", "")
         if path.startswith("/v1/") and not path.startswith("/v1/messages"):
-            app.add_api_route(path[3:], route.endpoint, methods=list(route.methods),
-                              include_in_schema=False)  # fmt: skip
+            app.add_api_route(
+                path[3:], route.endpoint, methods=list(route.methods), include_in_schema=False
+            )
     return app
 
 
@@ -254,8 +283,9 @@ class BodyLimit:
         return await self.app(scope, counted, send)
 
     async def _refuse(self, what: str, path: str, send) -> None:  # noqa: ANN001
-        error = ApiError("request_too_large", f"{what} exceeds the limit of "
-                         f"{self.max_body_bytes} bytes")  # fmt: skip
+        error = ApiError(
+            "request_too_large", f"{what} exceeds the limit of {self.max_body_bytes} bytes"
+        )
         response = error_response(error, path)
         await response({"type": "http"}, _no_receive, send)
 

@@ -40,15 +40,24 @@ async def setup(runtime: ServiceRuntime) -> None:
     outbox = await open_usage_outbox(bus, INGRESS, config.usage_outbox_dir, runtime.instance_id)
     runtime.on_stop(lambda: outbox.close(timeout_s=config.shutdown_grace_s))
     observe_outbox(runtime.metrics, outbox)
-    pipeline = Pipeline(bus, models, outbox=outbox, default_max_tokens=config.default_max_tokens,
-                        keepalive_s=config.keepalive_s, metrics=runtime.metrics)  # fmt: skip
+    pipeline = Pipeline(
+        bus,
+        models,
+        outbox=outbox,
+        default_max_tokens=config.default_max_tokens,
+        keepalive_s=config.keepalive_s,
+        metrics=runtime.metrics,
+    )
     responses = ResponseStore(bus, config.responses_ttl_s)
     await responses.start()
     keys = KeyStore(bus) if config.require_api_key else None
     if keys is not None:
         await keys.start()
-    app = build_app(Services(pipeline, responses, keys, config.dev_api_key,
-                             config.max_body_bytes, runtime.health))  # fmt: skip
+    app = build_app(
+        Services(
+            pipeline, responses, keys, config.dev_api_key, config.max_body_bytes, runtime.health
+        )
+    )
 
     # Bind first (port 0 picks a free one), then hand uvicorn the socket. Its own serve()
     # would install signal handlers over the runtime's; startup/main_loop/shutdown do not.
@@ -61,7 +70,7 @@ async def setup(runtime: ServiceRuntime) -> None:
             lifespan="off",
             http=NoDelayH11Protocol,
             timeout_graceful_shutdown=int(config.shutdown_grace_s),
-        )  # fmt: skip
+        )
     )
     server.config.load()
     server.lifespan = server.config.lifespan_class(server.config)

@@ -15,9 +15,21 @@ PROTOCOLS = ("openai.chat_completions", "openai.responses", "anthropic.messages"
 # What the routes answer (errors.py; 529 is Anthropic's overloaded, 405/422 Starlette's);
 # anything else is "other".
 STATUSES = (
-    "200", "400", "401", "403", "404", "405", "413", "422", "429", "500", "503", "504", "529",
+    "200",
+    "400",
+    "401",
+    "403",
+    "404",
+    "405",
+    "413",
+    "422",
+    "429",
+    "500",
+    "503",
+    "504",
+    "529",
     "other",
-)  # fmt: skip
+)
 
 
 class IngressMetrics:

@@ -59,8 +59,9 @@ class ModelTable:
         return {n for n, at in self._seen_at.items() if now - at < self.forget_after_s}
 
     def served(self) -> list[ServedModel]:
-        return sorted((self._models[n] for n in self._served() if n in self._models),
-                      key=lambda m: m.name)  # fmt: skip
+        return sorted(
+            (self._models[n] for n in self._served() if n in self._models), key=lambda m: m.name
+        )
 
     async def follow_heartbeats(self) -> None:
         """Mark a known model seen at each heartbeat of a worker serving it. Without this, a
@@ -111,8 +112,11 @@ class ModelTable:
                     try:
                         self._models[name] = await asyncio.to_thread(self._load, meta)
                     except Exception:  # one unreadable checkpoint must not hide the others
-                        log.exception("cannot load a served model's tokenizer", model=name,
-                                      path=meta.get("model_path"))  # fmt: skip
+                        log.exception(
+                            "cannot load a served model's tokenizer",
+                            model=name,
+                            path=meta.get("model_path"),
+                        )
                         continue
                 self._seen_at[name] = time.monotonic()
             self._refreshed_at = time.monotonic()
@@ -133,6 +137,10 @@ class ModelTable:
             chat_format=chat_format,
             created=int(time.time()),
         )
-        log.info("serving model", model=model.name, format=chat_format.name,
-                 max_model_len=model.max_model_len)  # fmt: skip
+        log.info(
+            "serving model",
+            model=model.name,
+            format=chat_format.name,
+            max_model_len=model.max_model_len,
+        )
         return model

@@ -32,8 +32,13 @@ from services.ingress.pipeline import (
 from services.ingress.protocol import text_of, tool_choice_of
 from shared.tokenizer.chat import Chat, Message, Tool, ToolCall
 
-FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length",
-          "tool_calls": "tool_calls", "cancelled": "stop"}  # fmt: skip
+FINISH = {
+    "stop": "stop",
+    "stop_sequence": "stop",
+    "length": "length",
+    "tool_calls": "tool_calls",
+    "cancelled": "stop",
+}
 FINGERPRINT = "fp_kvfabric"
 
 
@@ -117,8 +122,9 @@ def to_completion(body: ChatCompletionRequest, api_key_id: str) -> Completion:
         elif m.role == "user":
             messages.append(Message("user", text_of(m.content, where)))
         elif m.role == "assistant":
-            calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments)
-                          for c in m.tool_calls or ())  # fmt: skip
+            calls = tuple(
+                ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()
+            )
             names.update({c.id: c.name for c in calls})
             messages.append(Message("assistant", text_of(m.content, where), calls))
         else:
@@ -127,10 +133,13 @@ def to_completion(body: ChatCompletionRequest, api_key_id: str) -> Completion:
                     f"{where}: a tool message needs tool_call_id", f"{where}.tool_call_id"
                 )
             name = m.name or names.get(m.tool_call_id, "")
-            messages.append(Message("tool", text_of(m.content, where), tool_call_id=m.tool_call_id,
-                                    name=name))  # fmt: skip
-    tools = tuple(Tool(t.function.name, t.function.description or "", t.function.parameters or {})
-                  for t in body.tools or ())  # fmt: skip
+            messages.append(
+                Message("tool", text_of(m.content, where), tool_call_id=m.tool_call_id, name=name)
+            )
+    tools = tuple(
+        Tool(t.function.name, t.function.description or "", t.function.parameters or {})
+        for t in body.tools or ()
+    )
     choice = body.tool_choice
     if isinstance(choice, NamedToolChoice):
         choice = {"type": "function", "name": choice.function.name}
@@ -172,27 +181,42 @@ def usage_json(usage: Usage, num_output: int | None = None) -> dict[str, Any]:
 def combined_usage(finals: list[Finished]) -> Usage:
     """n choices share one prompt: counted once, outputs summed."""
     first = finals[0].usage
-    return Usage(first.prompt_tokens, first.cached_tokens,
-                 sum(f.usage.output_tokens for f in finals))  # fmt: skip
+    return Usage(
+        first.prompt_tokens, first.cached_tokens, sum(f.usage.output_tokens for f in finals)
+    )
 
 
-def response(body: ChatCompletionRequest, results: list[tuple[list[Any], Finished]],
-             request_id: str) -> dict[str, Any]:  # fmt: skip
+def response(
+    body: ChatCompletionRequest, results: list[tuple[list[Any], Finished]], request_id: str
+) -> dict[str, Any]:
     choices = []
     for index, (events, finished) in enumerate(results):
         text = "".join(e.text for e in events if isinstance(e, TextDelta))
         begins = {e.index: e for e in events if isinstance(e, ToolCallBegin)}
         calls = [
-            {"id": begins[e.index].id, "type": "function",
-             "function": {"name": begins[e.index].name, "arguments": e.arguments}}
-            for e in events if isinstance(e, ToolCallEnd)
-        ]  # fmt: skip
-        message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else ""),
-                                   "refusal": None}  # fmt: skip
+            {
+                "id": begins[e.index].id,
+                "type": "function",
+                "function": {"name": begins[e.index].name, "arguments": e.arguments},
+            }
+            for e in events
+            if isinstance(e, ToolCallEnd)
+        ]
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": text or (None if calls else ""),
+            "refusal": None,
+        }
         if calls:
             message["tool_calls"] = calls
-        choices.append({"index": index, "message": message, "logprobs": None,
-                        "finish_reason": FINISH[finished.reason]})  # fmt: skip
+        choices.append(
+            {
+                "index": index,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": FINISH[finished.reason],
+            }
+        )
     return {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",
@@ -208,9 +232,13 @@ async def stream(
     body: ChatCompletionRequest, generations: list[Generation], request_id: str
 ) -> AsyncIterator[bytes]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    base = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": body.model,
-            "system_fingerprint": FINGERPRINT}  # fmt: skip
+    base = {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": body.model,
+        "system_fingerprint": FINGERPRINT,
+    }
     extra = {"usage": None} if include_usage else {}
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
@@ -230,9 +258,19 @@ async def stream(
                     yield chunk(index, {"content": event.text})
             elif isinstance(event, ToolCallBegin):
                 sent[index, event.index] = 0
-                yield chunk(index, {"tool_calls": [{
-                    "index": event.index, "id": event.id, "type": "function",
-                    "function": {"name": event.name, "arguments": ""}}]})  # fmt: skip
+                yield chunk(
+                    index,
+                    {
+                        "tool_calls": [
+                            {
+                                "index": event.index,
+                                "id": event.id,
+                                "type": "function",
+                                "function": {"name": event.name, "arguments": ""},
+                            }
+                        ]
+                    },
+                )
             elif isinstance(event, ToolCallDelta | ToolCallEnd):
                 done = sent.get((index, event.index), 0)
                 fragment = (

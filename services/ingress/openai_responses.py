@@ -69,14 +69,20 @@ class ResponsesRequest(_Open):
 
 # -- the stored context -------------------------------------------------------------------
 def _message_json(m: Message) -> dict[str, Any]:
-    return {"role": m.role, "content": m.content, "tool_call_id": m.tool_call_id, "name": m.name,
-            "tool_calls": [[c.id, c.name, c.arguments] for c in m.tool_calls]}  # fmt: skip
+    return {
+        "role": m.role,
+        "content": m.content,
+        "tool_call_id": m.tool_call_id,
+        "name": m.name,
+        "tool_calls": [[c.id, c.name, c.arguments] for c in m.tool_calls],
+    }
 
 
 def _message_of(d: dict[str, Any]) -> Message:
     calls = tuple(ToolCall(*c) for c in d.get("tool_calls", ()))
-    return Message(d["role"], d.get("content", ""), calls, d.get("tool_call_id", ""),
-                   d.get("name", ""))  # fmt: skip
+    return Message(
+        d["role"], d.get("content", ""), calls, d.get("tool_call_id", ""), d.get("name", "")
+    )
 
 
 class ResponseStore:
@@ -113,8 +119,10 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[Message]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise invalid(f"{where}: role {role!r} is not one of user, assistant, system, "
-                              "developer", f"{where}.role")  # fmt: skip
+                raise invalid(
+                    f"{where}: role {role!r} is not one of user, assistant, system, developer",
+                    f"{where}.role",
+                )
             text = text_of(item.get("content"), where)
             messages.append(Message("system" if role == "developer" else role, text))
         elif kind == "function_call":
@@ -150,8 +158,12 @@ def to_completion(body: ResponsesRequest, prompt: list[Message], api_key_id: str
         messages.insert(0, Message("system", body.instructions))
     tools = tuple(Tool(t.name, t.description or "", t.parameters or {}) for t in body.tools or ())
     choice = body.tool_choice
-    chat = Chat(tuple(messages), tools, tool_choice_of(choice, tools),
-                parallel_tool_calls=body.parallel_tool_calls is not False)  # fmt: skip
+    chat = Chat(
+        tuple(messages),
+        tools,
+        tool_choice_of(choice, tools),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+    )
     return Completion(
         model=body.model,
         chat=chat,
@@ -195,22 +207,31 @@ class Output:
     def response(self) -> dict[str, Any]:
         b = self.body
         return {
-            "id": self.id, "object": "response", "created_at": self.created_at,
-            "status": self.status, "model": b.model, "output": list(self.items),
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": self.status,
+            "model": b.model,
+            "output": list(self.items),
             "parallel_tool_calls": b.parallel_tool_calls is not False,
             "tool_choice": b.tool_choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in b.tools or ()],
             "error": None,
-            "incomplete_details": ({"reason": self.incomplete_reason}
-                                   if self.incomplete_reason else None),
-            "instructions": b.instructions, "metadata": b.metadata or {},
-            "temperature": b.temperature, "top_p": b.top_p,
+            "incomplete_details": (
+                {"reason": self.incomplete_reason} if self.incomplete_reason else None
+            ),
+            "instructions": b.instructions,
+            "metadata": b.metadata or {},
+            "temperature": b.temperature,
+            "top_p": b.top_p,
             "max_output_tokens": b.max_output_tokens,
             "previous_response_id": b.previous_response_id,
-            "store": b.store, "text": {"format": {"type": "text"}},
-            "reasoning": {"effort": None, "summary": None}, "truncation": "disabled",
+            "store": b.store,
+            "text": {"format": {"type": "text"}},
+            "reasoning": {"effort": None, "summary": None},
+            "truncation": "disabled",
             "usage": usage_json(self.usage) if self.usage else None,
-        }  # fmt: skip
+        }
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
@@ -225,35 +246,64 @@ class Output:
         if isinstance(event, TextDelta) and event.text:
             if self._open is None or self._open["type"] != "message":
                 yield from self._close()
-                item = {"type": "message", "id": f"msg_{self.request_id}_{self._num_items}",
-                        "role": "assistant", "status": "in_progress", "content": []}  # fmt: skip
+                item = {
+                    "type": "message",
+                    "id": f"msg_{self.request_id}_{self._num_items}",
+                    "role": "assistant",
+                    "status": "in_progress",
+                    "content": [],
+                }
                 yield from self._add(item)
                 part = {"type": "output_text", "text": "", "annotations": []}
-                yield self._event("response.content_part.added", item_id=item["id"],
-                                  output_index=self._index, content_index=0, part=part)  # fmt: skip
+                yield self._event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=self._index,
+                    content_index=0,
+                    part=part,
+                )
                 item["content"].append(dict(part))
             item = self._open
             item["content"][0]["text"] += event.text
-            yield self._event("response.output_text.delta", item_id=item["id"],
-                              output_index=self._index, content_index=0, delta=event.text,
-                              logprobs=[])  # fmt: skip
+            yield self._event(
+                "response.output_text.delta",
+                item_id=item["id"],
+                output_index=self._index,
+                content_index=0,
+                delta=event.text,
+                logprobs=[],
+            )
         elif isinstance(event, ToolCallBegin):
             yield from self._close()
-            item = {"type": "function_call", "id": f"fc_{event.id}", "call_id": event.id,
-                    "name": event.name, "arguments": "", "status": "in_progress"}  # fmt: skip
+            item = {
+                "type": "function_call",
+                "id": f"fc_{event.id}",
+                "call_id": event.id,
+                "name": event.name,
+                "arguments": "",
+                "status": "in_progress",
+            }
             self._calls[event.index] = item
             yield from self._add(item)
         elif isinstance(event, ToolCallDelta) and event.arguments:
             item = self._calls[event.index]
             item["arguments"] += event.arguments
-            yield self._event("response.function_call_arguments.delta", item_id=item["id"],
-                              output_index=self._index, delta=event.arguments)  # fmt: skip
+            yield self._event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=self._index,
+                delta=event.arguments,
+            )
         elif isinstance(event, ToolCallEnd):
             item = self._calls[event.index]
             if not item["arguments"] and event.arguments:  # OR-S-06: at least one delta
                 item["arguments"] = event.arguments
-                yield self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                  output_index=self._index, delta=event.arguments)  # fmt: skip
+                yield self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=self._index,
+                    delta=event.arguments,
+                )
             item["arguments"] = event.arguments
             yield from self._close()
         elif isinstance(event, Finished):
@@ -283,14 +333,29 @@ class Output:
         index = self.items.index(item)
         if item["type"] == "message":
             part = item["content"][0]
-            yield self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                              content_index=0, text=part["text"], logprobs=[])  # fmt: skip
-            yield self._event("response.content_part.done", item_id=item["id"],
-                              output_index=index, content_index=0, part=part)  # fmt: skip
+            yield self._event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            )
+            yield self._event(
+                "response.content_part.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=part,
+            )
         else:
-            yield self._event("response.function_call_arguments.done", item_id=item["id"],
-                              output_index=index, name=item["name"],
-                              arguments=item["arguments"])  # fmt: skip
+            yield self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
         item["status"] = "completed"
         yield self._event("response.output_item.done", output_index=index, item=item)
 
@@ -298,8 +363,11 @@ class Output:
         """What a later `previous_response_id` continues from: this request's messages
         (without its instructions) and its output as one assistant turn."""
         text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
-        calls = tuple(ToolCall(i["call_id"], i["name"], i["arguments"])
-                      for i in self.items if i["type"] == "function_call")  # fmt: skip
+        calls = tuple(
+            ToolCall(i["call_id"], i["name"], i["arguments"])
+            for i in self.items
+            if i["type"] == "function_call"
+        )
         return [*prompt, Message("assistant", text, calls)]
 
 
@@ -315,5 +383,6 @@ async def stream(output: Output, generation: Generation) -> AsyncIterator[bytes]
                 yield frame
     except ApiError as exc:
         output.status = "failed"
-        yield output._event("error", code=exc.code or exc.kind, message=exc.message,
-                            param=exc.param)  # fmt: skip
+        yield output._event(
+            "error", code=exc.code or exc.kind, message=exc.message, param=exc.param
+        )

@@ -151,8 +151,12 @@ class Pipeline:
         model = await self.models.get(name)
         if model is None:
             served = ", ".join(m.name for m in self.models.served()) or "none"
-            raise ApiError("not_found", f"model {name!r} is not served here (served: {served})",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(
+                "not_found",
+                f"model {name!r} is not served here (served: {served})",
+                param="model",
+                code="model_not_found",
+            )
         return model
 
     async def count_tokens(self, model_name: str, chat: Chat) -> int:
@@ -178,8 +182,9 @@ class Pipeline:
         num_prompt = len(ids)
         room = model.max_model_len - num_prompt
         if completion.max_tokens is not None and completion.max_tokens < 1:
-            raise invalid(f"max tokens must be at least 1, got {completion.max_tokens}",
-                          param="max_tokens")  # fmt: skip
+            raise invalid(
+                f"max tokens must be at least 1, got {completion.max_tokens}", param="max_tokens"
+            )
         if room < 1 or (completion.max_tokens is not None and completion.max_tokens > room):
             asked = completion.max_tokens or 1
             raise ApiError(
@@ -210,8 +215,13 @@ class Pipeline:
         span = telemetry.current_span()  # the HTTP request's
         if span.is_recording():
             bind_request(request.request_id, None)
-            span.set_attributes({REQUEST_ID: request.request_id, "kvfabric.model": model.name,
-                                 "kvfabric.num_prompt_tokens": num_prompt})  # fmt: skip
+            span.set_attributes(
+                {
+                    REQUEST_ID: request.request_id,
+                    "kvfabric.model": model.name,
+                    "kvfabric.num_prompt_tokens": num_prompt,
+                }
+            )
         return Prepared(completion, model, request, forced, parse_tools, arrival_s)
 
     def fork(self, prepared: Prepared, index: int) -> Prepared:
@@ -260,9 +270,10 @@ class Generation:
         if prepared.parse_tools:
             names = [t.name for t in prepared.completion.chat.tools]
             self._parser = parser_for(
-                prepared.model.chat_format.name, names,
+                prepared.model.chat_format.name,
+                names,
                 id_prefix=prepared.completion.tool_id_prefix,
-            )  # fmt: skip
+            )
             if prepared.forced_prefix:
                 self._parsed(self._parser.feed(prepared.forced_prefix))
 
@@ -276,7 +287,7 @@ class Generation:
                 on_chunk=self._chunks.put_nowait,
                 on_decision=self._on_decision,
                 outbox=p.outbox,
-            )  # fmt: skip
+            )
         )
         self._task.add_done_callback(lambda _: self._chunks.put_nowait(None))
         decided = asyncio.create_task(self._decided.wait())

@@ -23,8 +23,11 @@ def text_of(content: str | Sequence[Any] | None, where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
         text = part.get("text") if isinstance(part, dict) else getattr(part, "text", None)
         if kind not in TEXT_PART_TYPES or not isinstance(text, str):
-            raise invalid(f"{where}.content[{i}]: parts of type {kind!r} are not supported "
-                          "(the served models read text only)", f"{where}.content")  # fmt: skip
+            raise invalid(
+                f"{where}.content[{i}]: parts of type {kind!r} are not supported "
+                "(the served models read text only)",
+                f"{where}.content",
+            )
         texts.append(text)
     return "".join(texts)
 
@@ -37,8 +40,10 @@ def tool_choice_of(choice: str | dict[str, Any] | None, tools: Iterable[Tool]) -
         return ToolChoice()
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
-            raise invalid(f"tool_choice {choice!r}: expected auto, none, required or a function",
-                          "tool_choice")  # fmt: skip
+            raise invalid(
+                f"tool_choice {choice!r}: expected auto, none, required or a function",
+                "tool_choice",
+            )
         if choice == "required" and not names:
             raise invalid("tool_choice 'required' needs tools", "tool_choice")
         return ToolChoice(choice)  # type: ignore[arg-type]

@@ -64,8 +64,13 @@ class TraceRequests:
                 return await self.app(scope, receive, send)
             trace_id = format(span.get_span_context().trace_id, "032x")
             bind_request("", trace_id)  # this request's task: every line it logs names the trace
-            span.set_attributes({"http.request.method": method, "url.path": path,
-                                 "kvfabric.protocol": protocol_of(path)})  # fmt: skip
+            span.set_attributes(
+                {
+                    "http.request.method": method,
+                    "url.path": path,
+                    "kvfabric.protocol": protocol_of(path),
+                }
+            )
             status = 500  # what the client sees if the app fails before answering
             started = time.perf_counter()
 
@@ -83,5 +88,10 @@ class TraceRequests:
                 span.set_attribute("http.response.status_code", status)
                 if status >= 500:
                     span.set_status(StatusCode.ERROR, f"HTTP {status}")
-                log.info("http request", method=method, path=path, status=status,
-                         duration_ms=round((time.perf_counter() - started) * 1000, 3))  # fmt: skip
+                log.info(
+                    "http request",
+                    method=method,
+                    path=path,
+                    status=status,
+                    duration_ms=round((time.perf_counter() - started) * 1000, 3),
+                )

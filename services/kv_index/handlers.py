@@ -66,8 +66,9 @@ class KvIndexService:
         with telemetry.span("kv-index match") as span:
             results = self.index.match(hashes, time.time(), refresh=request.refresh)
             if span.is_recording():
-                span.set_attributes({"kvfabric.shard_id": self.config.shard_id,
-                                     "kvfabric.num_blocks": len(hashes)})  # fmt: skip
+                span.set_attributes(
+                    {"kvfabric.shard_id": self.config.shard_id, "kvfabric.num_blocks": len(hashes)}
+                )
                 for r in results:  # this shard's hits of the prefix, and where it ends
                     span.set_attribute(f"kvfabric.hit_blocks.{r.tier}", len(r.indices))
                     span.set_attribute(f"kvfabric.first_miss.{r.tier}", r.first_miss_index)
@@ -114,13 +115,19 @@ class KvIndexService:
         except Exception:  # a batch whose content cannot be applied (half applied, maybe)
             log.exception(
                 "kv event batch not applied: resyncing its writer",
-                writer_id=batch.writer_id, seq=batch.seq, stream_seq=stream_seq,
-            )  # fmt: skip
+                writer_id=batch.writer_id,
+                seq=batch.seq,
+                stream_seq=stream_seq,
+            )
             await self._bad_batch(batch.writer_id, batch.seq)
             return
         if gap is not None:
-            log.warning("kv event gap, asking for resync", writer_id=gap.writer_id,
-                        expected_seq=gap.expected_seq, received_seq=gap.received_seq)  # fmt: skip
+            log.warning(
+                "kv event gap, asking for resync",
+                writer_id=gap.writer_id,
+                expected_seq=gap.expected_seq,
+                received_seq=gap.received_seq,
+            )
             await self._resync(gap.writer_id, gap.expected_seq, gap.received_seq)
 
     async def on_bad_message(self, message: RawMessage, stream_seq: int, exc: Exception) -> None:
@@ -128,8 +135,12 @@ class KvIndexService:
         token) is asked for its whole state, which replaces whatever the entry held."""
         self.last_stream_seq = max(self.last_stream_seq, stream_seq)
         writer_id = message.subject.rsplit(".", 1)[-1]
-        log.error("malformed kv event batch: resyncing its writer", writer_id=writer_id,
-                  stream_seq=stream_seq, error=str(exc))  # fmt: skip
+        log.error(
+            "malformed kv event batch: resyncing its writer",
+            writer_id=writer_id,
+            stream_seq=stream_seq,
+            error=str(exc),
+        )
         await self._bad_batch(writer_id, None)
 
     async def _bad_batch(self, writer_id: str, seq: int | None) -> None:

@@ -46,8 +46,10 @@ async def setup(runtime: ServiceRuntime) -> None:
     try:
         native.module()  # built now, once, rather than inside the first event batch
     except native.NativeUnavailable as exc:  # served by the dict index: said, not silent
-        log.warning("C row index unavailable: the dict index serves, ~4x the memory per "
-                    "block", reason=str(exc))  # fmt: skip
+        log.warning(
+            "C row index unavailable: the dict index serves, ~4x the memory per block",
+            reason=str(exc),
+        )
     service = KvIndexService(bus, config)
     stream = subjects.kv_events_stream
     await bus.js.ensure_stream(
@@ -62,13 +64,18 @@ async def setup(runtime: ServiceRuntime) -> None:
         log.warning(
             "event log no longer holds what followed the snapshot: blocks stored in between are "
             "unknown until writers resync or `kvfabric cache rebuild` runs",
-            snapshot_seq=service.last_stream_seq, first_seq=first_seq,
-        )  # fmt: skip
+            snapshot_seq=service.last_stream_seq,
+            first_seq=first_seq,
+        )
     start_seq = service.last_stream_seq + 1 if service.last_stream_seq else None
     await bus.js.consume(
-        stream, subjects.kv_events_all, KvEventBatch, service.on_event_batch,
-        start_seq=start_seq, on_error=service.on_bad_message,
-    )  # fmt: skip
+        stream,
+        subjects.kv_events_all,
+        KvEventBatch,
+        service.on_event_batch,
+        start_seq=start_seq,
+        on_error=service.on_bad_message,
+    )
     # Answer only once the log is replayed: a restarted index gives the answers it gave
     # before. Past the timeout it answers what it has (a shorter hit is still correct) and
     # says it is not ready until it has caught up.
@@ -76,9 +83,12 @@ async def setup(runtime: ServiceRuntime) -> None:
     while service.last_stream_seq < last_seq and time.monotonic() < deadline:
         await asyncio.sleep(CATCH_UP_POLL_S)
     if service.last_stream_seq < last_seq:
-        log.error("event log not replayed at start-up: serving, not ready",
-                  stream_seq=service.last_stream_seq, last_seq=last_seq,
-                  timeout_s=config.catch_up_timeout_s)  # fmt: skip
+        log.error(
+            "event log not replayed at start-up: serving, not ready",
+            stream_seq=service.last_stream_seq,
+            last_seq=last_seq,
+            timeout_s=config.catch_up_timeout_s,
+        )
         runtime.hold_ready(f"replaying the event log up to {last_seq}")
 
         async def until_caught_up() -> None:

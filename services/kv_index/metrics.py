@@ -16,21 +16,38 @@ def observe(metrics: Metrics, service: KvIndexService) -> None:
 
     counters = (
         ("kvfabric_kv_index_event_batches_total", "KV event batches applied.", "num_batches"),
-        ("kvfabric_kv_index_duplicate_batches_total", "KV event batches seen before: skipped.",
-         "num_duplicate_batches"),
-        ("kvfabric_kv_index_gaps_total", "Gaps in a writer's event sequence (resync asked).",
-         "num_gaps"),
-        ("kvfabric_kv_index_bad_batches_total",
-         "Log entries that could not be applied (their writer was asked to resync).",
-         "num_bad_batches"),
-        ("kvfabric_kv_index_blocks_stored_total", "Blocks the writers' events added.",
-         "num_blocks_stored"),
-        ("kvfabric_kv_index_blocks_removed_total", "Blocks the writers' events removed.",
-         "num_blocks_removed"),
+        (
+            "kvfabric_kv_index_duplicate_batches_total",
+            "KV event batches seen before: skipped.",
+            "num_duplicate_batches",
+        ),
+        (
+            "kvfabric_kv_index_gaps_total",
+            "Gaps in a writer's event sequence (resync asked).",
+            "num_gaps",
+        ),
+        (
+            "kvfabric_kv_index_bad_batches_total",
+            "Log entries that could not be applied (their writer was asked to resync).",
+            "num_bad_batches",
+        ),
+        (
+            "kvfabric_kv_index_blocks_stored_total",
+            "Blocks the writers' events added.",
+            "num_blocks_stored",
+        ),
+        (
+            "kvfabric_kv_index_blocks_removed_total",
+            "Blocks the writers' events removed.",
+            "num_blocks_removed",
+        ),
         ("kvfabric_kv_index_matches_total", "Prefix matches answered.", "num_matches"),
-        ("kvfabric_kv_index_matched_blocks_total", "Blocks found by the matches.",
-         "num_blocks_matched"),
-    )  # fmt: skip
+        (
+            "kvfabric_kv_index_matched_blocks_total",
+            "Blocks found by the matches.",
+            "num_blocks_matched",
+        ),
+    )
     for name, documentation, field in counters:
         metrics.counter_from(name, documentation, count(field))
     metrics.counter_from(

@@ -193,11 +193,20 @@ class NativeRowIndex:
     def _bind(self, capacity: int) -> None:
         t = self._table
         self._core.bind(
-            _address(t.hash), _address(t.kind), _address(t.file_id), _address(t.slot),
-            _address(t.generation), _address(t.access), capacity,
-            _address(self.slots), len(self.slots), int(MAX_LOAD * len(self.slots)),
-            _address(t.kind_bytes), len(t.kind_bytes), self.row_bits,
-        )  # fmt: skip
+            _address(t.hash),
+            _address(t.kind),
+            _address(t.file_id),
+            _address(t.slot),
+            _address(t.generation),
+            _address(t.access),
+            capacity,
+            _address(self.slots),
+            len(self.slots),
+            int(MAX_LOAD * len(self.slots)),
+            _address(t.kind_bytes),
+            len(t.kind_bytes),
+            self.row_bits,
+        )
 
     def find_many(self, keys: np.ndarray) -> np.ndarray:
         out = np.empty(len(keys), np.int64)

@@ -196,8 +196,14 @@ class TierTable:
             used = unique.tolist()
             writers = inverse.astype("<u2").tobytes()
             num_bytes = self.kind_bytes[kind_of].astype("<u4").tobytes()
-        columns = {"block_hashes": hashes, "writers": writers, "file_ids": file_ids,
-                   "slots": slots, "generations": generations, "num_bytes": num_bytes}  # fmt: skip
+        columns = {
+            "block_hashes": hashes,
+            "writers": writers,
+            "file_ids": file_ids,
+            "slots": slots,
+            "generations": generations,
+            "num_bytes": num_bytes,
+        }
         return num_hits, used, columns
 
     def live_rows(self) -> np.ndarray:

@@ -32,25 +32,39 @@ async def tell_decode(
     decode answered (its pull included)."""
     request = entry.job.request
     ready = SuffixReady(
-        request_id=request.request_id, attempt=entry.job.attempt,
-        prefill_worker_id=bus.instance_id, num_computed_tokens=entry.target,
-        first_block_index=entry.num_cached_blocks, num_blocks=num_blocks,
-        block_nbytes=block_nbytes, region_offset=region_offset, window_nbytes=window_nbytes,
-        timings=timings, first_token_id=entry.first_token_id, sampler_state=entry.sampler_state,
-    )  # fmt: skip
+        request_id=request.request_id,
+        attempt=entry.job.attempt,
+        prefill_worker_id=bus.instance_id,
+        num_computed_tokens=entry.target,
+        first_block_index=entry.num_cached_blocks,
+        num_blocks=num_blocks,
+        block_nbytes=block_nbytes,
+        region_offset=region_offset,
+        window_nbytes=window_nbytes,
+        timings=timings,
+        first_token_id=entry.first_token_id,
+        sampler_state=entry.sampler_state,
+    )
     decode_worker_id = entry.job.decision.decode_worker_id
     span = telemetry.current_span()  # prefill transfer
     if span.is_recording():
-        span.set_attributes({
-            "kvfabric.decode_worker_id": decode_worker_id, "kvfabric.num_blocks": num_blocks,
-            "kvfabric.bytes": num_blocks * block_nbytes + window_nbytes,
-        })  # fmt: skip
+        span.set_attributes(
+            {
+                "kvfabric.decode_worker_id": decode_worker_id,
+                "kvfabric.num_blocks": num_blocks,
+                "kvfabric.bytes": num_blocks * block_nbytes + window_nbytes,
+            }
+        )
     subject = bus.subjects.instance(bus.subjects.decode_suffix, decode_worker_id)
     started = time.perf_counter()
     await bus.request(
-        subject, ready, JobAccepted, timeout_s=timeout_s,
-        request_id=request.request_id, deadline_ms=request.deadline_ms,
-    )  # fmt: skip
+        subject,
+        ready,
+        JobAccepted,
+        timeout_s=timeout_s,
+        request_id=request.request_id,
+        deadline_ms=request.deadline_ms,
+    )
     return (time.perf_counter() - started) * 1000
 
 

@@ -181,9 +181,11 @@ class PrefillJobsBase(ABC, Generic[JobT]):
 
     def _validate(self, job: PrefillJob) -> tuple[list[int], RequestBlocks]:
         token_ids, blocks = checked_prompt(
-            job.request, model_name=self.model_name, block_size_tokens=self.block_size,
+            job.request,
+            model_name=self.model_name,
+            block_size_tokens=self.block_size,
             max_model_len=self.max_model_len,
-        )  # fmt: skip
+        )
         num_pages_total = self.kv_pages()[0]
         if -(-len(token_ids) // self.block_size) > num_pages_total:
             raise BadRequest(
@@ -340,8 +342,9 @@ class PrefillJobsBase(ABC, Generic[JobT]):
         if span.is_recording():
             num_computed = entry.target - entry.num_cached_blocks * self.block_size
             compute_ms = round(entry.compute_s * 1000, 3)
-            span.set_attributes({"kvfabric.num_tokens": num_computed,
-                                 "kvfabric.compute_ms": compute_ms})  # fmt: skip
+            span.set_attributes(
+                {"kvfabric.num_tokens": num_computed, "kvfabric.compute_ms": compute_ms}
+            )
         span.end()
 
     @abstractmethod

@@ -52,10 +52,13 @@ async def setup(runtime: ServiceRuntime) -> None:
     runner, model_thread = await start_model_thread(runtime, config)
     runtime.metadata |= describe(runner, config)
     kv = await open_model_kv(
-        runtime, config, PREFILL, runner.layout.block_nbytes,
+        runtime,
+        config,
+        PREFILL,
+        runner.layout.block_nbytes,
         has_windows=bool(runner.config.sliding_layer_ids),
         staging_nbytes=handoff_staging_bytes(runner, config),
-    )  # fmt: skip
+    )
     compute_lock = asyncio.Lock()
     policy = RestorePolicy(
         use_memcache=config.swa_use_memcache,
@@ -63,14 +66,21 @@ async def setup(runtime: ServiceRuntime) -> None:
         replay_tokens=config.swa_replay_tokens,
     )
     worker = PrefillWorker(
-        bus, runner, PrefixRestorer(runner, kv.store, kv.swa, policy, compute_lock, model_thread),
-        kv.publisher, kv.swa, kv.agent, kv.staging,
-        model_name=config.model_name, max_batch_tokens=config.max_batch_tokens,
+        bus,
+        runner,
+        PrefixRestorer(runner, kv.store, kv.swa, policy, compute_lock, model_thread),
+        kv.publisher,
+        kv.swa,
+        kv.agent,
+        kv.staging,
+        model_name=config.model_name,
+        max_batch_tokens=config.max_batch_tokens,
         max_model_len=max_model_len(runner, config),
-        handoff_timeout_s=config.handoff_timeout_s, compute_lock=compute_lock,
+        handoff_timeout_s=config.handoff_timeout_s,
+        compute_lock=compute_lock,
         model_thread=model_thread,
         metrics=runtime.metrics,
-    )  # fmt: skip
+    )
     await serve(runtime, worker, kv.store, kv.agent.close)
 
 

@@ -61,11 +61,16 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         metrics: Metrics | None = None,
     ) -> None:
         super().__init__(
-            bus, publisher, swa, model_name=model.name, max_model_len=model.max_model_len,
+            bus,
+            publisher,
+            swa,
+            model_name=model.name,
+            max_model_len=model.max_model_len,
             block_size_tokens=config.kv_block_size_tokens,
-            max_batch_tokens=config.max_batch_tokens, handoff_timeout_s=config.handoff_timeout_s,
+            max_batch_tokens=config.max_batch_tokens,
+            handoff_timeout_s=config.handoff_timeout_s,
             metrics=metrics,
-        )  # fmt: skip
+        )
         self.config = config
         self.model = model
         self.cost = cost or CostModel()
@@ -88,9 +93,15 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         num_cached_tokens = num_cached_blocks * self.block_size
         restored = await self._restore(num_cached_tokens, job.decision.has_swa_snapshot)
         return MockJob(
-            job, token_ids, blocks, asyncio.get_running_loop().create_future(),
-            accepted_s, restored, num_cached_blocks, num_cached_tokens,
-        )  # fmt: skip
+            job,
+            token_ids,
+            blocks,
+            asyncio.get_running_loop().create_future(),
+            accepted_s,
+            restored,
+            num_cached_blocks,
+            num_cached_tokens,
+        )
 
     async def _restore(self, num_cached_tokens: int, has_snapshot: bool) -> PrefillTimings:
         """Sleep the simulated store read of the prefix and the window's restore."""
@@ -101,19 +112,27 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
             load_s = await sleep_simulated(self.cost.prefill_s(0, num_cached_tokens), speedup)
             if span.is_recording():  # simulated: the mock reads nothing back
                 num_blocks = num_cached_tokens // self.block_size
-                span.set_attributes({"kvfabric.tier": "ssd", "kvfabric.simulated": True,
-                                     "kvfabric.num_blocks": num_blocks})  # fmt: skip
+                span.set_attributes(
+                    {
+                        "kvfabric.tier": "ssd",
+                        "kvfabric.simulated": True,
+                        "kvfabric.num_blocks": num_blocks,
+                    }
+                )
         num_replay = self.cost.num_replay_tokens(num_cached_tokens, has_snapshot)
         with telemetry.span("prefill window") as span:
             restore_s = await sleep_simulated(self.cost.prefill_s(0, 0, num_replay), speedup)
             if span.is_recording():
                 mode = "snapshot" if has_snapshot else "bounded"
-                span.set_attributes({"kvfabric.swa_restore": mode,
-                                     "kvfabric.num_replay_tokens": num_replay})  # fmt: skip
+                span.set_attributes(
+                    {"kvfabric.swa_restore": mode, "kvfabric.num_replay_tokens": num_replay}
+                )
         return PrefillTimings(
-            load_ms=load_s * 1000, restore_ms=restore_s * 1000,
-            swa_restore="snapshot" if has_snapshot else "bounded", num_replay_tokens=num_replay,
-        )  # fmt: skip
+            load_ms=load_s * 1000,
+            restore_ms=restore_s * 1000,
+            swa_restore="snapshot" if has_snapshot else "bounded",
+            num_replay_tokens=num_replay,
+        )
 
     def _release(self, entry: MockJob) -> None:
         self.num_kv_pages_free += entry.num_pages
@@ -143,9 +162,15 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         """Nothing is staged: decode pulls no bytes and answers at once."""
         timings = entry.timings()
         transfer_ms = await tell_decode(
-            self.bus, entry, timings, num_blocks=0, block_nbytes=self.config.mock_block_nbytes,
-            region_offset=0, window_nbytes=0, timeout_s=self.handoff_timeout_s,
-        )  # fmt: skip
+            self.bus,
+            entry,
+            timings,
+            num_blocks=0,
+            block_nbytes=self.config.mock_block_nbytes,
+            region_offset=0,
+            window_nbytes=0,
+            timeout_s=self.handoff_timeout_s,
+        )
         return timings, transfer_ms
 
     async def _persist(self, entry: MockJob) -> None:
@@ -158,8 +183,12 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         self.counts.blocks_stored.inc(num_stored)
         span = telemetry.current_span()  # prefill store
         if span.is_recording():
-            span.set_attributes({"kvfabric.num_blocks": num_stored,
-                                 "kvfabric.bytes": num_stored * len(self._payload)})  # fmt: skip
+            span.set_attributes(
+                {
+                    "kvfabric.num_blocks": num_stored,
+                    "kvfabric.bytes": num_stored * len(self._payload),
+                }
+            )
         if self.swa is None or not payloads:
             return  # the boundary lies in the restored prefix: its snapshot was put before
         if await put_window(self.swa, entry, bytes(MOCK_SNAPSHOT_NBYTES)):

@@ -85,8 +85,11 @@ class PrefixRestorer:
         prefix = await self._load(blocks, locations, num_blocks)
         loaded = time.perf_counter()
         if prefix.num_blocks < num_blocks:
-            log.warning("cached prefix cut short by a store miss", asked=num_blocks,
-                        loaded=prefix.num_blocks)  # fmt: skip
+            log.warning(
+                "cached prefix cut short by a store miss",
+                asked=num_blocks,
+                loaded=prefix.num_blocks,
+            )
         if prefix.num_blocks == 0:
             return Restored([], None, "none", 0, (loaded - started) * 1000, 0.0)
         boundary = prefix.num_blocks * self.runner.layout.block_size_tokens
@@ -96,16 +99,22 @@ class PrefixRestorer:
                     token_ids, blocks.hashes[prefix.num_blocks - 1], prefix.pages, boundary
                 )
                 if span.is_recording():
-                    span.set_attributes({"kvfabric.swa_restore": mode,
-                                         "kvfabric.num_replay_tokens": num_replayed})  # fmt: skip
+                    span.set_attributes(
+                        {"kvfabric.swa_restore": mode, "kvfabric.num_replay_tokens": num_replayed}
+                    )
         except BaseException:
             self.runner.allocator.free(prefix.pages)
             raise
         restored = time.perf_counter()
         return Restored(
-            prefix.pages, window, mode, num_replayed,
-            (loaded - started) * 1000, (restored - loaded) * 1000, prefix.num_local,
-        )  # fmt: skip
+            prefix.pages,
+            window,
+            mode,
+            num_replayed,
+            (loaded - started) * 1000,
+            (restored - loaded) * 1000,
+            prefix.num_local,
+        )
 
     async def _load(
         self, blocks: RequestBlocks, locations: BlockLocations, num_blocks: int
@@ -117,9 +126,13 @@ class PrefixRestorer:
             return LoadedPrefix([])
         with telemetry.span("prefill load"):
             return await take_prefix(
-                self.store, self.runner.pool, self.runner.allocator, locations, blocks.hashes,
+                self.store,
+                self.runner.pool,
+                self.runner.allocator,
+                locations,
+                blocks.hashes,
                 num_blocks,
-            )  # fmt: skip
+            )
 
     async def _window(
         self, token_ids: list[int], boundary_hash: int, pages: list[int], boundary: int
@@ -140,9 +153,15 @@ class PrefixRestorer:
         num_replay = min(self.num_replay_tokens(), boundary)
         async with self.compute_lock:
             window = await self.model_thread.run(
-                replay_window, self.runner.model, self.runner.pool, pages, token_ids,
-                boundary, num_replay, self.runner.dtype,
-            )  # fmt: skip
+                replay_window,
+                self.runner.model,
+                self.runner.pool,
+                pages,
+                token_ids,
+                boundary,
+                num_replay,
+                self.runner.dtype,
+            )
         mode = "exact" if num_replay >= exact_replay_tokens(config) else "bounded"
         return window, mode, num_replay
 

@@ -80,11 +80,16 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         metrics: Metrics | None = None,
     ) -> None:
         super().__init__(
-            bus, publisher, swa, model_name=model_name, max_model_len=max_model_len,
+            bus,
+            publisher,
+            swa,
+            model_name=model_name,
+            max_model_len=max_model_len,
             block_size_tokens=runner.layout.block_size_tokens,
-            max_batch_tokens=max_batch_tokens, handoff_timeout_s=handoff_timeout_s,
+            max_batch_tokens=max_batch_tokens,
+            handoff_timeout_s=handoff_timeout_s,
             metrics=metrics,
-        )  # fmt: skip
+        )
         self.runner = runner
         self.restorer = restorer
         self.agent = agent
@@ -115,14 +120,23 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
             self.runner.block_manager.attach_prefix(seq, restored.pages, restored.window)
             self.runner.allocator.free(restored.pages)  # the sequence owns them now
         timings = PrefillTimings(
-            load_ms=restored.load_ms, restore_ms=restored.restore_ms,
-            swa_restore=restored.mode, num_replay_tokens=restored.num_replay_tokens,
+            load_ms=restored.load_ms,
+            restore_ms=restored.restore_ms,
+            swa_restore=restored.mode,
+            num_replay_tokens=restored.num_replay_tokens,
             num_local_blocks=restored.num_local_blocks,
-        )  # fmt: skip
+        )
         return ModelJob(
-            job, token_ids, blocks, asyncio.get_running_loop().create_future(), accepted_s,
-            timings, restored.num_blocks, seq, sampling,
-        )  # fmt: skip
+            job,
+            token_ids,
+            blocks,
+            asyncio.get_running_loop().create_future(),
+            accepted_s,
+            timings,
+            restored.num_blocks,
+            seq,
+            sampling,
+        )
 
     def _release(self, entry: ModelJob) -> None:
         self.runner.release(entry.seq)
@@ -177,10 +191,15 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
             timings = entry.timings()
             async with self.agent.busy():  # decode pulls from our region until it answers
                 transfer_ms = await tell_decode(
-                    self.bus, entry, timings, num_blocks=len(pages), block_nbytes=block_nbytes,
-                    region_offset=extent.offset, window_nbytes=len(window_bytes),
+                    self.bus,
+                    entry,
+                    timings,
+                    num_blocks=len(pages),
+                    block_nbytes=block_nbytes,
+                    region_offset=extent.offset,
+                    window_nbytes=len(window_bytes),
                     timeout_s=self.handoff_timeout_s,
-                )  # fmt: skip
+                )
         finally:
             await self.staging.free(extent)
         return timings, transfer_ms
@@ -192,9 +211,14 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         num_complete = len(entry.token_ids) // self.block_size
         tag_blocks(self.runner.allocator, seq.block_table, blocks.hashes[:num_complete])
         num_stored = await store_blocks(
-            self.publisher, self.runner.pool, seq.block_table, entry.token_ids, blocks,
-            entry.num_cached_blocks, blocks.num_prefill_blocks,
-        )  # fmt: skip
+            self.publisher,
+            self.runner.pool,
+            seq.block_table,
+            entry.token_ids,
+            blocks,
+            entry.num_cached_blocks,
+            blocks.num_prefill_blocks,
+        )
         self.counts.blocks_stored.inc(num_stored)
         span = telemetry.current_span()  # prefill store
         if span.is_recording():

@@ -113,9 +113,13 @@ class Router:
         self.swa_map = SwaMap()
         self.counts.observe(self.swa_map, lambda: len(self.prefill_jobs))
         self.prefill_jobs = PrefillJobs(
-            bus, self.table, self.policy, self.counts, self.record_sent,
+            bus,
+            self.table,
+            self.policy,
+            self.counts,
+            self.record_sent,
             prefill_timeout_s=config.prefill_timeout_s,
-        )  # fmt: skip
+        )
 
     @property
     def router_id(self) -> str:
@@ -162,9 +166,12 @@ class Router:
         if notice.router_id == self.router_id:
             return  # counted when we sent it
         delta = InflightDelta(
-            notice.router_id, notice.instance_id, notice.num_tokens, notice.num_kv_pages,
+            notice.router_id,
+            notice.instance_id,
+            notice.num_tokens,
+            notice.num_kv_pages,
             notice.num_requests,
-        )  # fmt: skip
+        )
         self.table.apply_peer(delta, time.monotonic())
 
     async def on_swa_held(self, batch: SwaHeld) -> None:
@@ -173,13 +180,18 @@ class Router:
             should_resync = self.swa_map.apply(batch, time.monotonic())
         except ValueError as exc:  # not packed u64: the next batch shows the gap
             log.warning(
-                "malformed swa-memcache batch dropped", instance_id=batch.instance_id,
-                seq=batch.seq, error=str(exc),
-            )  # fmt: skip
+                "malformed swa-memcache batch dropped",
+                instance_id=batch.instance_id,
+                seq=batch.seq,
+                error=str(exc),
+            )
             return
         if should_resync:
-            log.info("asking swa-memcache for its full state", instance_id=batch.instance_id,
-                     seq=batch.seq)  # fmt: skip
+            log.info(
+                "asking swa-memcache for its full state",
+                instance_id=batch.instance_id,
+                seq=batch.seq,
+            )
             resync = SwaResync(
                 instance_id=batch.instance_id,
                 reason=f"router {self.router_id}: missed batches before seq {batch.seq}",
@@ -258,18 +270,23 @@ class Router:
             self.counts.hit_tokens.labels(tier_label(cached.tier)).inc(facts.num_cached_tokens)
         span = telemetry.current_span()
         if span.is_recording():
-            span.set_attributes({
-                "kvfabric.num_prompt_tokens": facts.num_prompt_tokens,
-                "kvfabric.hit_tokens": facts.num_cached_tokens,
-                "kvfabric.prefill_worker_id": decision.prefill_worker_id,
-                "kvfabric.decode_worker_id": decision.decode_worker_id,
-                "kvfabric.has_swa_snapshot": decision.has_swa_snapshot,
-            })  # fmt: skip
+            span.set_attributes(
+                {
+                    "kvfabric.num_prompt_tokens": facts.num_prompt_tokens,
+                    "kvfabric.hit_tokens": facts.num_cached_tokens,
+                    "kvfabric.prefill_worker_id": decision.prefill_worker_id,
+                    "kvfabric.decode_worker_id": decision.decode_worker_id,
+                    "kvfabric.has_swa_snapshot": decision.has_swa_snapshot,
+                }
+            )
         log.info(
-            "routed", request_id=request.request_id, prefill_worker_id=decision.prefill_worker_id,
-            decode_worker_id=decision.decode_worker_id, num_cached_tokens=facts.num_cached_tokens,
+            "routed",
+            request_id=request.request_id,
+            prefill_worker_id=decision.prefill_worker_id,
+            decode_worker_id=decision.decode_worker_id,
+            num_cached_tokens=facts.num_cached_tokens,
             has_swa_snapshot=decision.has_swa_snapshot,
-        )  # fmt: skip
+        )
         return decision
 
     async def _match(self, request_id: str, hashes: bytes) -> PrefixMatch | None:
@@ -288,9 +305,11 @@ class Router:
             except ServiceError as exc:
                 self.counts.cold_index.inc()
                 log.warning(
-                    "kv-index did not answer: routed cold", request_id=request_id,
-                    code=exc.code.value, error=exc.message,
-                )  # fmt: skip
+                    "kv-index did not answer: routed cold",
+                    request_id=request_id,
+                    code=exc.code.value,
+                    error=exc.message,
+                )
                 if span.is_recording():
                     span.set_attribute("kvfabric.routed_cold", f"{exc.code.value}: {exc.message}")
                 return None
@@ -326,9 +345,11 @@ class Router:
                 await self._send_decode(request, decision, cached)
             except NoResponders as exc:
                 log.warning(
-                    "decode worker gone: choosing again", request_id=request.request_id,
-                    decode_worker_id=decision.decode_worker_id, error=exc.message,
-                )  # fmt: skip
+                    "decode worker gone: choosing again",
+                    request_id=request.request_id,
+                    decode_worker_id=decision.decode_worker_id,
+                    error=exc.message,
+                )
                 self.table.remove(decision.decode_worker_id)
                 await self.withdraw(deltas)
                 decision, deltas = await self._choose(facts, swa_node_ids)

@@ -106,22 +106,27 @@ class PrefillJobs:
                 while True:
                     worker_id = job.decision.prefill_worker_id
                     if span.is_recording():
-                        span.set_attributes({
-                            REQUEST_ID: request_id, "kvfabric.attempt": job.attempt,
-                            "kvfabric.prefill_worker_id": worker_id,
-                        })  # fmt: skip
+                        span.set_attributes(
+                            {
+                                REQUEST_ID: request_id,
+                                "kvfabric.attempt": job.attempt,
+                                "kvfabric.prefill_worker_id": worker_id,
+                            }
+                        )
                     try:
                         await self._attempt(job)
                         return
                     except Cancelled as exc:
-                        log.info("prefill job cancelled", request_id=request_id,
-                                 error=exc.message)  # fmt: skip
+                        log.info("prefill job cancelled", request_id=request_id, error=exc.message)
                         return
                     except (NoResponders, PrefillWorkerGone) as exc:
                         log.warning(
-                            "prefill worker gone", request_id=request_id,
-                            prefill_worker_id=worker_id, attempt=job.attempt, error=exc.message,
-                        )  # fmt: skip
+                            "prefill worker gone",
+                            request_id=request_id,
+                            prefill_worker_id=worker_id,
+                            attempt=job.attempt,
+                            error=exc.message,
+                        )
                         self.table.remove(worker_id)
                         retried = await self._retried(job, facts, swa_node_ids)
                     except ServiceError as exc:
@@ -185,9 +190,11 @@ class PrefillJobs:
         await self.record((prefill_delta,))
         self.counts.prefill_retries.inc()
         log.info(
-            "prefill job sent again", request_id=job.request.request_id,
-            prefill_worker_id=target.prefill_worker_id, attempt=job.attempt + 1,
-        )  # fmt: skip
+            "prefill job sent again",
+            request_id=job.request.request_id,
+            prefill_worker_id=target.prefill_worker_id,
+            attempt=job.attempt + 1,
+        )
         return msgspec.structs.replace(job, decision=target, attempt=job.attempt + 1)
 
     async def _fail(self, job: PrefillJob, error: ServiceError) -> None:
@@ -197,10 +204,13 @@ class PrefillJobs:
         if span.is_recording():
             span.set_status(StatusCode.ERROR, f"{error.code.value}: {error.message}")
         log.error(
-            "prefill failed: cancelling the request", request_id=request_id,
-            prefill_worker_id=job.decision.prefill_worker_id, attempt=job.attempt,
-            code=error.code.value, error=error.message,
-        )  # fmt: skip
+            "prefill failed: cancelling the request",
+            request_id=request_id,
+            prefill_worker_id=job.decision.prefill_worker_id,
+            attempt=job.attempt,
+            code=error.code.value,
+            error=error.message,
+        )
         # Our own broadcast comes back to us: by then this task must not be found by it.
         if self._by_request.get(request_id) is asyncio.current_task():
             del self._by_request[request_id]

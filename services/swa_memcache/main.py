@@ -61,9 +61,13 @@ async def setup(runtime: ServiceRuntime) -> None:
         log.warning("NIXL unavailable: every snapshot rides inline", error=str(exc))
     counts = SwaMemcacheMetrics(runtime.metrics)
     handlers = SwaHandlers(
-        cache, config, instance_id=runtime.instance_id, agent=agent,
-        max_payload_bytes=bus.max_payload_bytes, counts=counts,
-    )  # fmt: skip
+        cache,
+        config,
+        instance_id=runtime.instance_id,
+        agent=agent,
+        max_payload_bytes=bus.max_payload_bytes,
+        counts=counts,
+    )
 
     events = SwaEventPublisher(bus, cache, node_id=config.node_id)
     counts.observe(cache, events)

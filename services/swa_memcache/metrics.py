@@ -45,28 +45,53 @@ class SwaMemcacheMetrics:
         """The cache's counts and size, and the events published, read when scraped."""
         m, c = self.metrics, cache.counters
         counters = (
-            ("kvfabric_swa_memcache_hits_total", "Gets that found a live snapshot.",
-             lambda: c.num_hits),
-            ("kvfabric_swa_memcache_misses_total",
-             "Gets that found none (expired ones included).", lambda: c.num_misses),
-            ("kvfabric_swa_memcache_expired_total",
-             "Snapshots dropped by their TTL, at a get or a sweep.", lambda: c.num_expired),
-            ("kvfabric_swa_memcache_evicted_total",
-             "Snapshots evicted, least recently used first, to make room.",
-             lambda: c.num_evicted),
+            (
+                "kvfabric_swa_memcache_hits_total",
+                "Gets that found a live snapshot.",
+                lambda: c.num_hits,
+            ),
+            (
+                "kvfabric_swa_memcache_misses_total",
+                "Gets that found none (expired ones included).",
+                lambda: c.num_misses,
+            ),
+            (
+                "kvfabric_swa_memcache_expired_total",
+                "Snapshots dropped by their TTL, at a get or a sweep.",
+                lambda: c.num_expired,
+            ),
+            (
+                "kvfabric_swa_memcache_evicted_total",
+                "Snapshots evicted, least recently used first, to make room.",
+                lambda: c.num_evicted,
+            ),
             ("kvfabric_swa_memcache_puts_total", "Snapshots stored.", lambda: c.num_puts),
-            ("kvfabric_swa_memcache_rejected_total", "Puts larger than the whole capacity.",
-             lambda: c.num_rejected),
-            ("kvfabric_swa_memcache_no_room_total",
-             "Puts with no room left even after evicting every unpinned entry.",
-             lambda: c.num_no_room),
-            ("kvfabric_swa_memcache_leases_total", "Leases taken on snapshots being read.",
-             lambda: c.num_leases),
-            ("kvfabric_swa_memcache_event_batches_total", "SwaHeld batches published.",
-             lambda: events.num_batches),
-            ("kvfabric_swa_memcache_resyncs_total",
-             "Full states published on a router's request.", lambda: events.num_resyncs),
-        )  # fmt: skip
+            (
+                "kvfabric_swa_memcache_rejected_total",
+                "Puts larger than the whole capacity.",
+                lambda: c.num_rejected,
+            ),
+            (
+                "kvfabric_swa_memcache_no_room_total",
+                "Puts with no room left even after evicting every unpinned entry.",
+                lambda: c.num_no_room,
+            ),
+            (
+                "kvfabric_swa_memcache_leases_total",
+                "Leases taken on snapshots being read.",
+                lambda: c.num_leases,
+            ),
+            (
+                "kvfabric_swa_memcache_event_batches_total",
+                "SwaHeld batches published.",
+                lambda: events.num_batches,
+            ),
+            (
+                "kvfabric_swa_memcache_resyncs_total",
+                "Full states published on a router's request.",
+                lambda: events.num_resyncs,
+            ),
+        )
         for name, documentation, read in counters:
             m.counter_from(name, documentation, read)
         m.gauge_from("kvfabric_swa_memcache_entries", "Snapshots held.", lambda: len(cache))

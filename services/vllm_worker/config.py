@@ -55,8 +55,15 @@ class VllmWorkerConfig(ServiceConfig):
         except ModelError as exc:
             raise ConfigError(str(exc)) from exc
         check_dtype(self.dtype)
-        for name in ("kv_block_size_tokens", "max_model_len", "max_num_seqs", "kv_cache_bytes",
-                     "store_capacity_bytes", "store_file_nbytes", "kv_index_shards"):  # fmt: skip
+        for name in (
+            "kv_block_size_tokens",
+            "max_model_len",
+            "max_num_seqs",
+            "kv_cache_bytes",
+            "store_capacity_bytes",
+            "store_file_nbytes",
+            "kv_index_shards",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kv_block_size_tokens % 32:

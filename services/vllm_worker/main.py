@@ -47,22 +47,35 @@ def build_server(config: VllmWorkerConfig, instance_id: str) -> VllmServer:
     checkpoint = export_checkpoint(config.model)
     kv_transfer = None
     if config.connector:
-        kv_transfer = connector_config({
-            "nats_url": config.nats_url, "root": config.root, "model": config.model_name,
-            "store_dir": str(config.store_dir.resolve()), "writer_id": instance_id,
-            "store_capacity_bytes": config.store_capacity_bytes,
-            "store_file_nbytes": config.store_file_nbytes,
-            "store_backend": config.store_backend, "block_size_tokens": config.kv_block_size_tokens,
-            "kv_index_shards": config.kv_index_shards, "log_level": config.log_level,
-        })  # fmt: skip
+        kv_transfer = connector_config(
+            {
+                "nats_url": config.nats_url,
+                "root": config.root,
+                "model": config.model_name,
+                "store_dir": str(config.store_dir.resolve()),
+                "writer_id": instance_id,
+                "store_capacity_bytes": config.store_capacity_bytes,
+                "store_file_nbytes": config.store_file_nbytes,
+                "store_backend": config.store_backend,
+                "block_size_tokens": config.kv_block_size_tokens,
+                "kv_index_shards": config.kv_index_shards,
+                "log_level": config.log_level,
+            }
+        )
     log_path = config.usage_outbox_dir.parent / "logs" / f"{instance_id}.vllm.log"
     return VllmServer(
-        checkpoint, config.model_name, python=python, max_model_len=config.max_model_len,
-        dtype=config.dtype, block_size_tokens=config.kv_block_size_tokens,
-        kv_transfer_config=kv_transfer, enforce_eager=config.enforce_eager,
+        checkpoint,
+        config.model_name,
+        python=python,
+        max_model_len=config.max_model_len,
+        dtype=config.dtype,
+        block_size_tokens=config.kv_block_size_tokens,
+        kv_transfer_config=kv_transfer,
+        enforce_eager=config.enforce_eager,
         kv_cache_bytes=config.kv_cache_bytes,
-        log_path=log_path, startup_timeout_s=config.vllm_startup_timeout_s,
-    )  # fmt: skip
+        log_path=log_path,
+        startup_timeout_s=config.vllm_startup_timeout_s,
+    )
 
 
 async def setup(runtime: ServiceRuntime) -> None:
@@ -90,13 +103,15 @@ async def setup(runtime: ServiceRuntime) -> None:
     runtime.on_stop(stop_server)  # registered first: runs last, after the requests ended
     runtime.metadata |= {
         # What ingress reads to serve the model (its tokenizer and chat template: ours).
-        "model": config.model_name, "model_path": str(model_path(config.model)),
+        "model": config.model_name,
+        "model_path": str(model_path(config.model)),
         "max_model_len": str(config.max_model_len),
         "kv_block_size_tokens": str(config.kv_block_size_tokens),
-        "engine": "vllm", "vllm_url": server.base_url,
+        "engine": "vllm",
+        "vllm_url": server.base_url,
         "connector": "kvfabric" if config.connector else "none",
         "vllm_startup_s": f"{server.startup_s:.1f}",
-    }  # fmt: skip
+    }
 
     await ensure_usage_stream(bus)
     # Published as decode's: the engine's own count of the request, which billing prefers.

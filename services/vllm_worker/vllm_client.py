@@ -123,9 +123,12 @@ class VllmClient:
         prompt = [1000 + (i * 7919) % 30000 for i in range(num_tokens)]
         sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         body = completion_body(
-            model, prompt, sampling, request_id=f"kvfabric-warmup-{time.time_ns()}",
+            model,
+            prompt,
+            sampling,
+            request_id=f"kvfabric-warmup-{time.time_ns()}",
             cache_salt=WARMUP_CACHE_SALT,
-        )  # fmt: skip
+        )
         started = time.perf_counter()
         async for _ in self.generate(body):
             pass

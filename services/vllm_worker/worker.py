@@ -110,14 +110,20 @@ class VllmRequest:
     def usage_record(self, status: UsageStatus, reason: str, instance_id: str) -> UsageRecord:
         request = self.job.request
         return UsageRecord(
-            request_id=request.request_id, api_key_id=request.api_key_id,
-            account=request.account, model=request.model,
+            request_id=request.request_id,
+            api_key_id=request.api_key_id,
+            account=request.account,
+            model=request.model,
             num_cache_hit_tokens=self.cached_tokens,
             num_cache_miss_tokens=len(self.token_ids) - self.cached_tokens,
-            num_output_tokens=len(self.output_ids), status=status, finish_reason=reason,
-            started_ms=request.arrival_ms, finished_ms=int(time.time() * 1000),
-            prefill_worker_id=instance_id, decode_worker_id=instance_id,
-        )  # fmt: skip
+            num_output_tokens=len(self.output_ids),
+            status=status,
+            finish_reason=reason,
+            started_ms=request.arrival_ms,
+            finished_ms=int(time.time() * 1000),
+            prefill_worker_id=instance_id,
+            decode_worker_id=instance_id,
+        )
 
 
 class VllmWorker:
@@ -169,10 +175,11 @@ class VllmWorker:
     async def handle_job(self, job: DecodeJob, ctx: Context) -> JobAccepted:
         request = job.request
         token_ids, _ = checked_prompt(
-            request, model_name=self.model_name,
+            request,
+            model_name=self.model_name,
             block_size_tokens=self.config.kv_block_size_tokens,
             max_model_len=self.config.max_model_len,
-        )  # fmt: skip
+        )
         if not request.stream_inbox:
             raise BadRequest("stream_inbox is required")
         if request.request_id in self.requests:
@@ -186,10 +193,11 @@ class VllmWorker:
                 retry_after_s=self.config.retry_after_s,
             )
         state = VllmRequest(
-            job, token_ids,
+            job,
+            token_ids,
             StreamWriter(self.bus, request.stream_inbox, request_id=request.request_id),
             IncrementalDetokenizer(self.tokenizer, stop=sampling.stop),
-        )  # fmt: skip
+        )
         state.span = telemetry.current_span()
         self.requests[request.request_id] = state
         state.task = asyncio.create_task(self._run(state))
@@ -228,8 +236,12 @@ class VllmWorker:
             state.cancel_reason = "deadline"
             state.error = DeadlineExceeded("deadline passed while generating")
         except asyncio.CancelledError:  # cancelled or stopping: the state says why
-            log.debug("vllm request cancelled", request_id=state.request_id,
-                      reason=state.cancel_reason, error=str(state.error))  # fmt: skip
+            log.debug(
+                "vllm request cancelled",
+                request_id=state.request_id,
+                reason=state.cancel_reason,
+                error=str(state.error),
+            )
         except VllmError as exc:
             log.warning("vLLM failed the request", request_id=state.request_id, error=str(exc))
             state.error = (
@@ -243,10 +255,12 @@ class VllmWorker:
             state.error = InternalError("generation failed")
         finally:
             if generate.is_recording():
-                generate.set_attributes({
-                    "kvfabric.num_output_tokens": len(state.output_ids),
-                    "kvfabric.hit_tokens": state.cached_tokens,
-                })  # fmt: skip
+                generate.set_attributes(
+                    {
+                        "kvfabric.num_output_tokens": len(state.output_ids),
+                        "kvfabric.hit_tokens": state.cached_tokens,
+                    }
+                )
                 if state.error is not None:
                     generate.set_status(StatusCode.ERROR, state.error.message)
             generate.end()
@@ -257,9 +271,12 @@ class VllmWorker:
     async def _stream(self, state: VllmRequest) -> None:
         request = state.job.request
         body = completion_body(
-            self.model_name, state.token_ids, request.sampling,
-            request_id=request.request_id, cache_salt=request.cache_salt,
-        )  # fmt: skip
+            self.model_name,
+            state.token_ids,
+            request.sampling,
+            request_id=request.request_id,
+            cache_salt=request.cache_salt,
+        )
         async for delta in self.client.generate(body):
             if delta.num_cached_tokens is not None:
                 state.num_cached_tokens = delta.num_cached_tokens
@@ -279,10 +296,12 @@ class VllmWorker:
                 return  # leaving the `async with` closes the stream: vLLM aborts it
             await state.stream.send(
                 TokenChunk(
-                    request_id=state.request_id, seq=state.stream.num_sent,
-                    token_ids=pack_token_ids(ids), text=text,
+                    request_id=state.request_id,
+                    seq=state.stream.num_sent,
+                    token_ids=pack_token_ids(ids),
+                    text=text,
                 )
-            )  # fmt: skip
+            )
 
     async def _finish(self, state: VllmRequest) -> None:
         with telemetry.span("vllm finish", parent=state.span):
@@ -300,12 +319,16 @@ class VllmWorker:
                 await state.stream.fail(error)
             else:
                 chunk = TokenChunk(
-                    request_id=state.request_id, seq=state.stream.num_sent,
+                    request_id=state.request_id,
+                    seq=state.stream.num_sent,
                     token_ids=pack_token_ids(last_ids),
-                    text=last_text + state.detokenizer.flush(), final=True,
-                    finish_reason=reason, usage=state.usage(), stats=state.stats(),
+                    text=last_text + state.detokenizer.flush(),
+                    final=True,
+                    finish_reason=reason,
+                    usage=state.usage(),
+                    stats=state.stats(),
                     stop_sequence=state.detokenizer.matched_stop,
-                )  # fmt: skip
+                )
                 await state.stream.send(chunk, final=True)
         except Exception:
             log.exception("ending the stream failed", request_id=state.request_id)
@@ -317,8 +340,9 @@ class VllmWorker:
             status, outcome = UsageStatus.COMPLETED, reason
         self._count(state, outcome)
         record = state.usage_record(status, "error" if error else reason, self.bus.instance_id)
-        await keep_record(self.outbox, record, kept=self.counts.usage_kept,
-                          lost=self.counts.usage_lost)  # fmt: skip
+        await keep_record(
+            self.outbox, record, kept=self.counts.usage_kept, lost=self.counts.usage_lost
+        )
 
     def _count(self, state: VllmRequest, outcome: str) -> None:
         counts = self.counts

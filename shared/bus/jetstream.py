@@ -298,8 +298,9 @@ class PullConsumer:
     separately, ~100 us a message: a fetch-and-ack loop topped out near 10K messages/s
     here, the billing service's whole budget.)"""
 
-    def __init__(self, nc: Client, subscription: Subscription, api_subject: str,
-                 inbox: str) -> None:  # fmt: skip
+    def __init__(
+        self, nc: Client, subscription: Subscription, api_subject: str, inbox: str
+    ) -> None:
         self._nc = nc
         self._subscription = subscription  # the inbox's
         self._api_subject = api_subject
@@ -316,8 +317,9 @@ class PullConsumer:
         async def on_message(msg: Msg) -> None:
             consumer._take(msg)
 
-        subscription = await nc.subscribe(inbox, cb=on_message, pending_msgs_limit=-1,
-                                          pending_bytes_limit=-1)  # fmt: skip
+        subscription = await nc.subscribe(
+            inbox, cb=on_message, pending_msgs_limit=-1, pending_bytes_limit=-1
+        )
         consumer = cls(nc, subscription, api_subject, inbox)
         return consumer
 

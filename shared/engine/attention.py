@@ -206,10 +206,22 @@ def paged_attention(
     out = torch.empty_like(q)
     kv = pool.kv
     failed = _attention_kernel().kvf_paged_attention(
-        q.data_ptr(), num_q, start, num_heads, layout.num_kv_heads, dim, kv.data_ptr(),
-        kv[0].numel(), full_layer * kv[0, 0].numel(), layout.block_size_tokens,
-        table.data_ptr(), dim**-0.5, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        q.data_ptr(),
+        num_q,
+        start,
+        num_heads,
+        layout.num_kv_heads,
+        dim,
+        kv.data_ptr(),
+        kv[0].numel(),
+        full_layer * kv[0, 0].numel(),
+        layout.block_size_tokens,
+        table.data_ptr(),
+        dim**-0.5,
+        out.data_ptr(),
+        scratch.data_ptr(),
+        torch.get_num_threads(),
+    )
     if failed:
         raise ValueError(f"paged attention does not serve {list(q.shape)} over {layout}")
     return out
@@ -322,9 +334,16 @@ class PrefillAttention(_Backend):
                 f = self.full_index[layer_id]
                 self.pool.write(f, self.new_slots[i], k[lo:hi], v[lo:hi])
                 if self.scratch is not None and q.dtype == torch.float32:
-                    outs.append(paged_attention(
-                        self.pool, f, seq.block_table, seq.start_position, q[lo:hi], self.scratch
-                    ))  # fmt: skip
+                    outs.append(
+                        paged_attention(
+                            self.pool,
+                            f,
+                            seq.block_table,
+                            seq.start_position,
+                            q[lo:hi],
+                            self.scratch,
+                        )
+                    )
                     continue
                 if self.split_full:
                     outs.append(self._after_prefix(f, i, q[lo:hi], k[lo:hi], v[lo:hi]))

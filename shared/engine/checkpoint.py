@@ -64,9 +64,12 @@ def _compile(template: str) -> jinja2.Template:
     def tojson(value: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # jinja's own tojson escapes HTML characters; transformers' (and so ours) does not.
         return json.dumps(
-            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
             sort_keys=sort_keys,
-        )  # fmt: skip
+        )
 
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]

@@ -43,9 +43,15 @@ def add_rms_norm(
         raise ValueError(f"add_rms_norm needs contiguous rows of one shape, got {list(x.shape)}")
     out = torch.empty_like(x)
     _library().kvf_add_rms_norm(
-        x.data_ptr(), 0 if add is None else add.data_ptr(), weight.contiguous().data_ptr(),
-        out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads(),
-    )  # fmt: skip
+        x.data_ptr(),
+        0 if add is None else add.data_ptr(),
+        weight.contiguous().data_ptr(),
+        out.data_ptr(),
+        x.numel() // dim,
+        dim,
+        eps,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -59,9 +65,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((rows, heads, dim), dtype=x.dtype)
     _library().kvf_rope(
-        x.data_ptr(), x.stride(0), out.data_ptr(), heads * dim, rows, heads, dim,
-        cos.data_ptr(), sin.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        x.data_ptr(),
+        x.stride(0),
+        out.data_ptr(),
+        heads * dim,
+        rows,
+        heads,
+        dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -73,7 +87,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_mul needs rows of contiguous elements: {list(gate.shape)}")
     out = torch.empty((rows, n), dtype=gate.dtype)
     _library().kvf_silu_mul(
-        gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), rows, n,
+        gate.data_ptr(),
+        gate.stride(0),
+        up.data_ptr(),
+        up.stride(0),
+        out.data_ptr(),
+        rows,
+        n,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     return out

@@ -90,10 +90,12 @@ def project(
 def _stacked_bias(*linears: Linear) -> torch.Tensor | None:
     if all(m.bias is None for m in linears):
         return None
-    return torch.cat([
-        m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
-        for m in linears
-    ])  # fmt: skip
+    return torch.cat(
+        [
+            m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+            for m in linears
+        ]
+    )
 
 
 # The rows oneDNN's weight layout is chosen for: a prefill chunk's size. Any row count works.

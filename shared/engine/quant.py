@@ -84,10 +84,18 @@ class QuantWeight:
         out = torch.empty((rows, n), dtype=torch.float32)
         xsum = torch.empty((rows, k // cpu_kernels.BLOCK), dtype=torch.float32)
         lib.kvf_quant_matmul(
-            cpu_kernels.FORMATS[self.fmt], x.data_ptr(), rows, k, self.codes.data_ptr(),
-            self.scale.data_ptr(), 0 if self.offset is None else self.offset.data_ptr(), n,
-            out.data_ptr(), xsum.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+            cpu_kernels.FORMATS[self.fmt],
+            x.data_ptr(),
+            rows,
+            k,
+            self.codes.data_ptr(),
+            self.scale.data_ptr(),
+            0 if self.offset is None else self.offset.data_ptr(),
+            n,
+            out.data_ptr(),
+            xsum.data_ptr(),
+            torch.get_num_threads(),
+        )
         return out
 
     def dequantize(self) -> torch.Tensor:
@@ -95,9 +103,14 @@ class QuantWeight:
         n, k = self.shape
         out = torch.empty((n, k), dtype=torch.float32)
         cpu_kernels.library().kvf_quant_dequantize(
-            cpu_kernels.FORMATS[self.fmt], n, k, self.codes.data_ptr(), self.scale.data_ptr(),
-            0 if self.offset is None else self.offset.data_ptr(), out.data_ptr(),
-        )  # fmt: skip
+            cpu_kernels.FORMATS[self.fmt],
+            n,
+            k,
+            self.codes.data_ptr(),
+            self.scale.data_ptr(),
+            0 if self.offset is None else self.offset.data_ptr(),
+            out.data_ptr(),
+        )
         return out
 
     @property

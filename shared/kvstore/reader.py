@@ -46,10 +46,16 @@ _Fetched = list[tuple[int, SlotRef, int]]  # (index in the call, ref, offset in 
 
 class SlotReader:
     def __init__(
-        self, files: FileTable, backend: BlockIO, geometry: SlotGeometry, *,
-        batch_slots: int, counters: Counter[str], writer_id: str,
+        self,
+        files: FileTable,
+        backend: BlockIO,
+        geometry: SlotGeometry,
+        *,
+        batch_slots: int,
+        counters: Counter[str],
+        writer_id: str,
         chunk_nbytes: int = CHUNK_NBYTES,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.files = files
         self.backend = backend
         self.geometry = geometry

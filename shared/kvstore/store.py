@@ -85,10 +85,14 @@ class KvStore:
         self._no_reads.set()
         self._counters: Counter[str] = Counter()
         self._reader = SlotReader(
-            self._files, backend, self.geometry, batch_slots=self.batch_slots,
-            counters=self._counters, writer_id=self.writer_id,
+            self._files,
+            backend,
+            self.geometry,
+            batch_slots=self.batch_slots,
+            counters=self._counters,
+            writer_id=self.writer_id,
             chunk_nbytes=config.read_chunk_nbytes,
-        )  # fmt: skip
+        )
         self._disk_full_until = 0.0
         epoch = next_epoch(config.root_dir / config.writer_id)
         max_num_slots = config.capacity_bytes // self.slot_nbytes
@@ -180,9 +184,14 @@ class KvStore:
             offset = len(ops) * self.slot_nbytes
             slot_view = view[offset : offset + self.slot_nbytes]
             header = SlotHeader(
-                block_hash, allocation.generation, len(payload), checksum(payload),
-                allocation.file_id, allocation.slot, now_ms,
-            )  # fmt: skip
+                block_hash,
+                allocation.generation,
+                len(payload),
+                checksum(payload),
+                allocation.file_id,
+                allocation.slot,
+                now_ms,
+            )
             pack_header(header, slot_view)
             slot_view[HEADER_NBYTES : HEADER_NBYTES + len(payload)] = payload
             ops.append(IoOp(fd, self.geometry.offset(allocation.slot), offset, self.slot_nbytes))
@@ -210,8 +219,12 @@ class KvStore:
     def _on_write_error(self, exc: StoreIOError, num_blocks: int) -> None:
         if isinstance(exc, DiskFull):
             if time.monotonic() >= self._disk_full_until:
-                log.warning("store disk full: skipping writes", writer_id=self.writer_id,
-                            backoff_s=self.config.disk_full_backoff_s, error=str(exc))  # fmt: skip
+                log.warning(
+                    "store disk full: skipping writes",
+                    writer_id=self.writer_id,
+                    backoff_s=self.config.disk_full_backoff_s,
+                    error=str(exc),
+                )
             self._disk_full_until = time.monotonic() + self.config.disk_full_backoff_s
             self._skip(SkipReason.DISK_FULL, num_blocks)
         else:
@@ -266,10 +279,17 @@ class KvStore:
 
     def stats(self) -> dict[str, int]:
         counters = {
-            "num_blocks_written": 0, "num_bytes_written": 0, "num_write_batches": 0,
-            "num_blocks_read": 0, "num_hits": 0, "num_bytes_read": 0, "num_read_batches": 0,
-            "num_slots_freed": 0, "read_time_ns": 0, "write_time_ns": 0,
-        }  # fmt: skip
+            "num_blocks_written": 0,
+            "num_bytes_written": 0,
+            "num_write_batches": 0,
+            "num_blocks_read": 0,
+            "num_hits": 0,
+            "num_bytes_read": 0,
+            "num_read_batches": 0,
+            "num_slots_freed": 0,
+            "read_time_ns": 0,
+            "write_time_ns": 0,
+        }
         counters |= {f"num_misses.{r}": 0 for r in MissReason}
         counters |= {f"num_skipped.{r}": 0 for r in SkipReason}
         counters |= dict(self._counters)

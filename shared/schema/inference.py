@@ -101,10 +101,15 @@ class BlockLocations(msgspec.Struct, frozen=True, kw_only=True):
         return [
             BlockLocation(h, self.tier, f, s, g, self.writer_ids[w], n)
             for h, w, f, s, g, n in zip(
-                c["block_hash"].tolist(), c["writer"].tolist(), c["file_id"].tolist(),
-                c["slot"].tolist(), c["generation"].tolist(), c["num_bytes"].tolist(), strict=True,
+                c["block_hash"].tolist(),
+                c["writer"].tolist(),
+                c["file_id"].tolist(),
+                c["slot"].tolist(),
+                c["generation"].tolist(),
+                c["num_bytes"].tolist(),
+                strict=True,
             )
-        ]  # fmt: skip
+        ]
 
     @classmethod
     def from_columns(

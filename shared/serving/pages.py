@@ -83,11 +83,14 @@ async def take_prefix(
         raise
     span = telemetry.current_span()
     if span.is_recording():
-        span.set_attributes({
-            "kvfabric.tier": locations.tier, "kvfabric.num_blocks": rest.num_blocks,
-            "kvfabric.bytes": rest.num_blocks * pool.layout.block_nbytes,
-            "kvfabric.num_local_blocks": len(local),
-        })  # fmt: skip
+        span.set_attributes(
+            {
+                "kvfabric.tier": locations.tier,
+                "kvfabric.num_blocks": rest.num_blocks,
+                "kvfabric.bytes": rest.num_blocks * pool.layout.block_nbytes,
+                "kvfabric.num_local_blocks": len(local),
+            }
+        )
     return LoadedPrefix(local + rest.pages, num_local=len(local))
 
 

@@ -13,9 +13,13 @@ def engine_sampling(sampling: SamplingParams) -> EngineSampling:
     """`BadRequest` for parameters the engine cannot honour (a negative temperature...)."""
     try:
         return EngineSampling(
-            temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k or 0, seed=sampling.seed, max_new_tokens=sampling.max_tokens,
-            stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
-        )  # fmt: skip
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k or 0,
+            seed=sampling.seed,
+            max_new_tokens=sampling.max_tokens,
+            stop_token_ids=tuple(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos,
+        )
     except SamplingParamsError as exc:
         raise BadRequest(str(exc)) from exc

@@ -115,16 +115,20 @@ async def node_swa_client(
     if swa.memcache_instance_id is not None:
         runtime.metadata["swa_memcache"] = swa.memcache_instance_id
     else:
-        log.warning("no swa-memcache on this node yet: snapshots go to any instance",
-                    node_id=config.node_id)  # fmt: skip
+        log.warning(
+            "no swa-memcache on this node yet: snapshots go to any instance", node_id=config.node_id
+        )
 
         async def look_again() -> None:
             if swa.memcache_instance_id is None:
                 swa.memcache_instance_id = await node_memcache(bus, config.node_id)
                 if swa.memcache_instance_id is not None:
                     runtime.metadata["swa_memcache"] = swa.memcache_instance_id
-                    log.info("this node's swa-memcache found", node_id=config.node_id,
-                             instance_id=swa.memcache_instance_id)  # fmt: skip
+                    log.info(
+                        "this node's swa-memcache found",
+                        node_id=config.node_id,
+                        instance_id=swa.memcache_instance_id,
+                    )
 
         runtime.every(MEMCACHE_LOOKUP_S, look_again)
     return swa

@@ -86,7 +86,9 @@ def transformers_smollm2() -> Any:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HF_HUB_OFFLINE", "1")
         model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32,
+            str(path.parent),
+            gguf_file=path.name,
+            dtype=torch.float32,
             attn_implementation="eager",
-        )  # fmt: skip
+        )
     return model.eval()

@@ -78,8 +78,9 @@ class PostgresServer:
         command = [str(self.bin_dir / args[0]), *args[1:]]
         if self.as_root:
             command = ["runuser", "-u", SERVER_USER, "--", *command]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
-                              stdin=subprocess.DEVNULL)  # fmt: skip
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
+        )
         if done.returncode != 0:
             raise PostgresError(f"{args[0]} failed ({done.returncode}): {done.stderr[-800:]}")
 
@@ -101,12 +102,37 @@ class PostgresServer:
 
     def _start(self, root: Path) -> None:
         data, log = root / "data", root / "server.log"
-        self._run("initdb", "-D", str(data), "-A", "trust", "-U", SERVER_USER, "-E", "UTF8",
-                  "--locale=C", "--no-sync")  # fmt: skip
-        options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {root} "
-                   f"-c fsync={'on' if self.fsync else 'off'}")  # fmt: skip
-        self._run("pg_ctl", "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "60",
-                  "start", timeout_s=90.0)  # fmt: skip
+        self._run(
+            "initdb",
+            "-D",
+            str(data),
+            "-A",
+            "trust",
+            "-U",
+            SERVER_USER,
+            "-E",
+            "UTF8",
+            "--locale=C",
+            "--no-sync",
+        )
+        options = (
+            f"-c listen_addresses=127.0.0.1 -p {self.port} -k {root} "
+            f"-c fsync={'on' if self.fsync else 'off'}"
+        )
+        self._run(
+            "pg_ctl",
+            "-D",
+            str(data),
+            "-l",
+            str(log),
+            "-o",
+            options,
+            "-w",
+            "-t",
+            "60",
+            "start",
+            timeout_s=90.0,
+        )
         import psycopg
 
         admin = f"postgresql://{SERVER_USER}@127.0.0.1:{self.port}/postgres"

@@ -149,18 +149,19 @@ class KvfabricConnector(KVConnectorBase_V1):
         self._loop = LoopThread(f"kvfabric-connector-{role.name.lower()}")
         self.bus: Bus = self._loop.call(
             Bus.connect(
-                config.nats_url, service="vllm-connector", root=config.root,
+                config.nats_url,
+                service="vllm-connector",
+                root=config.root,
                 instance_id=f"{config.writer_id}-{role.name.lower()}-{socket.gethostname()}",
             ),
             timeout_s=CONNECT_TIMEOUT_S + 5,
-        )  # fmt: skip
+        )
         self._hashers: dict[str, BlockHasher] = {}
         # scheduler side
         self._admitted: dict[str, _Admitted] = {}
         self._loads: dict[str, _Admitted] = {}  # allocated, to go in the next metadata
         self._saves: list[SaveJob] = []
-        self.counts = {"matches": 0, "match_failures": 0, "offered_blocks": 0,
-                       "saved_requests": 0}  # fmt: skip
+        self.counts = {"matches": 0, "match_failures": 0, "offered_blocks": 0, "saved_requests": 0}
         # worker side
         self.converter: VllmBlockConverter | None = None
         self.store: KvStore | None = None
@@ -171,9 +172,13 @@ class KvfabricConnector(KVConnectorBase_V1):
         self._pending: list[tuple[Future, int]] = []  # (write, bytes copied) in the background
         self._lock = threading.Lock()
         log.info(
-            "kvfabric connector", role=role.name, model=config.model, writer_id=config.writer_id,
-            store_dir=str(config.store_dir), block_size_tokens=block_size,
-        )  # fmt: skip
+            "kvfabric connector",
+            role=role.name,
+            model=config.model,
+            writer_id=config.writer_id,
+            store_dir=str(config.store_dir),
+            block_size_tokens=block_size,
+        )
 
     def _hasher(self, salt: str | None) -> BlockHasher:
         salt = salt or ""
@@ -209,21 +214,30 @@ class KvfabricConnector(KVConnectorBase_V1):
         started = time.perf_counter()
         try:
             matches = self._loop.call(
-                kv_index_client.match(self.bus, hashes, num_shards=self.config.kv_index_shards,
-                                      timeout_s=self.config.match_timeout_s),
+                kv_index_client.match(
+                    self.bus,
+                    hashes,
+                    num_shards=self.config.kv_index_shards,
+                    timeout_s=self.config.match_timeout_s,
+                ),
                 timeout_s=self.config.match_timeout_s + 1.0,
-            )  # fmt: skip
+            )
         except (ServiceError, TimeoutError) as exc:
             self.counts["match_failures"] += 1
-            log.warning("kv-index did not answer: computing the prompt",
-                        request_id=request.request_id, error=str(exc))  # fmt: skip
+            log.warning(
+                "kv-index did not answer: computing the prompt",
+                request_id=request.request_id,
+                error=str(exc),
+            )
             return _Admitted(num_local, 0, [])
         stored = matches.get("ssd")
         log.debug(
-            "matched", request_id=request.request_id, num_local_blocks=num_local,
+            "matched",
+            request_id=request.request_id,
+            num_local_blocks=num_local,
             num_stored_blocks=stored.num_blocks if stored is not None else 0,
             ms=round((time.perf_counter() - started) * 1e3, 2),
-        )  # fmt: skip
+        )
         if stored is None or stored.num_blocks == 0:
             return _Admitted(num_local, 0, [])
         num_stored = min(stored.num_blocks, num_prefill_blocks)
@@ -283,10 +297,12 @@ class KvfabricConnector(KVConnectorBase_V1):
         hashes = self._hasher(request.cache_salt).hashes(tokens[: num_complete * b])
         self._saves.append(
             SaveJob(
-                request.request_id, list(block_ids[first:num_complete]),
-                hashes[first:num_complete], hashes[first - 1] if first else None,
+                request.request_id,
+                list(block_ids[first:num_complete]),
+                hashes[first:num_complete],
+                hashes[first - 1] if first else None,
             )
-        )  # fmt: skip
+        )
         self.counts["saved_requests"] += 1
         return True, None  # vLLM holds the blocks until the worker side copied them
 
@@ -295,11 +311,13 @@ class KvfabricConnector(KVConnectorBase_V1):
         self.converter = converter_for(kv_caches, self.block_size)
         config = self.config
         store_config = KvStoreConfig(
-            root_dir=config.store_dir, writer_id=config.writer_id,
+            root_dir=config.store_dir,
+            writer_id=config.writer_id,
             payload_nbytes=self.converter.layout.block_nbytes,
-            capacity_bytes=config.store_capacity_bytes, file_nbytes=config.store_file_nbytes,
+            capacity_bytes=config.store_capacity_bytes,
+            file_nbytes=config.store_file_nbytes,
             backend=config.store_backend,
-        )  # fmt: skip
+        )
         config.store_dir.mkdir(parents=True, exist_ok=True)
 
         async def open_store() -> tuple[KvStore, KvEventPublisher]:
@@ -316,11 +334,12 @@ class KvfabricConnector(KVConnectorBase_V1):
             spinning = shorten_idle_spin(config.idle_spin_s)
             log.info("vLLM's idle spin shortened", readers=spinning, s=config.idle_spin_s)
         log.info(
-            "kvfabric store open", writer_id=config.writer_id,
+            "kvfabric store open",
+            writer_id=config.writer_id,
             block_nbytes=self.converter.layout.block_nbytes,
             num_layers=self.converter.layout.num_full_layers,
             adopted_blocks=len(self.store.adopted),
-        )  # fmt: skip
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -334,10 +353,13 @@ class KvfabricConnector(KVConnectorBase_V1):
         # A miss ends the prefix there: that block and every one after it are recomputed.
         self._load_errors.update(job.block_ids[loaded.num_blocks :])
         log.debug(
-            "loaded", request_id=job.request_id, num_blocks=loaded.num_blocks,
+            "loaded",
+            request_id=job.request_id,
+            num_blocks=loaded.num_blocks,
             num_missed=len(job.refs) - loaded.num_blocks,
-            read_ms=round(loaded.read_s * 1e3, 2), scatter_ms=round(loaded.scatter_s * 1e3, 2),
-        )  # fmt: skip
+            read_ms=round(loaded.read_s * 1e3, 2),
+            scatter_ms=round(loaded.scatter_s * 1e3, 2),
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole before the forward (start_load_kv)
@@ -437,6 +459,10 @@ def converter_for(kv_caches: dict[str, torch.Tensor], block_size: int) -> VllmBl
 
     converter = VllmBlockConverter.of(kv_caches, block_size, kernels)
     check_with_kernel(converter, write)
-    log.info("KV layout checked against vLLM's kernel", kernels=kernels,
-             dtype=str(first.dtype), device=str(first.device))  # fmt: skip
+    log.info(
+        "KV layout checked against vLLM's kernel",
+        kernels=kernels,
+        dtype=str(first.dtype),
+        device=str(first.device),
+    )
     return converter

@@ -190,8 +190,9 @@ class VllmBlockConverter:
                     f"{names[0]}'s {tuple(first.shape)} {first.dtype}"
                 )
             if cache.device != first.device:
-                raise VllmLayoutError(f"{name}: KV cache on {cache.device}, {names[0]}'s on "
-                                      f"{first.device}")  # fmt: skip
+                raise VllmLayoutError(
+                    f"{name}: KV cache on {cache.device}, {names[0]}'s on {first.device}"
+                )
             if not (head.any_memory_order or cache.is_contiguous()):
                 raise VllmLayoutError(f"{name}: KV cache is not contiguous")
             if cache.stride(-1) != 1:
@@ -202,9 +203,12 @@ class VllmBlockConverter:
                 f"{', '.join(map(str, FLASH_DTYPES))} (a quantized cache is not converted)"
             )
         layout = KVBlockLayout(
-            num_full_layers=len(caches), block_size_tokens=block_size,
-            num_kv_heads=num_kv_heads, head_dim=two_head_dim // 2, dtype=first.dtype,
-        )  # fmt: skip
+            num_full_layers=len(caches),
+            block_size_tokens=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=two_head_dim // 2,
+            dtype=first.dtype,
+        )
         return cls(caches, layout, head)
 
     @property

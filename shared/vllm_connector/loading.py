@@ -61,15 +61,14 @@ class BlockLoader:
         self.converter = converter
         self.loop = loop
         layout = converter.layout
-        self.blocks_per_part = max(1, min(part_bytes // layout.block_nbytes,
-                                          converter.num_blocks))  # fmt: skip
+        self.blocks_per_part = max(1, min(part_bytes // layout.block_nbytes, converter.num_blocks))
         # Zero-filled now, so their pages are in memory before the first request needs them;
         # pinned for a GPU's caches (one DMA copy each to the device).
         pinned = converter.device.type == "cuda"
         self._buffers = [
             torch.zeros(
                 (self.blocks_per_part, *layout.block_shape), dtype=layout.dtype, pin_memory=pinned
-            )  # fmt: skip
+            )
             for _ in range(2)
         ]
 
@@ -121,6 +120,10 @@ class BlockLoader:
         except Exception as exc:  # the store failed or timed out: the rest is recomputed
             if isinstance(exc, concurrent.futures.TimeoutError):
                 pending.cancel()
-            log.warning("store read failed: recomputing", request_id=request_id,
-                        num_blocks=num_left, error=repr(exc))  # fmt: skip
+            log.warning(
+                "store read failed: recomputing",
+                request_id=request_id,
+                num_blocks=num_left,
+                error=repr(exc),
+            )
             return [None] * num_blocks

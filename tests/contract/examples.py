@@ -71,8 +71,17 @@ _request = GenerateRequest(
     prompt_token_ids=pack_token_ids([0, 1, 2, 65_535, 128_000]),
     block_hashes=pack_block_hashes([0x0123456789ABCDEF, 2**64 - 1]),
     block_size_tokens=64,
-    sampling=SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, top_k=40, seed=7,
-                            stop_token_ids=(1,), stop=("\n\n",), logprobs=True, num_top_logprobs=2),
+    sampling=SamplingParams(
+        max_tokens=32,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        seed=7,
+        stop_token_ids=(1,),
+        stop=("\n\n",),
+        logprobs=True,
+        num_top_logprobs=2,
+    ),
     stream_inbox="_INBOX.abc",
     api_key_id="key-1",
     account="acme",
@@ -80,7 +89,7 @@ _request = GenerateRequest(
     arrival_ms=1_790_000_000_000,
     deadline_ms=1_790_000_030_000,
     priority=1,
-)  # fmt: skip
+)
 _decision = RouteDecision(
     request_id="req-0001",
     prefill_worker_id="prefill-0",

@@ -33,8 +33,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 KEY = "kvf-test-agent-key-0123"
 BLOCK = 16
-MOCK_ARGS = ["--engine", "mock", "--kv-block-size-tokens", str(BLOCK), "--max-model-len", "8192",
-             "--store-file-nbytes", str(8 << 20)]  # fmt: skip
+MOCK_ARGS = [
+    "--engine",
+    "mock",
+    "--kv-block-size-tokens",
+    str(BLOCK),
+    "--max-model-len",
+    "8192",
+    "--store-file-nbytes",
+    str(8 << 20),
+]
 QUICK_REQUESTS = QUICK[0] * QUICK[1]  # sessions x steps
 
 
@@ -50,8 +58,17 @@ def rebuilt(bench: dict) -> BenchResult:
 
 def test_the_benchmark_drives_its_own_cluster_through_both_sdks(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "loadtest.bench_agent", "--quick", "--protocol", "both",
-               "--out", str(out), "--no-progress"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "loadtest.bench_agent",
+        "--quick",
+        "--protocol",
+        "both",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     bench = json.loads((out / "bench.json").read_text())
@@ -102,9 +119,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 async def test_each_step_hits_through_the_answer_the_server_gave(
     cluster: Cluster, protocol: str
 ) -> None:
-    workload = Workload(num_sessions=2, num_steps=5, initial_context_tokens=400,
-                        growth_tokens_per_step=100, max_output_tokens=24, think_time_s=0.3,
-                        seed=11 if protocol == "openai" else 12)  # fmt: skip
+    workload = Workload(
+        num_sessions=2,
+        num_steps=5,
+        initial_context_tokens=400,
+        growth_tokens_per_step=100,
+        max_output_tokens=24,
+        think_time_s=0.3,
+        seed=11 if protocol == "openai" else 12,
+    )
     target = Target(f"{cluster.http_urls[0]}/v1", KEY, "tiny-coder", protocol)  # type: ignore[arg-type]
     report = await run_agents(target, workload, concurrency=2)
     assert len(report.answered) == workload.num_requests, report.errors_by_class

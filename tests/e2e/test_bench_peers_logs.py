@@ -19,9 +19,14 @@ from shared.testing import unique_root
 
 
 def _spec(state: Path) -> ClusterSpec:
-    return ClusterSpec(state_dir=state, nats_port=0, http_port=0, root=unique_root(),
-                       replicas={PREFILL: 0, DECODE: 0, BILLING: 0, SWA_MEMCACHE: 0},
-                       shutdown_grace_s=3.0)  # fmt: skip
+    return ClusterSpec(
+        state_dir=state,
+        nats_port=0,
+        http_port=0,
+        root=unique_root(),
+        replicas={PREFILL: 0, DECODE: 0, BILLING: 0, SWA_MEMCACHE: 0},
+        shutdown_grace_s=3.0,
+    )
 
 
 async def _run(fail: bool = False, failed_request: bool = False) -> None:

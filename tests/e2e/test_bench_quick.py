@@ -34,8 +34,11 @@ def test_quick_mode_prints_what_its_json_holds(name: str, tmp_path: Path) -> Non
     no_peer = ["--no-peer"] if BENCHMARKS[name].has_peer_option else []
     done = subprocess.run(
         [str(KVFABRIC), "bench", name, "--quick", "--json", str(out), *no_peer],
-        capture_output=True, text=True, timeout=540, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["name"] == name and result["quick"] is True

@@ -60,7 +60,7 @@ def cluster(
             DECODE: MOCK,
             INGRESS: ["--dev-api-key", KEY],
             BILLING: ["--batch-size", "200", "--ledger-url", url],
-        },  # fmt: skip
+        },
         ready_timeout_s=120,
     ):
         cluster.ledger_url = url  # type: ignore[attr-defined]
@@ -95,15 +95,21 @@ def ledger_rows(cluster: Cluster, request_ids: list[str], timeout_s: float = 60.
 
 def record(request_id: str, i: int, **fields) -> UsageRecord:  # noqa: ANN003
     base = {
-        "request_id": request_id, "api_key_id": "key_test", "account": "acme",
-        "model": "tiny-coder", "num_cache_hit_tokens": 64 * i, "num_cache_miss_tokens": 10 + i,
-        "num_output_tokens": 1 + i % 7, "finished_ms": 1_790_000_000_000 + i,
-    }  # fmt: skip
+        "request_id": request_id,
+        "api_key_id": "key_test",
+        "account": "acme",
+        "model": "tiny-coder",
+        "num_cache_hit_tokens": 64 * i,
+        "num_cache_miss_tokens": 10 + i,
+        "num_output_tokens": 1 + i % 7,
+        "finished_ms": 1_790_000_000_000 + i,
+    }
     return UsageRecord(**{**base, **fields})
 
 
-async def publish(bus: Bus, records: list[UsageRecord], service: str = DECODE,
-                  msg_prefix: str = "") -> None:  # fmt: skip
+async def publish(
+    bus: Bus, records: list[UsageRecord], service: str = DECODE, msg_prefix: str = ""
+) -> None:
     subject = bus.subjects.usage(service)
     for r in records:
         await bus.js.publish(subject, r, msg_id=msg_prefix + r.request_id)
@@ -147,8 +153,9 @@ def test_a_malformed_record_is_dead_lettered_with_its_reason(cluster: Cluster) -
             async def on_letter(letter: DeadLetter, seq: int) -> None:
                 letters.append(letter)
 
-            sub = await bus.js.consume(subjects.usage_dead_stream, subjects.usage_dead,
-                                       DeadLetter, on_letter)  # fmt: skip
+            sub = await bus.js.consume(
+                subjects.usage_dead_stream, subjects.usage_dead, DeadLetter, on_letter
+            )
             deadline = time.monotonic() + 30
             while len(letters) < 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
@@ -176,8 +183,10 @@ def test_the_ledger_matches_what_clients_were_told(cluster: Cluster) -> None:
     told = {}
     with httpx.Client(base_url=url, headers={"authorization": f"Bearer {KEY}"}, timeout=60) as c:
         for i in range(12):
-            messages = [{"role": "system", "content": "You write Python. " * 30},
-                        {"role": "user", "content": f"Task {i % 3}: sort a list."}]  # fmt: skip
+            messages = [
+                {"role": "system", "content": "You write Python. " * 30},
+                {"role": "user", "content": f"Task {i % 3}: sort a list."},
+            ]
             r = c.post(
                 "/v1/chat/completions",
                 json={"model": "tiny-coder", "messages": messages, "max_tokens": 8},
@@ -215,9 +224,12 @@ def test_through_kill_restarts_and_duplicates_each_request_is_one_row(cluster: C
             await publish(bus, records[1500:2200])
             with child.log_path.open("ab") as log:
                 replacement = subprocess.Popen(
-                    child.process.args, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True, preexec_fn=die_with_parent,
-                )  # fmt: skip
+                    child.process.args,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
             child.process = replacement
             # duplicates under new message ids (so JetStream keeps them): the ledger must
             await publish(bus, records[:500], msg_prefix="dup-")
@@ -253,9 +265,13 @@ def test_reports_from_the_cli(cluster: Cluster) -> None:
 
     kvfabric = str(Path(sys.executable).parent / "kvfabric")
     url = ledger_url(cluster)
-    out = subprocess.run([kvfabric, "billing", "report", "--by", "account", "--ledger-url", url,
-                          "--format", "json"], capture_output=True, text=True, timeout=60,
-                         check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [kvfabric, "billing", "report", "--by", "account", "--ledger-url", url, "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     report = json.loads(out)
     by_account = {r["key"]: r for r in report["rows"]}
     # the workers' heartbeats gave device-hours, so revenue per GPU-hour is known
@@ -267,9 +283,23 @@ def test_reports_from_the_cli(cluster: Cluster) -> None:
         ledger.close()
     assert by_account["dev"]["num_requests"] == dev.num_requests > 0
     assert by_account["dev"]["total_pico_cny"] == str(dev.total_pico_cny)
-    table = subprocess.run([kvfabric, "billing", "usage", "--account", "dev", "--ledger-url", url,
-                            "--usd-rate", "0.145"], capture_output=True, text=True, timeout=60,
-                           check=True).stdout  # fmt: skip
+    table = subprocess.run(
+        [
+            kvfabric,
+            "billing",
+            "usage",
+            "--account",
+            "dev",
+            "--ledger-url",
+            url,
+            "--usd-rate",
+            "0.145",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert "tiny-coder" in table and "revenue mix (hit / miss / output)" in table
     assert "USD total" in table
     text = subprocess.run(

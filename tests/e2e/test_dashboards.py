@@ -86,10 +86,16 @@ def prometheus(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
     port = free_port()
     log = (workdir / "prometheus.log").open("wb")
     process = subprocess.Popen(
-        ["prometheus", f"--config.file={workdir / 'prometheus.yml'}",
-         f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            "prometheus",
+            f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: http_ok(f"{url}/-/ready"), 30, "prometheus never got ready", workdir)
@@ -150,21 +156,37 @@ def one_request(base_url: str, i: int) -> None:
     model = BUNDLED_MODEL_DIR.name
     turn = [{"role": "user", "content": f"Review function number {i // 2}: def f(x): return x"}]
     if i % 2:
-        turn += [{"role": "assistant", "content": "It returns x."},
-                 {"role": "user", "content": "Add a docstring."}]  # fmt: skip
+        turn += [
+            {"role": "assistant", "content": "It returns x."},
+            {"role": "user", "content": "Add a docstring."},
+        ]
     stream = i % 2 == 0
     match i % 4:
         case 0 | 1:
-            body = {"model": model, "max_tokens": 8, "stream": stream,
-                    "messages": [{"role": "system", "content": SYSTEM}, *turn]}  # fmt: skip
+            body = {
+                "model": model,
+                "max_tokens": 8,
+                "stream": stream,
+                "messages": [{"role": "system", "content": SYSTEM}, *turn],
+            }
             answer = post(f"{base_url}/v1/chat/completions", body)
         case 2:
-            body = {"model": model, "max_tokens": 8, "stream": stream, "system": SYSTEM,
-                    "messages": turn}  # fmt: skip
+            body = {
+                "model": model,
+                "max_tokens": 8,
+                "stream": stream,
+                "system": SYSTEM,
+                "messages": turn,
+            }
             answer = post(f"{base_url}/v1/messages", body)
         case _:
-            body = {"model": model, "max_output_tokens": 8, "stream": stream,
-                    "instructions": SYSTEM, "input": turn}  # fmt: skip
+            body = {
+                "model": model,
+                "max_output_tokens": 8,
+                "stream": stream,
+                "instructions": SYSTEM,
+                "input": turn,
+            }
             answer = post(f"{base_url}/v1/responses", body)
     assert answer  # a body (a whole answer, or an SSE stream to its end)
 
@@ -183,8 +205,9 @@ def loaded(cluster: Cluster, prometheus: str) -> float:
     num_processes = len(cluster.metrics_urls)
     wait_until(
         lambda: len(query(prometheus, "up == 1")) == num_processes,
-        30, "not every process scraped",
-    )  # fmt: skip
+        30,
+        "not every process scraped",
+    )
     send_load(cluster.http_urls[0], NUM_REQUESTS)
 
     def ledgered() -> bool:  # billing is the last to see a request (JetStream -> ledger)

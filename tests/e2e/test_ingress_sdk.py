@@ -467,8 +467,11 @@ def test_errors_in_each_protocol_shape(url: str, oai: openai.OpenAI, ant: anthro
         yield b'{"model": "tiny-coder", "max_tokens": 4, "messages": [{"role": "user", '
         yield b'"content": "' + b"x" * (MAX_BODY + 1) + b'"}]}'
 
-    r = httpx.post(f"{url}/v1/messages", content=chunked(),
-                   headers={"x-api-key": KEY, "content-type": "application/json"})  # fmt: skip
+    r = httpx.post(
+        f"{url}/v1/messages",
+        content=chunked(),
+        headers={"x-api-key": KEY, "content-type": "application/json"},
+    )
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
 
     # Validation: the protocol's shape, not FastAPI's.

@@ -64,14 +64,18 @@ def url_of(cluster: Cluster, service: str) -> str:
 
 
 def chat(cluster: Cluster) -> dict:
-    body = json.dumps({
-        "model": BUNDLED_MODEL_DIR.name, "max_tokens": 8,
-        "messages": [{"role": "user", "content": "def is_palindrome(s):"}],
-    }).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": BUNDLED_MODEL_DIR.name,
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "def is_palindrome(s):"}],
+        }
+    ).encode()
     request = urllib.request.Request(
-        f"{cluster.http_urls[0]}/v1/chat/completions", data=body,
+        f"{cluster.http_urls[0]}/v1/chat/completions",
+        data=body,
         headers={"Content-Type": "application/json"},
-    )  # fmt: skip
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
         return json.loads(response.read())
@@ -94,8 +98,10 @@ def test_a_request_is_counted_where_it_happened(cluster: Cluster) -> None:
     assert answer["choices"][0]["message"]["content"] is not None
 
     ingress = samples(scrape(url_of(cluster, INGRESS)))
-    key = ("kvfabric_ingress_requests_total",
-           frozenset({("protocol", "openai.chat_completions"), ("status", "200")}))  # fmt: skip
+    key = (
+        "kvfabric_ingress_requests_total",
+        frozenset({("protocol", "openai.chat_completions"), ("status", "200")}),
+    )
     assert ingress[key] - ingress_before[key] == 1
     ttft = ("kvfabric_ingress_time_to_first_token_seconds_count", frozenset())
     assert ingress[ttft] - ingress_before[ttft] == 1
@@ -152,9 +158,12 @@ def test_promtool_finds_no_problem_in_any_scrape(cluster: Cluster) -> None:
     chat(cluster)  # histograms with observations, not only empty ones
     for instance_id, url in cluster.metrics_urls.items():
         checked = subprocess.run(
-            ["promtool", "check", "metrics"], input=scrape(url), capture_output=True, text=True,
+            ["promtool", "check", "metrics"],
+            input=scrape(url),
+            capture_output=True,
+            text=True,
             timeout=60,
-        )  # fmt: skip
+        )
         # promtool prints lint problems and exits 1 on any; nothing printed means none.
         assert checked.returncode == 0, f"{instance_id}: {checked.stdout}{checked.stderr}"
         assert checked.stdout.strip() == "" and checked.stderr.strip() == "", instance_id

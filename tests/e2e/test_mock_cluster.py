@@ -41,9 +41,13 @@ MAX_TOKENS = 16
 MODEL = BUNDLED_MODEL_DIR.name
 HF_CONFIG = json.loads((BUNDLED_MODEL_DIR / "config.json").read_text())
 MOCK_ARGS = [
-    "--engine", "mock", "--kv-block-size-tokens", str(BLOCK),
-    "--store-file-nbytes", str(8 << 20),  # 16 workers x the 256 MiB default, preallocated
-]  # fmt: skip
+    "--engine",
+    "mock",
+    "--kv-block-size-tokens",
+    str(BLOCK),
+    "--store-file-nbytes",
+    str(8 << 20),  # 16 workers x the 256 MiB default, preallocated
+]
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +108,16 @@ def test_mock_path_imports_neither_torch_nor_nixl() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     heavy, engine = out.stdout.splitlines()
     assert heavy == "[]"
-    torch_free = {"", ".bundled", ".outputs", ".checkpoint", ".config", ".errors", ".gguf",
-                  ".gguf_tokenizer"}  # fmt: skip
+    torch_free = {
+        "",
+        ".bundled",
+        ".outputs",
+        ".checkpoint",
+        ".config",
+        ".errors",
+        ".gguf",
+        ".gguf_tokenizer",
+    }
     assert set(ast.literal_eval(engine)) <= {f"shared.engine{m}" for m in torch_free}
 
 

@@ -25,8 +25,14 @@ MODEL = BUNDLED_MODEL_DIR.name
 # One decode worker with room for one request at a time: 100 prompt + 60 answer tokens are
 # 10 pages of 16 tokens, of 12.
 PAGES = 12
-WORKER_ARGS = ["--engine", "mock", "--kv-block-size-tokens", str(BLOCK),
-               "--store-file-nbytes", str(8 << 20)]  # fmt: skip
+WORKER_ARGS = [
+    "--engine",
+    "mock",
+    "--kv-block-size-tokens",
+    str(BLOCK),
+    "--store-file-nbytes",
+    str(8 << 20),
+]
 
 
 @pytest.fixture(scope="module")

@@ -110,8 +110,9 @@ async def test_a_model_of_this_shape_serves_and_reuses_its_prefix(
         prompt = [(7 * i) % 8000 + 3 for i in range(150)]
 
         def request(tokens: list[int], salt: str = ""):  # noqa: ANN202
-            return build_request(tokens, model=model, block_size_tokens=BLOCK, max_tokens=12,
-                                 cache_salt=salt)  # fmt: skip
+            return build_request(
+                tokens, model=model, block_size_tokens=BLOCK, max_tokens=12, cache_salt=salt
+            )
 
         first = await generate(bus, request(prompt))
         assert first.finish_reason in ("stop", "length") and first.token_ids
@@ -190,10 +191,16 @@ async def test_a_seeded_request_draws_what_one_engine_draws_alone(
         result = await generate(
             bus,
             build_request(
-                prompt, model="random-llama", block_size_tokens=BLOCK, max_tokens=12,
-                temperature=1.0, top_p=0.95, seed=7, cache_salt="seeded",
+                prompt,
+                model="random-llama",
+                block_size_tokens=BLOCK,
+                max_tokens=12,
+                temperature=1.0,
+                top_p=0.95,
+                seed=7,
+                cache_salt="seeded",
             ),
-        )  # fmt: skip
+        )
         assert result.token_ids == expected
     finally:
         await bus.close()

@@ -48,9 +48,13 @@ MODEL = BUNDLED_MODEL_DIR.name
 # here) so that the long-running requests below really run long.
 MAX_MODEL_LEN = 4096
 WORKER_ARGS = [
-    "--kv-block-size-tokens", str(BLOCK), "--num-kv-blocks", "1024",
-    "--max-model-len", str(MAX_MODEL_LEN),
-]  # fmt: skip
+    "--kv-block-size-tokens",
+    str(BLOCK),
+    "--num-kv-blocks",
+    "1024",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+]
 # A request that runs for seconds: sampled (drafts rarely match), never stopping at EOS.
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 1.0, "seed": 1}
 KVFABRIC = str(Path(sys.executable).parent / "kvfabric")
@@ -310,10 +314,22 @@ async def test_cancellation_frees_decode_pages_and_bills_what_was_produced(
 
 def test_generate_cli_streams_and_reports_hits(cluster: Cluster) -> None:
     args = [
-        KVFABRIC, "generate", CODE, "--nats-url", cluster.nats_url, "--root", cluster.spec.root,
-        "--max-tokens", "16", "--block-size", str(BLOCK), "--model", MODEL,
-        "--state-dir", str(cluster.spec.state_dir),
-    ]  # fmt: skip
+        KVFABRIC,
+        "generate",
+        CODE,
+        "--nats-url",
+        cluster.nats_url,
+        "--root",
+        cluster.spec.root,
+        "--max-tokens",
+        "16",
+        "--block-size",
+        str(BLOCK),
+        "--model",
+        MODEL,
+        "--state-dir",
+        str(cluster.spec.state_dir),
+    ]
     first = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
     second = subprocess.run(args, capture_output=True, text=True, timeout=120)
@@ -350,8 +366,16 @@ async def test_restarted_prefill_workers_serve_their_first_requests(cluster: Clu
             cluster.restart_instance(instance_id)
         await cluster.wait_ready(bus, timeout_s=120)
         deadline = time.monotonic() + 60
-        while len([i for i in await discover(bus, service=PREFILL)
-                   if i.load.get("state") == InstanceState.SERVING]) < 2:  # fmt: skip
+        while (
+            len(
+                [
+                    i
+                    for i in await discover(bus, service=PREFILL)
+                    if i.load.get("state") == InstanceState.SERVING
+                ]
+            )
+            < 2
+        ):
             assert time.monotonic() < deadline, "the restarted prefill workers never served"
             await asyncio.sleep(0.5)
         after = await routes_of("after", lambda routes: bool(routes & before))

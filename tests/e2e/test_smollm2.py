@@ -49,9 +49,11 @@ def reference(
     """transformers' greedy answer from the same GGUF (dequantized, fp32, eager)."""
     with torch.no_grad():
         out = transformers_smollm2.generate(
-            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+            torch.tensor([prompt]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
             eos_token_id=list(checkpoint.eos_token_ids()),
-        )  # fmt: skip
+        )
     return out[0, len(prompt) :].tolist()
 
 
@@ -71,8 +73,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def request(tokens: list[int], salt: str = ""):  # noqa: ANN201
-    return build_request(tokens, model=MODEL, block_size_tokens=BLOCK, max_tokens=MAX_TOKENS,
-                         cache_salt=salt)  # fmt: skip
+    return build_request(
+        tokens, model=MODEL, block_size_tokens=BLOCK, max_tokens=MAX_TOKENS, cache_salt=salt
+    )
 
 
 async def test_greedy_answer_is_transformers_answer_and_the_next_turn_hits_the_store(

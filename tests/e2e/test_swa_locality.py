@@ -61,14 +61,25 @@ PROMPT_TOKENS = 100  # 6 whole blocks and 4 tokens: the window is put at the 6th
 MODEL = BUNDLED_MODEL_DIR.name
 VOCAB = json.loads((BUNDLED_MODEL_DIR / "config.json").read_text())["vocab_size"]
 # Heartbeats every 0.1 s settle the router's in-flight counts quickly (`LoadTable`).
-MOCK_ARGS = ["--engine", "mock", "--kv-block-size-tokens", str(BLOCK),
-             "--store-file-nbytes", str(8 << 20), "--heartbeat-s", "0.1"]  # fmt: skip
+MOCK_ARGS = [
+    "--engine",
+    "mock",
+    "--kv-block-size-tokens",
+    str(BLOCK),
+    "--store-file-nbytes",
+    str(8 << 20),
+    "--heartbeat-s",
+    "0.1",
+]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    nodes = {f"{service}-{i}": ["--node-id", f"node-{i}"]
-             for i in range(NUM_NODES) for service in (SWA_MEMCACHE, PREFILL)}  # fmt: skip
+    nodes = {
+        f"{service}-{i}": ["--node-id", f"node-{i}"]
+        for i in range(NUM_NODES)
+        for service in (SWA_MEMCACHE, PREFILL)
+    }
     yield from run_cluster(
         tmp_path_factory.mktemp("swa"),
         replicas={
@@ -79,7 +90,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             ROUTER: 1,
             BILLING: 0,
             INGRESS: 0,
-        },  # fmt: skip
+        },
         extra_args={
             PREFILL: MOCK_ARGS,
             DECODE: [*MOCK_ARGS, "--node-id", "node-decode"],
@@ -158,10 +169,12 @@ async def test_next_turns_return_to_the_node_holding_their_window_without_asking
         prompts = [[rng.randrange(3, VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(3)]
         node_of = {i.instance_id: i.metadata["node_id"] for i in await discover(bus)}
 
-        first = await asyncio.gather(*(
-            generate(bus, build_request(p, model=MODEL, block_size_tokens=BLOCK, max_tokens=4))
-            for p in prompts
-        ))  # fmt: skip
+        first = await asyncio.gather(
+            *(
+                generate(bus, build_request(p, model=MODEL, block_size_tokens=BLOCK, max_tokens=4))
+                for p in prompts
+            )
+        )
         first_workers = [r.decision.prefill_worker_id for r in first]
         assert sorted(first_workers) == [f"prefill-{i}" for i in range(NUM_NODES)]
         boundaries = [boundary_of(p) for p in prompts]

@@ -33,8 +33,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 KVFABRIC = str(Path(sys.executable).parent / "kvfabric")
 MOCK_ARGS = ["--engine", "mock", "--store-file-nbytes", str(8 << 20)]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Za-z0-9]|\r")
-FRAME = re.compile(r"frame (\d+) .*?\nrequests (\d+)\s+req/s ([\d.]+)\s+hit share (\S+)\s+"
-                   r"tokens/s (\d+)", re.S)  # fmt: skip
+FRAME = re.compile(
+    r"frame (\d+) .*?\nrequests (\d+)\s+req/s ([\d.]+)\s+hit share (\S+)\s+"
+    r"tokens/s (\d+)",
+    re.S,
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +68,14 @@ def start_in_terminal(args: list[str]) -> tuple[subprocess.Popen[bytes], int]:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     process = subprocess.Popen(
-        args, stdin=slave, stdout=slave, stderr=slave, preexec_fn=take_terminal, close_fds=True,
+        args,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        preexec_fn=take_terminal,
+        close_fds=True,
         env={**os.environ, "TERM": "xterm-256color", "COLUMNS": "200", "LINES": "50"},
-    )  # fmt: skip
+    )
     os.close(slave)
     return process, master
 
@@ -89,8 +97,9 @@ def read_until(master: int, seen: list[str], done, timeout_s: float) -> str:  # 
                 return text
 
 
-def wait_reading(process: subprocess.Popen[bytes], master: int, seen: list[str],
-                 timeout_s: float) -> int:  # fmt: skip
+def wait_reading(
+    process: subprocess.Popen[bytes], master: int, seen: list[str], timeout_s: float
+) -> int:
     """The process's exit status, reading the terminal meanwhile, as a terminal does: a
     pty's buffer holds a few KB, and a process whose last frame does not fit blocks in write
     until someone reads."""
@@ -152,8 +161,13 @@ def test_frames_show_live_numbers_and_ctrl_c_stops_it(cluster: Cluster) -> None:
 
 def test_once_prints_one_frame_and_exits(cluster: Cluster) -> None:
     send_load(cluster.http_urls[0], 4, concurrency=2)
-    done = subprocess.run([*top_args(cluster), "--once"], capture_output=True, text=True,
-                          timeout=30, env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+    done = subprocess.run(
+        [*top_args(cluster), "--once"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert done.returncode == 0, done.stderr
     frames = FRAME.findall(done.stdout)
     assert len(frames) == 1 and frames[0][0] == "1"
@@ -167,7 +181,9 @@ def test_once_prints_one_frame_and_exits(cluster: Cluster) -> None:
 def test_an_unreachable_nats_is_a_clear_error() -> None:
     done = subprocess.run(
         [KVFABRIC, "top", "--nats-url", "nats://127.0.0.1:1", "--once"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 1
     assert done.stderr.startswith("top: ") and "Traceback" not in done.stderr

@@ -86,12 +86,16 @@ class OtlpReceiver:
             resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    spans.append({
-                        "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
-                        "parent_span_id": span.parent_span_id.hex() or None,
-                        "name": span.name, "service": resource["service.name"],
-                        "attributes": {a.key: _value(a.value) for a in span.attributes},
-                    })  # fmt: skip
+                    spans.append(
+                        {
+                            "trace_id": span.trace_id.hex(),
+                            "span_id": span.span_id.hex(),
+                            "parent_span_id": span.parent_span_id.hex() or None,
+                            "name": span.name,
+                            "service": resource["service.name"],
+                            "attributes": {a.key: _value(a.value) for a in span.attributes},
+                        }
+                    )
         with self._lock:
             self.spans += spans
 
@@ -122,13 +126,37 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     state_dir, trace_dir = base / "state", base / "traces"
     receiver = OtlpReceiver()
     up = subprocess.Popen(
-        [KVFABRIC, "up", "--engine", "mock", "--models", "tiny-coder", "--nats-port", "0",
-         "--http-port", "0", "--state-dir", str(state_dir), "--root", unique_root(),
-         "--dev-api-key", KEY, "--shutdown-grace-s", "3", "--trace-dir", str(trace_dir),
-         "--otlp-endpoint", receiver.url, "--trace-sample-ratio", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            KVFABRIC,
+            "up",
+            "--engine",
+            "mock",
+            "--models",
+            "tiny-coder",
+            "--nats-port",
+            "0",
+            "--http-port",
+            "0",
+            "--state-dir",
+            str(state_dir),
+            "--root",
+            unique_root(),
+            "--dev-api-key",
+            KEY,
+            "--shutdown-grace-s",
+            "3",
+            "--trace-dir",
+            str(trace_dir),
+            "--otlp-endpoint",
+            receiver.url,
+            "--trace-sample-ratio",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env=os.environ | {"OTEL_BSP_SCHEDULE_DELAY": "200"},  # OTLP batches sent at once
-    )  # fmt: skip
+    )
     try:
         assert up.stdout is not None
         lines: list[str] = []
@@ -150,11 +178,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
 
 def _ask(http_url: str) -> tuple[str, str, dict[str, Any]]:
     """One chat completion: (request id, trace id from x-trace-id, usage)."""
-    body = {"model": "tiny-coder", "max_tokens": 12,
-            "messages": [{"role": "system", "content": SYSTEM},
-                         {"role": "user", "content": "def add(a, b):"}]}  # fmt: skip
-    response = httpx.post(f"{http_url}/v1/chat/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    body = {
+        "model": "tiny-coder",
+        "max_tokens": 12,
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "def add(a, b):"},
+        ],
+    }
+    response = httpx.post(
+        f"{http_url}/v1/chat/completions",
+        json=body,
+        timeout=60,
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
     assert response.status_code == 200, response.text
     payload = response.json()
     return payload["id"].removeprefix("chatcmpl-"), response.headers["x-trace-id"], payload["usage"]
@@ -278,8 +315,9 @@ def test_kvfabric_trace_prints_the_tree_of_a_real_request(
     route = next(attrs for _, _, name, _, attrs in rows if name == "router route")
     assert int(re.search(r"hit_tokens=(\d+)", route).group(1)) > 0
 
-    missing = subprocess.run([*command[:2], "no-such-request", *command[3:]],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    missing = subprocess.run(
+        [*command[:2], "no-such-request", *command[3:]], capture_output=True, text=True, timeout=60
+    )
     assert missing.returncode == 1
     assert f"'no-such-request' not found in {cluster.trace_dir.resolve()} (" in missing.stderr
     assert re.search(r"\((\d+) traces, \d+ spans in 7 files", missing.stderr)

@@ -51,11 +51,30 @@ def _is_alive(pid: int) -> bool:
 def test_up_status_and_clean_stop(tmp_path: Path) -> None:
     root = unique_root()
     up = subprocess.Popen(
-        [KVFABRIC, "up", "--engine", "mock", "--nats-port", "0", "--http-port", "0",
-         "--state-dir", str(tmp_path), "--root", root, "--replicas", "prefill=2,decode=2",
-         "--shutdown-grace-s", "5", "--models", "tiny-coder"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            KVFABRIC,
+            "up",
+            "--engine",
+            "mock",
+            "--nats-port",
+            "0",
+            "--http-port",
+            "0",
+            "--state-dir",
+            str(tmp_path),
+            "--root",
+            root,
+            "--replicas",
+            "prefill=2,decode=2",
+            "--shutdown-grace-s",
+            "5",
+            "--models",
+            "tiny-coder",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         lines = _read_until_ready(up, timeout_s=120)
         text = "\n".join(lines)
@@ -73,8 +92,11 @@ def test_up_status_and_clean_stop(tmp_path: Path) -> None:
 
         status = subprocess.run(
             [KVFABRIC, "status", "--nats-url", nats_url, "--root", root, "--json"],
-            capture_output=True, text=True, timeout=60, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         instances = json.loads(status.stdout)
         # Every service but vllm-worker (`up --engine vllm` runs those instead of the others).
         assert sorted({i["service"] for i in instances}) == sorted(set(SERVICES) - {VLLM_WORKER})
@@ -86,8 +108,11 @@ def test_up_status_and_clean_stop(tmp_path: Path) -> None:
 
         table = subprocess.run(
             [KVFABRIC, "status", "--nats-url", nats_url, "--root", root],
-            capture_output=True, text=True, timeout=60, check=True,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         assert "swa-memcache-0" in table and "INFLIGHT" in table
         assert "METRICS" in table and listed["swa-memcache-0"] in table
 
@@ -109,10 +134,26 @@ def test_a_killed_launcher_leaves_no_process_behind(tmp_path: Path) -> None:
     """SIGKILL gives `kvfabric up` no chance to stop anything: the kernel ends its children
     (PR_SET_PDEATHSIG), the nats-server among them."""
     up = subprocess.Popen(
-        [KVFABRIC, "up", "--engine", "mock", "--nats-port", "0", "--http-port", "0",
-         "--state-dir", str(tmp_path), "--root", unique_root(), "--models", "tiny-coder"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            KVFABRIC,
+            "up",
+            "--engine",
+            "mock",
+            "--nats-port",
+            "0",
+            "--http-port",
+            "0",
+            "--state-dir",
+            str(tmp_path),
+            "--root",
+            unique_root(),
+            "--models",
+            "tiny-coder",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         text = "\n".join(_read_until_ready(up, timeout_s=120))
         pids = [int(p) for p in re.findall(r"pid (\d+)", text)]
@@ -130,8 +171,11 @@ def test_a_killed_launcher_leaves_no_process_behind(tmp_path: Path) -> None:
 def test_up_rejects_a_bad_replica_spec(tmp_path: Path) -> None:
     result = subprocess.run(
         [KVFABRIC, "up", "--replicas", "prefil=2", "--state-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=60, env=os.environ | {"COLUMNS": "300"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ | {"COLUMNS": "300"},
+    )
     assert result.returncode == 2
     message = " ".join(result.stderr.replace("│", " ").split())
     assert "'prefil=2'" in message and "expected <service>=<count>" in message
@@ -140,8 +184,10 @@ def test_up_rejects_a_bad_replica_spec(tmp_path: Path) -> None:
 def test_serve_rejects_bad_config() -> None:
     result = subprocess.run(
         [KVFABRIC, "serve", "router", "--heartbeat-s", "soon"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "--heartbeat-s='soon'" in result.stderr
 
@@ -152,8 +198,10 @@ def test_demo_serves_requests_and_stops(tmp_path: Path) -> None:
     tool's output) mostly from the store, then everything it started stops."""
     result = subprocess.run(
         [KVFABRIC, "demo", "--state-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     out = result.stdout
     assert '"status": "ok"' in out

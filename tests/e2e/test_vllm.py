@@ -117,8 +117,11 @@ async def until_serving(bus: Bus, service: str, num: int, timeout_s: float = 600
     """The ids of `service`'s SERVING instances, once there are `num` of them."""
     deadline = time.monotonic() + timeout_s
     while True:
-        found = [i for i in await discover(bus, service=service, timeout_s=0.3)
-                 if i.load.get("state") == InstanceState.SERVING]  # fmt: skip
+        found = [
+            i
+            for i in await discover(bus, service=service, timeout_s=0.3)
+            if i.load.get("state") == InstanceState.SERVING
+        ]
         if len(found) == num:
             return sorted(i.instance_id for i in found)
         assert time.monotonic() < deadline, f"{len(found)} of {num} {service} serving"
@@ -227,8 +230,14 @@ def in_vllms_venv() -> dict[str, dict]:
     python = ensure_vllm()
     env = os.environ | {"PYTHONPATH": str(SOURCE_ROOT)}
     script = "\n".join(check.strip() for check in (KERNEL_CHECK, SPIN_CHECK))
-    done = subprocess.run([str(python), "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300, check=True)  # fmt: skip
+    done = subprocess.run(
+        [str(python), "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     found: dict[str, dict] = {}
     for line in done.stdout.splitlines():  # vLLM may print lines of its own
         if line.startswith(('{"kernel"', '{"spin"')):
@@ -272,8 +281,9 @@ async def test_one_prefix_cache_across_vllm_workers_restarts_and_kvfabric_engine
         scratch = await ask(bus, prompt2, salt="from-scratch")  # nothing cached under this salt
         assert scratch.usage is not None and scratch.usage.num_cached_tokens == 0
         assert second.token_ids == scratch.token_ids, (
-            tokenizer.decode(second.token_ids), tokenizer.decode(scratch.token_ids)
-        )  # fmt: skip
+            tokenizer.decode(second.token_ids),
+            tokenizer.decode(scratch.token_ids),
+        )
         served["vllm, from the engine's blocks"] = second
 
         # 3. That vLLM worker stopped: the other one, from what the first stored (its answer).
@@ -301,8 +311,9 @@ async def test_one_prefix_cache_across_vllm_workers_restarts_and_kvfabric_engine
         served["vllm after both stopped, one restarted"] = fourth
 
         # ... and the official SDK through ingress against them.
-        client = openai.AsyncOpenAI(base_url=f"{cluster.http_urls[0]}/v1", api_key=KEY,
-                                    max_retries=0)  # fmt: skip
+        client = openai.AsyncOpenAI(
+            base_url=f"{cluster.http_urls[0]}/v1", api_key=KEY, max_retries=0
+        )
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]
         for _ in range(2):  # the second time from the store
             reply = await client.chat.completions.create(

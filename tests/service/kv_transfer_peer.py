@@ -28,12 +28,14 @@ def pattern(num_blocks: int, block_nbytes: int) -> np.ndarray:
     return (np.arange(num_blocks * block_nbytes, dtype=np.uint64) * 7 % 251).astype(np.uint8)
 
 
-async def main(mode: str, url: str, root: str, who: str, num_blocks: int, block_nbytes: int,
-               tag: bytes) -> None:  # fmt: skip
+async def main(
+    mode: str, url: str, root: str, who: str, num_blocks: int, block_nbytes: int, tag: bytes
+) -> None:
     nbytes = num_blocks * block_nbytes
     service = "prefill" if mode == "send" else SERVICE
-    bus = await Bus.connect(url, service=service, root=root,
-                            instance_id=None if mode == "send" else who)  # fmt: skip
+    bus = await Bus.connect(
+        url, service=service, root=root, instance_id=None if mode == "send" else who
+    )
     buffer = pattern(num_blocks, block_nbytes) if mode == "send" else np.zeros(nbytes, np.uint8)
     agent = KvTransferAgent(bus, buffer, service=service)
     if mode == "send":
@@ -53,8 +55,7 @@ async def main(mode: str, url: str, root: str, who: str, num_blocks: int, block_
             sender, message = await agent.wait_notification(tag, timeout_s=30.0)
             expected = pattern(num_blocks, block_nbytes).reshape(num_blocks, block_nbytes)[::-1]
             ok = bool(np.array_equal(buffer.reshape(num_blocks, block_nbytes), expected))
-            print(json.dumps({"sender": sender, "message": message.decode(), "ok": ok}),
-                  flush=True)  # fmt: skip
+            print(json.dumps({"sender": sender, "message": message.decode(), "ok": ok}), flush=True)
         else:
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     agent.close()
@@ -65,5 +66,6 @@ async def main(mode: str, url: str, root: str, who: str, num_blocks: int, block_
 if __name__ == "__main__":
     mode_arg, url_arg, root_arg, who_arg, blocks_arg, nbytes_arg = sys.argv[1:7]
     tag_arg = sys.argv[7].encode() if len(sys.argv) > 7 else b""
-    asyncio.run(main(mode_arg, url_arg, root_arg, who_arg, int(blocks_arg), int(nbytes_arg),
-                     tag_arg))  # fmt: skip
+    asyncio.run(
+        main(mode_arg, url_arg, root_arg, who_arg, int(blocks_arg), int(nbytes_arg), tag_arg)
+    )

@@ -178,9 +178,15 @@ async def test_cancelling_the_call_broadcasts_cancel_request(bus_factory: BusFac
 
 def test_build_request_packs_ids_hashes_and_deadline() -> None:
     request = build_request(
-        PROMPT, model="tiny-coder", block_size_tokens=64, cache_salt="t1", stop=["\n"], seed=3,
-        deadline_s=2.0, request_id="r-1",
-    )  # fmt: skip
+        PROMPT,
+        model="tiny-coder",
+        block_size_tokens=64,
+        cache_salt="t1",
+        stop=["\n"],
+        seed=3,
+        deadline_s=2.0,
+        request_id="r-1",
+    )
     expected = BlockHasher("tiny-coder", block_size_tokens=64, salt="t1").hashes(PROMPT)
     assert unpack_block_hashes(request.block_hashes).tolist() == expected
     assert len(expected) == 3

@@ -68,8 +68,16 @@ def test_no_router_is_a_clean_error(nats_server: NatsServer, subject_root: str) 
 
 async def invoke(nats_server: NatsServer, subject_root: str, *args: str) -> Result:
     # In a thread: the command runs its own event loop while this one serves the fakes.
-    cli_args = ["generate", *args, "--nats-url", nats_server.url, "--root", subject_root,
-                "--model", "tiny-coder"]  # fmt: skip
+    cli_args = [
+        "generate",
+        *args,
+        "--nats-url",
+        nats_server.url,
+        "--root",
+        subject_root,
+        "--model",
+        "tiny-coder",
+    ]
     return await asyncio.to_thread(runner.invoke, app, cli_args)
 
 
@@ -125,10 +133,20 @@ async def test_ctrl_c_sends_cancel_request_and_exits_130(
     cancels = await collect(watcher, watcher.subjects.cancel, CancelRequest)
     async with cluster(bus_factory, decode):
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.admin.cli", "generate", "hello",
-            "--nats-url", nats_server.url, "--root", subject_root, "--model", "tiny-coder",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "services.admin.cli",
+            "generate",
+            "hello",
+            "--nats-url",
+            nats_server.url,
+            "--root",
+            subject_root,
+            "--model",
+            "tiny-coder",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         try:
             assert process.stdout is not None
             first = await asyncio.wait_for(process.stdout.read(1), 60)  # the first chunk's text

@@ -35,9 +35,12 @@ async def test_health_follows_setup_readiness_and_drain(
     nats_server: NatsServer, subject_root: str
 ) -> None:
     config = ServiceConfig(
-        nats_url=nats_server.url, root=subject_root, instance_id="svc-0", metrics_port=0,
+        nats_url=nats_server.url,
+        root=subject_root,
+        instance_id="svc-0",
+        metrics_port=0,
         shutdown_grace_s=0.5,
-    )  # fmt: skip
+    )
     runtime = ServiceRuntime("svc", config)
     in_setup, finish_setup = asyncio.Event(), asyncio.Event()
 
@@ -77,9 +80,12 @@ async def test_ingress_health_is_503_until_serving(
     """Ingress's HTTP server is up (connected to NATS) before the instance is announced:
     a load balancer must not send it traffic yet."""
     config = IngressConfig(
-        nats_url=nats_server.url, root=subject_root, instance_id="ingress-0", http_port=0,
+        nats_url=nats_server.url,
+        root=subject_root,
+        instance_id="ingress-0",
+        http_port=0,
         shutdown_grace_s=0.5,
-    )  # fmt: skip
+    )
     runtime = ServiceRuntime("ingress", config)
     http_up, finish_setup = asyncio.Event(), asyncio.Event()
 
@@ -112,9 +118,12 @@ async def test_metrics_are_served_beside_health_and_match_discovery(
     """An endpoint's requests and errors by code, counted by the runtime for any service,
     in the text format with the instance's constant labels, and the same figures in STATS."""
     config = ServiceConfig(
-        nats_url=nats_server.url, root=subject_root, instance_id="svc-0", metrics_port=0,
+        nats_url=nats_server.url,
+        root=subject_root,
+        instance_id="svc-0",
+        metrics_port=0,
         shutdown_grace_s=0.5,
-    )  # fmt: skip
+    )
     runtime = ServiceRuntime("svc", config)
 
     async def echo(request: Echo, ctx: Context) -> EchoReply:
@@ -134,8 +143,9 @@ async def test_metrics_are_served_beside_health_and_match_discovery(
         client = await bus_factory("test")
         for fail_with in ("", "refused", ""):
             with contextlib.suppress(BadRequest):
-                await client.request(f"{subject_root}.svc.ping", Echo("x", fail_with=fail_with),
-                                     EchoReply)  # fmt: skip
+                await client.request(
+                    f"{subject_root}.svc.ping", Echo("x", fail_with=fail_with), EchoReply
+                )
         url = runtime.metadata["metrics_url"]
         async with aiohttp.ClientSession() as session, session.get(url) as response:
             assert response.status == 200

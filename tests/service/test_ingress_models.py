@@ -23,8 +23,9 @@ FORGET_S = 0.6
 
 
 def report(bus, model: str, state: InstanceState = InstanceState.SERVING) -> LoadReport:  # noqa: ANN001
-    return LoadReport(service=bus.service, instance_id=bus.instance_id, seq=1, ts_ms=0,
-                      state=state, model=model)  # fmt: skip
+    return LoadReport(
+        service=bus.service, instance_id=bus.instance_id, seq=1, ts_ms=0, state=state, model=model
+    )
 
 
 async def beat(bus, message: LoadReport, seconds: float) -> None:  # noqa: ANN001
@@ -43,8 +44,13 @@ async def test_a_beating_worker_keeps_its_model_served_between_rounds(
 ) -> None:
     decode = await bus_factory(DECODE)
     metadata = {"model": MODEL, "model_path": str(model_path(MODEL)), "kv_block_size_tokens": "64"}
-    responder = DiscoveryResponder(decode, version="0", description="decode", metadata=metadata,
-                                   load_report=lambda: report(decode, MODEL))  # fmt: skip
+    responder = DiscoveryResponder(
+        decode,
+        version="0",
+        description="decode",
+        metadata=metadata,
+        load_report=lambda: report(decode, MODEL),
+    )
     await responder.start()
     await decode.flush()
     ingress = await bus_factory("ingress")
@@ -63,6 +69,8 @@ async def test_a_beating_worker_keeps_its_model_served_between_rounds(
     # decode worker, a prefill worker, another model's worker.
     others = [report(decode, MODEL, InstanceState.DRAINING), report(decode, "other-model")]
     prefill = await bus_factory(PREFILL)
-    await asyncio.gather(*(beat(decode, r, 2 * FORGET_S) for r in others),
-                         beat(prefill, report(prefill, MODEL), 2 * FORGET_S))  # fmt: skip
+    await asyncio.gather(
+        *(beat(decode, r, 2 * FORGET_S) for r in others),
+        beat(prefill, report(prefill, MODEL), 2 * FORGET_S),
+    )
     assert served(table) == []

@@ -157,8 +157,9 @@ async def test_a_restarted_peer_is_reached_by_the_first_transfer_after_its_resta
             receiver = start_peer("receive", *peer_args, tag)
             try:
                 assert await asyncio.to_thread(read_line, receiver) == "ready"
-                await agent.write("decode", "decode-5", ranges, notification=tag.encode(),
-                                  timeout_s=10.0)  # fmt: skip
+                await agent.write(
+                    "decode", "decode-5", ranges, notification=tag.encode(), timeout_s=10.0
+                )
                 verdict = json.loads(await asyncio.to_thread(read_line, receiver))
                 assert verdict == {"sender": agent.agent_name, "message": tag, "ok": True}
                 assert await asyncio.to_thread(receiver.wait, 20) == 0
@@ -201,11 +202,17 @@ async def test_connect_soon_asks_once_and_the_transfers_use_it(bus_factory: BusF
                 await asyncio.sleep(0.001)
 
         pump = asyncio.create_task(progress_target())
-        await asyncio.gather(*(
-            agent.read("prefill", "prefill-7", [ByteRange(i * BLOCK_NBYTES, i * BLOCK_NBYTES,
-                                                          BLOCK_NBYTES)], timeout_s=10.0)
-            for i in range(2)
-        ))  # fmt: skip
+        await asyncio.gather(
+            *(
+                agent.read(
+                    "prefill",
+                    "prefill-7",
+                    [ByteRange(i * BLOCK_NBYTES, i * BLOCK_NBYTES, BLOCK_NBYTES)],
+                    timeout_s=10.0,
+                )
+                for i in range(2)
+            )
+        )
         pump.cancel()
         assert asked == [agent.agent_name]
         assert np.array_equal(agent.buffer, pattern(2, BLOCK_NBYTES))

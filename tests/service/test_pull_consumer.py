@@ -17,8 +17,14 @@ pytestmark = pytest.mark.nats
 
 
 def record(i: int) -> UsageRecord:
-    return UsageRecord(request_id=f"r-{i}", api_key_id="k", model="m", num_cache_hit_tokens=i,
-                       num_cache_miss_tokens=1, num_output_tokens=1)  # fmt: skip
+    return UsageRecord(
+        request_id=f"r-{i}",
+        api_key_id="k",
+        model="m",
+        num_cache_hit_tokens=i,
+        num_cache_miss_tokens=1,
+        num_output_tokens=1,
+    )
 
 
 async def test_replicas_share_a_durable_and_unacked_messages_come_back(

@@ -26,9 +26,15 @@ async def test_trace_continues_in_another_process(
     exporter = InMemorySpanExporter()
     telemetry.setup_tracing("test", "test-0", processor=SimpleSpanProcessor(exporter))
     peer = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.service.trace_peer", nats_server.url, subject_root,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=REPO,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "tests.service.trace_peer",
+        nats_server.url,
+        subject_root,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        cwd=REPO,
+    )
     try:
         assert peer.stdout is not None and peer.stdin is not None
         assert (await asyncio.wait_for(peer.stdout.readline(), 30)).strip() == b"ready"

@@ -24,10 +24,17 @@ pytestmark = pytest.mark.nats
 
 def record(request_id: str, num_output_tokens: int = 3) -> UsageRecord:
     return UsageRecord(
-        request_id=request_id, api_key_id="key-1", model="m", num_cache_hit_tokens=64,
-        num_cache_miss_tokens=10, num_output_tokens=num_output_tokens,
-        status=UsageStatus.COMPLETED, finish_reason="length", started_ms=1, finished_ms=2,
-    )  # fmt: skip
+        request_id=request_id,
+        api_key_id="key-1",
+        model="m",
+        num_cache_hit_tokens=64,
+        num_cache_miss_tokens=10,
+        num_output_tokens=num_output_tokens,
+        status=UsageStatus.COMPLETED,
+        finish_reason="length",
+        started_ms=1,
+        finished_ms=2,
+    )
 
 
 async def test_the_log_is_made_on_a_miss_and_keeps_one_record_per_request(
@@ -98,8 +105,9 @@ async def test_a_dead_worker_s_outbox_is_adopted_and_removed(
         found = await usage_records(bus, {f"left-{i}" for i in range(3)}, timeout_s=10)
         assert len(found) == 3
         assert sorted(p.name for p in directory.iterdir()) == [
-            "decode-new.usage", "decode-new.usage.lock",
-        ]  # fmt: skip
+            "decode-new.usage",
+            "decode-new.usage.lock",
+        ]
         assert await adopt_orphans(bus, DECODE, directory, timeout_s=1) == 0  # ours: locked
     finally:
         await live.close()

@@ -43,9 +43,12 @@ BLOCK = 16
 
 def decision(request_id: str) -> RouteDecision:
     return RouteDecision(
-        request_id=request_id, prefill_worker_id="prefill-0", decode_worker_id="decode-0",
-        num_prompt_tokens=100, num_cached_tokens=0,
-    )  # fmt: skip
+        request_id=request_id,
+        prefill_worker_id="prefill-0",
+        decode_worker_id="decode-0",
+        num_prompt_tokens=100,
+        num_cached_tokens=0,
+    )
 
 
 def one_traceback(events: list[dict[str, object]]) -> None:
@@ -72,8 +75,7 @@ async def test_a_failed_prefill_pass_answers_a_fixed_message(
     worker.start()
     await bus.serve(Endpoint("run", bus.subjects.prefill_run, PrefillJob, worker.handle_job))
     client = await bus_factory("router")
-    request = build_request(list(range(3, 103)), model=config.model_name,
-                            block_size_tokens=BLOCK)  # fmt: skip
+    request = build_request(list(range(3, 103)), model=config.model_name, block_size_tokens=BLOCK)
     try:
         with capture_logs() as events, pytest.raises(InternalError) as caught:
             await client.request(
@@ -118,13 +120,20 @@ async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
     try:
         await caller.request(
             subjects.instance(subjects.decode_run, "decode-0"),
-            DecodeJob(request=request, decision=decision(request.request_id)), JobAccepted,
-        )  # fmt: skip
+            DecodeJob(request=request, decision=decision(request.request_id)),
+            JobAccepted,
+        )
         ready = SuffixReady(
-            request_id=request.request_id, attempt=0, prefill_worker_id="prefill-0",
-            num_computed_tokens=99, first_block_index=0, num_blocks=0, block_nbytes=4096,
-            region_offset=0, window_nbytes=0,
-        )  # fmt: skip
+            request_id=request.request_id,
+            attempt=0,
+            prefill_worker_id="prefill-0",
+            num_computed_tokens=99,
+            first_block_index=0,
+            num_blocks=0,
+            block_nbytes=4096,
+            region_offset=0,
+            window_nbytes=0,
+        )
         with capture_logs() as events, pytest.raises(InternalError) as caught:
             await caller.request(
                 subjects.instance(subjects.decode_suffix, "decode-0"), ready, JobAccepted

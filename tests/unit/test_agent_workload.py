@@ -18,8 +18,14 @@ from loadtest.agent.report import hit_share, percentiles
 from loadtest.agent.runner import Target, error_class
 from shared.engine.bundled import BUNDLED_MODEL_DIR
 
-WORKLOAD = Workload(num_sessions=6, num_steps=5, initial_context_tokens=1500,
-                    growth_tokens_per_step=300, max_output_tokens=32, seed=7)  # fmt: skip
+WORKLOAD = Workload(
+    num_sessions=6,
+    num_steps=5,
+    initial_context_tokens=1500,
+    growth_tokens_per_step=300,
+    max_output_tokens=32,
+    seed=7,
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +67,9 @@ def test_tool_results_look_like_the_tools_an_agent_calls() -> None:
 
 @pytest.mark.parametrize(("initial", "growth"), [(1000, 200), (6000, 600), (20_000, 2000)])
 def test_the_context_grows_as_configured(tokenizer: Tokenizer, initial: int, growth: int) -> None:
-    workload = Workload(num_sessions=5, num_steps=4, initial_context_tokens=initial,
-                        growth_tokens_per_step=growth)  # fmt: skip
+    workload = Workload(
+        num_sessions=5, num_steps=4, initial_context_tokens=initial, growth_tokens_per_step=growth
+    )
 
     def count(text: str) -> int:
         return len(tokenizer.encode(text).ids)
@@ -93,8 +100,13 @@ def test_each_step_sends_the_previous_one_then_the_answer_and_a_tool_result() ->
 
 
 def test_max_context_bounds_the_last_step(tokenizer: Tokenizer) -> None:
-    workload = Workload(num_sessions=3, num_steps=6, initial_context_tokens=2000,
-                        growth_tokens_per_step=500, max_output_tokens=64)  # fmt: skip
+    workload = Workload(
+        num_sessions=3,
+        num_steps=6,
+        initial_context_tokens=2000,
+        growth_tokens_per_step=500,
+        max_output_tokens=64,
+    )
     answer = " ".join(["word"] * 64)  # 64 tokens or more: at least as long as any answer
     for session in workload.sessions():
         messages = session.messages([answer] * (workload.num_steps - 1))
@@ -106,10 +118,13 @@ def test_max_context_bounds_the_last_step(tokenizer: Tokenizer) -> None:
 
 @pytest.mark.parametrize(
     ("field", "value", "message"),
-    [("num_sessions", 0, "num_sessions must be >= 1"), ("num_steps", 0, "num_steps must be"),
-     ("growth_tokens_per_step", -1, "growth_tokens_per_step must be >= 0"),
-     ("think_time_s", -0.5, "think_time_s must be >= 0")],
-)  # fmt: skip
+    [
+        ("num_sessions", 0, "num_sessions must be >= 1"),
+        ("num_steps", 0, "num_steps must be"),
+        ("growth_tokens_per_step", -1, "growth_tokens_per_step must be >= 0"),
+        ("think_time_s", -0.5, "think_time_s must be >= 0"),
+    ],
+)
 def test_bad_sizes_are_refused_with_their_name(field: str, value: float, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Workload(**{field: value})
@@ -143,20 +158,36 @@ def test_errors_are_classed_by_http_status_stream_error_type_or_exception_type()
 
 # -- the report ----------------------------------------------------------------------------
 def record(session: int, step: int, **fields: object) -> RequestRecord:
-    values = {"started_s": 0.0, "e2e_s": 0.5, "ttft_s": 0.1, "tpot_s": 0.01,
-              "prompt_tokens": 1000, "cached_tokens": 0, "output_tokens": 16, **fields}  # fmt: skip
+    values = {
+        "started_s": 0.0,
+        "e2e_s": 0.5,
+        "ttft_s": 0.1,
+        "tpot_s": 0.01,
+        "prompt_tokens": 1000,
+        "cached_tokens": 0,
+        "output_tokens": 16,
+        **fields,
+    }
     return RequestRecord(session, step, **values)  # type: ignore[arg-type]
 
 
 def sample_report() -> AgentReport:
     records = [
-        record(0, 0, ttft_s=0.4), record(0, 1, cached_tokens=900), record(0, 2, cached_tokens=950),
-        record(1, 0, ttft_s=0.2), record(1, 1, cached_tokens=None),  # no count: not in the share
+        record(0, 0, ttft_s=0.4),
+        record(0, 1, cached_tokens=900),
+        record(0, 2, cached_tokens=950),
+        record(1, 0, ttft_s=0.2),
+        record(1, 1, cached_tokens=None),  # no count: not in the share
         record(1, 2, error="HTTP 429", ttft_s=None, prompt_tokens=None, cached_tokens=None),
-    ]  # fmt: skip
-    return AgentReport(target={"base_url": "http://h", "model": "m", "protocol": "openai"},
-                       workload=WORKLOAD.to_dict(), concurrency=2, wall_s=2.0,
-                       records=records, num_skipped=1)  # fmt: skip
+    ]
+    return AgentReport(
+        target={"base_url": "http://h", "model": "m", "protocol": "openai"},
+        workload=WORKLOAD.to_dict(),
+        concurrency=2,
+        wall_s=2.0,
+        records=records,
+        num_skipped=1,
+    )
 
 
 def test_the_report_summarizes_what_was_measured() -> None:
@@ -184,8 +215,11 @@ def test_the_report_round_trips_through_json(tmp_path: Path) -> None:
 
 def test_plots_are_written_as_png(tmp_path: Path) -> None:
     paths = write_plots({"openai": sample_report(), "other": sample_report()}, tmp_path)
-    assert [p.name for p in paths] == ["ttft_per_step.png", "hit_share_per_step.png",
-                                       "latency_cdf.png"]  # fmt: skip
+    assert [p.name for p in paths] == [
+        "ttft_per_step.png",
+        "hit_share_per_step.png",
+        "latency_cdf.png",
+    ]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
     with pytest.raises(ValueError, match="no reports"):

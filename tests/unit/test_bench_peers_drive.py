@@ -48,8 +48,9 @@ class FakeClient:
             delta = SimpleNamespace(content=text)
             yield SimpleNamespace(choices=[SimpleNamespace(delta=delta)], usage=None)
             details = SimpleNamespace(cached_tokens=len(messages))
-            usage = SimpleNamespace(prompt_tokens=10 * len(messages), completion_tokens=3,
-                                    prompt_tokens_details=details)  # fmt: skip
+            usage = SimpleNamespace(
+                prompt_tokens=10 * len(messages), completion_tokens=3, prompt_tokens_details=details
+            )
             yield SimpleNamespace(choices=[], usage=usage)
 
         return chunks()
@@ -57,9 +58,18 @@ class FakeClient:
 
 def test_controls_take_the_step_before_the_restart_and_the_others_after_it() -> None:
     log: list[tuple] = []
-    args = argparse.Namespace(sessions=2, steps=3, context=64, growth=16, max_tokens=4,
-                              concurrency=1, concurrent_steps=2, think_s=0.0,
-                              gap_s=0.0, mode="interleaved")  # fmt: skip
+    args = argparse.Namespace(
+        sessions=2,
+        steps=3,
+        context=64,
+        growth=16,
+        max_tokens=4,
+        concurrency=1,
+        concurrent_steps=2,
+        think_s=0.0,
+        gap_s=0.0,
+        mode="interleaved",
+    )
 
     async def restart() -> None:
         log.append(("restart",))

@@ -74,8 +74,11 @@ def test_options_are_checked_against_what_a_benchmark_takes() -> None:
 
 def test_set_flags_parse_to_options() -> None:
     assert parse_settings(["vllm-cores=0-1", "steps=4", "think_s=0.5", "move=false"]) == {
-        "vllm_cores": "0-1", "steps": 4, "think_s": 0.5, "move": False,
-    }  # fmt: skip
+        "vllm_cores": "0-1",
+        "steps": 4,
+        "think_s": 0.5,
+        "move": False,
+    }
     with pytest.raises(typer.BadParameter, match="not KEY=VALUE"):
         parse_settings(["steps"])
 
@@ -86,8 +89,9 @@ def test_a_set_value_for_a_tuple_option_is_split_into_its_items() -> None:
     prefix = typing.get_type_hints(importlib.import_module("loadtest.bench_prefix_reuse").run)
     engine = typing.get_type_hints(importlib.import_module("loadtest.bench_engine").run)
     assert _as_hinted("models", "tiny-coder,SmolLM2-135M-Instruct", prefix["models"]) == (
-        "tiny-coder", "SmolLM2-135M-Instruct",
-    )  # fmt: skip
+        "tiny-coder",
+        "SmolLM2-135M-Instruct",
+    )
     assert _as_hinted("models", "SmolLM2-135M-Instruct", prefix["models"]) == (
         "SmolLM2-135M-Instruct",
     )

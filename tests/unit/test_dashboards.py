@@ -22,9 +22,12 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "compose" / "grafana" / "dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 KINDS = {
-    "counter": "counter", "counter_from": "counter", "gauge": "gauge", "gauge_from": "gauge",
+    "counter": "counter",
+    "counter_from": "counter",
+    "gauge": "gauge",
+    "gauge_from": "gauge",
     "histogram": "histogram",
-}  # fmt: skip
+}
 HISTOGRAM_SERIES = ("_bucket", "_count", "_sum")
 _NAME = re.compile(r"kvfabric_[a-z0-9_]+")
 # What Grafana substitutes before a query reaches Prometheus.
@@ -72,10 +75,13 @@ def _declared_in(module: ast.Module) -> dict[str, str]:
         if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
         calls = [
-            c for c in ast.walk(function)
-            if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
-            and c.func.attr in KINDS and c.args
-        ]  # fmt: skip
+            c
+            for c in ast.walk(function)
+            if isinstance(c, ast.Call)
+            and isinstance(c.func, ast.Attribute)
+            and c.func.attr in KINDS
+            and c.args
+        ]
         literal = {id(c.args[0]) for c in calls if isinstance(c.args[0], ast.Constant)}
         for call in calls:
             kind, first = KINDS[call.func.attr], call.args[0]
@@ -86,9 +92,11 @@ def _declared_in(module: ast.Module) -> dict[str, str]:
                 # counters): the other names written in the same function.
                 for node in ast.walk(function):
                     if (
-                        isinstance(node, ast.Constant) and id(node) not in literal
-                        and isinstance(node.value, str) and _NAME.fullmatch(node.value)
-                    ):  # fmt: skip
+                        isinstance(node, ast.Constant)
+                        and id(node) not in literal
+                        and isinstance(node.value, str)
+                        and _NAME.fullmatch(node.value)
+                    ):
                         declared[node.value] = kind
     return declared
 
@@ -109,11 +117,14 @@ def test_the_scan_finds_the_declarations_and_each_is_a_valid_name() -> None:
     declared = declared_metrics()
     # One from each way of declaring: literal, read when scraped, in a table, the runtime's.
     for name in (
-        "kvfabric_router_decisions_total", "kvfabric_billing_revenue_pico_cny_total",
-        "kvfabric_kv_index_matches_total", "kvfabric_swa_memcache_hits_total",
-        "kvfabric_decode_time_to_first_token_seconds", "kvfabric_endpoint_requests_total",
+        "kvfabric_router_decisions_total",
+        "kvfabric_billing_revenue_pico_cny_total",
+        "kvfabric_kv_index_matches_total",
+        "kvfabric_swa_memcache_hits_total",
+        "kvfabric_decode_time_to_first_token_seconds",
+        "kvfabric_endpoint_requests_total",
         "kvfabric_worker_queue_depth",
-    ):  # fmt: skip
+    ):
         assert name in declared, name
     for name, kind in declared.items():
         check_name(name, kind)  # raises for a name that is not one of this kind
@@ -121,8 +132,17 @@ def test_the_scan_finds_the_declarations_and_each_is_a_valid_name() -> None:
 
 def test_there_is_an_overview_a_cache_dashboard_and_one_per_service() -> None:
     found = dashboards()
-    expected = {"overview", "cache-economics", "router", "prefill", "decode", "kv-index",
-                "swa-memcache", "ingress", "billing"}  # fmt: skip
+    expected = {
+        "overview",
+        "cache-economics",
+        "router",
+        "prefill",
+        "decode",
+        "kv-index",
+        "swa-memcache",
+        "ingress",
+        "billing",
+    }
     assert {name.removesuffix(".json") for name in found} == expected
     uids = [d["uid"] for d in found.values()]
     assert len(set(uids)) == len(uids)

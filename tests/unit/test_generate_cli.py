@@ -74,9 +74,14 @@ def test_chat_without_a_template_is_a_clear_error(tmp_path) -> None:  # noqa: AN
 
 def a_result() -> GenerateResult:
     prefill = PrefillTimings(
-        load_ms=1.5, restore_ms=2.0, swa_restore="bounded", num_replay_tokens=40,
-        compute_ms=30.0, store_ms=4.0, transfer_ms=0.5,
-    )  # fmt: skip
+        load_ms=1.5,
+        restore_ms=2.0,
+        swa_restore="bounded",
+        num_replay_tokens=40,
+        compute_ms=30.0,
+        store_ms=4.0,
+        transfer_ms=0.5,
+    )
     return GenerateResult(
         request_id="r-1",
         decision=RouteDecision(
@@ -85,7 +90,7 @@ def a_result() -> GenerateResult:
             decode_worker_id="d",
             num_prompt_tokens=200,
             num_cached_tokens=128,
-        ),  # fmt: skip
+        ),
         token_ids=[5, 6, 7, 8, 9],
         text="hello",
         finish_reason="length",

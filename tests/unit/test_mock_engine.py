@@ -50,8 +50,9 @@ def tokens_of(outputs: list[MockStepOutput], seq_id: int) -> list[int]:
 
 def test_prefill_then_decode_timing_follows_the_cost_model():
     e = engine()
-    e.add_request(PROMPT, MockSamplingParams(max_new_tokens=3), num_cached_tokens=64,
-                  has_swa_snapshot=False)  # fmt: skip
+    e.add_request(
+        PROMPT, MockSamplingParams(max_new_tokens=3), num_cached_tokens=64, has_swa_snapshot=False
+    )
     # Prefill: 36 computed, 64 loaded, min(128, 64) replayed; the first token comes with it.
     prefill_s = COST.prefill_s(100 - 64, 64, 64)
     assert e.next_step_duration_s() == pytest.approx(prefill_s)
@@ -107,8 +108,12 @@ def test_block_hashes_continue_the_request_s_chain_over_every_computed_token(
 ):
     e = engine()
     blocks = RequestBlocks.hash_prompt(PROMPT, model="m", block_size_tokens=16, cache_salt=salt)
-    seq_id = e.add_request(PROMPT, MockSamplingParams(max_new_tokens=30),
-                           num_cached_tokens=num_cached_tokens, blocks=blocks)  # fmt: skip
+    seq_id = e.add_request(
+        PROMPT,
+        MockSamplingParams(max_new_tokens=30),
+        num_cached_tokens=num_cached_tokens,
+        blocks=blocks,
+    )
     outputs = run(e)
     output = tokens_of(outputs, seq_id)
     published = [h for o in outputs for h in o.new_block_hashes]

@@ -37,6 +37,7 @@ def test_the_workers_set_it_before_torch_loads() -> None:
         "limit_openmp_spin()\n"
         "print('torch' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.split() == ["False"], out.stderr

@@ -105,8 +105,9 @@ def test_logits_from_the_export_match_our_engine_on_the_gguf(
     from transformers import AutoModelForCausalLM
 
     tokens = Checkpoint(gguf_path).tokenizer().encode(TEXTS[0]).ids
-    runner = ModelRunner(load_model(gguf_path, block_kernel=False), num_blocks=8,
-                         block_size_tokens=64)  # fmt: skip
+    runner = ModelRunner(
+        load_model(gguf_path, block_kernel=False), num_blocks=8, block_size_tokens=64
+    )
     reference = runner.forward_dense([tokens])[0]
     # Our own loader reads the directory into the same float32 model: identical logits.
     same = ModelRunner(load_model(exported), num_blocks=8, block_size_tokens=64)
@@ -139,8 +140,13 @@ def test_a_server_that_exits_at_start_reports_its_code_and_log(
     exported: Path, tmp_path: Path
 ) -> None:
     # Our venv has no vllm: the module is not found, which the error must show.
-    server = VllmServer(exported, SMOL, python=Path(sys.executable),
-                        log_path=tmp_path / "vllm.log", startup_timeout_s=60)  # fmt: skip
+    server = VllmServer(
+        exported,
+        SMOL,
+        python=Path(sys.executable),
+        log_path=tmp_path / "vllm.log",
+        startup_timeout_s=60,
+    )
     with pytest.raises(VenvUnavailable, match="exited with code 1") as raised:
         server.start()
     assert "No module named 'vllm'" in str(raised.value)

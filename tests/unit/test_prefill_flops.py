@@ -10,10 +10,17 @@ from loadtest.bench_prefix_reuse import prefill_flops
 from shared.engine.config import FULL, SLIDING, ModelConfig
 
 HYBRID = ModelConfig(
-    model_type="qwen3", vocab_size=100, hidden_size=32, intermediate_size=48, num_layers=4,
-    num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=5,
+    model_type="qwen3",
+    vocab_size=100,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    sliding_window=5,
     layer_types=(SLIDING, FULL, SLIDING, FULL),
-)  # fmt: skip
+)
 
 
 def counted(config: ModelConfig, num_cached: int, num_new: int) -> float:
@@ -29,8 +36,9 @@ def counted(config: ModelConfig, num_cached: int, num_new: int) -> float:
     return total + 2 * config.hidden_size * config.vocab_size  # the last token's logits
 
 
-@pytest.mark.parametrize(("num_cached", "num_new"), [(0, 1), (0, 3), (0, 12), (2, 2), (3, 9),
-                                                     (7, 1), (9, 6), (40, 17)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("num_cached", "num_new"), [(0, 1), (0, 3), (0, 12), (2, 2), (3, 9), (7, 1), (9, 6), (40, 17)]
+)
 def test_closed_form_equals_the_count(num_cached: int, num_new: int) -> None:
     assert prefill_flops(HYBRID, num_cached, num_new) == counted(HYBRID, num_cached, num_new)
 

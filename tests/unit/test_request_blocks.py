@@ -16,10 +16,13 @@ BLOCK = 16
 
 def request_for(token_ids: list[int], blocks: RequestBlocks | None) -> GenerateRequest:
     return GenerateRequest(
-        request_id="r", model="m", prompt_token_ids=pack_token_ids(token_ids),
+        request_id="r",
+        model="m",
+        prompt_token_ids=pack_token_ids(token_ids),
         block_hashes=b"" if blocks is None else blocks.packed(),
-        block_size_tokens=BLOCK, cache_salt="tenant",
-    )  # fmt: skip
+        block_size_tokens=BLOCK,
+        cache_salt="tenant",
+    )
 
 
 def hash_prompt(token_ids: list[int], salt: str = "tenant") -> RequestBlocks:

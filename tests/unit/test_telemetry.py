@@ -227,9 +227,10 @@ def test_up_refuses_bad_tracing_flags_before_starting_anything(
     tmp_path: Path, flags: list[str], message: str
 ) -> None:
     result = CliRunner().invoke(
-        app, ["up", "--state-dir", str(tmp_path), "--models", "tiny-coder", *flags],
+        app,
+        ["up", "--state-dir", str(tmp_path), "--models", "tiny-coder", *flags],
         env={"COLUMNS": "300"},
-    )  # fmt: skip
+    )
     assert result.exit_code == 2
     assert message in " ".join(result.output.replace("│", " ").split())
     assert not (tmp_path / "logs").exists()  # no cluster was started

@@ -78,9 +78,13 @@ def test_the_upper_bound_from_hash_ids_is_the_repeat_share(
     [(1, False, OURS), (4, True, "round-robin"), (4, True, "random")],
 )
 def test_an_unlimited_cache_reproduces_the_repeat_share_exactly(
-    spaced: list[TraceRequest], prompts: PromptHashes, repeat_hits: list[int],
-    num_workers: int, shared: bool, policy: str,
-) -> None:  # fmt: skip
+    spaced: list[TraceRequest],
+    prompts: PromptHashes,
+    repeat_hits: list[int],
+    num_workers: int,
+    shared: bool,
+    policy: str,
+) -> None:
     """One worker's cache, or one store every worker reads (kvfabric's SSD tier, so any
     placement will do): request by request, the replay hits what the trace repeats."""
     config = ReplayConfig(num_workers=num_workers, shared_cache=shared)
@@ -102,9 +106,12 @@ def test_the_block_holding_the_last_token_is_stored_by_decode(prompts: PromptHas
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 @pytest.mark.parametrize("capacity", [None, SMALL_CACHE])
 def test_no_replay_beats_the_upper_bound(
-    trace: list[TraceRequest], prompts: PromptHashes, repeat_hits: list[int],
-    policy: str, capacity: int | None,
-) -> None:  # fmt: skip
+    trace: list[TraceRequest],
+    prompts: PromptHashes,
+    repeat_hits: list[int],
+    policy: str,
+    capacity: int | None,
+) -> None:
     """At the trace's own pace (prefills overlapping, 4 caches), every policy, bounded or
     not: no request hits more than the blocks seen before it."""
     requests = trace[:600]  # a prefix of the trace: its bounds are the first 600
@@ -124,8 +131,9 @@ def test_a_bounded_cache_never_beats_an_unlimited_one(
     """Placements that ignore the cache send each request to the same worker whatever the
     capacity; that worker's bounded cache holds a subset of its unlimited one."""
     unlimited = replay(spaced, prompts, ReplayConfig(num_workers=3), policy)
-    bounded = replay(spaced, prompts, ReplayConfig(num_workers=3, capacity_tokens=SMALL_CACHE),
-                     policy)  # fmt: skip
+    bounded = replay(
+        spaced, prompts, ReplayConfig(num_workers=3, capacity_tokens=SMALL_CACHE), policy
+    )
     assert [o.prefill_worker_id for o in bounded.outcomes] == [
         o.prefill_worker_id for o in unlimited.outcomes
     ]

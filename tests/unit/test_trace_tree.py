@@ -26,14 +26,28 @@ MS = 1_000_000
 LINE = re.compile(r"^ *\+[\d.]+ ms +(?P<duration>[\d.]+) ms  (?P<service>\S+) +(?P<rest>.+)$")
 
 
-def _span(span_id: str, parent: str | None, name: str, start_ms: float, end_ms: float,
-          service: str = "router", **attributes: Any) -> dict[str, Any]:  # fmt: skip
+def _span(
+    span_id: str,
+    parent: str | None,
+    name: str,
+    start_ms: float,
+    end_ms: float,
+    service: str = "router",
+    **attributes: Any,
+) -> dict[str, Any]:
     return {
-        "trace_id": "ab" * 16, "span_id": span_id, "parent_span_id": parent, "name": name,
-        "service": service, "instance_id": f"{service}-0", "kind": "INTERNAL",
-        "start_ns": round(start_ms * MS), "end_ns": round(end_ms * MS),
-        "attributes": attributes, "status": {"code": "UNSET", "description": None},
-    }  # fmt: skip
+        "trace_id": "ab" * 16,
+        "span_id": span_id,
+        "parent_span_id": parent,
+        "name": name,
+        "service": service,
+        "instance_id": f"{service}-0",
+        "kind": "INTERNAL",
+        "start_ns": round(start_ms * MS),
+        "end_ns": round(end_ms * MS),
+        "attributes": attributes,
+        "status": {"code": "UNSET", "description": None},
+    }
 
 
 def _rows(lines: list[str]) -> list[tuple[int, str, str, float]]:
@@ -66,14 +80,28 @@ def test_tree_orders_children_by_start_and_puts_orphans_after_the_root() -> None
 
 def test_render_indents_by_depth_with_start_duration_and_key_attributes() -> None:
     spans = [
-        _span("r", None, "POST /v1/chat/completions", 0, 40, "ingress",
-              **{"kvfabric.request_id": "req-1", "http.response.status_code": 200}),
-        _span("m", "r", "router match", 1, 1.5, "router",
-              **{"kvfabric.request_id": "req-1", "kvfabric.hit_blocks.ssd": 6}),
+        _span(
+            "r",
+            None,
+            "POST /v1/chat/completions",
+            0,
+            40,
+            "ingress",
+            **{"kvfabric.request_id": "req-1", "http.response.status_code": 200},
+        ),
+        _span(
+            "m",
+            "r",
+            "router match",
+            1,
+            1.5,
+            "router",
+            **{"kvfabric.request_id": "req-1", "kvfabric.hit_blocks.ssd": 6},
+        ),
         _span("k", "m", "match", 1.1, 1.4, "kv-index", **{"kvfabric.tiers": ["ssd", "dram"]}),
         _span("f", "r", "fork", 2, 3, "ingress", **{"kvfabric.request_id": "req-1-1"}),
         _span("o", "zz", "billing record", 1000, 1001, "billing"),
-    ]  # fmt: skip
+    ]
     spans[3]["status"] = {"code": "ERROR", "description": "Overloaded: queues full"}
     lines = render(spans, "req-1")
     assert lines[0].startswith(f"trace {'ab' * 16}  request req-1  5 spans, 4 services")

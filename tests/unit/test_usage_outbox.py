@@ -151,9 +151,13 @@ CRASHING_CHILD = textwrap.dedent(
 async def test_records_survive_a_killed_process_and_are_replayed(tmp_path: Path) -> None:
     path = tmp_path / "outbox" / "usage.log"
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CRASHING_CHILD, str(path),
-        cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-c",
+        CRASHING_CHILD,
+        str(path),
+        cwd=REPO_ROOT,
+        stdout=asyncio.subprocess.PIPE,
+    )
     try:
         assert child.stdout is not None
         line = await asyncio.wait_for(child.stdout.readline(), timeout=20.0)

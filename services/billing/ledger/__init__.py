@@ -48,7 +48,19 @@ def open_ledger(url: str, *, migrations_dir: Path = MIGRATIONS_DIR) -> Ledger:
 
 
 __all__ = [
-    "ANONYMOUS", "BUCKET_MS", "COLUMNS", "DECODE", "INGRESS", "MIGRATIONS_DIR", "Ledger",
-    "LedgerConfigError", "LedgerError", "LedgerRow", "RecordResult", "ReportBy", "ReportRow",
-    "SOURCES", "open_ledger",
-]  # fmt: skip
+    "ANONYMOUS",
+    "BUCKET_MS",
+    "COLUMNS",
+    "DECODE",
+    "INGRESS",
+    "MIGRATIONS_DIR",
+    "Ledger",
+    "LedgerConfigError",
+    "LedgerError",
+    "LedgerRow",
+    "RecordResult",
+    "ReportBy",
+    "ReportRow",
+    "SOURCES",
+    "open_ledger",
+]

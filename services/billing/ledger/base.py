@@ -56,13 +56,21 @@ ReportBy = Literal["account", "model", "hour", "day"]
 BUCKET_MS = 15 * 60 * 1000  # every zone in use today is offset from UTC by whole quarter hours
 _MONEY = ("hit_pico_cny", "miss_pico_cny", "output_pico_cny", "total_pico_cny")
 _SUMS = ", ".join(
-    ["COUNT(*)", "SUM(num_cache_hit_tokens)", "SUM(num_cache_miss_tokens)",
-     "SUM(num_output_tokens)"]
+    [
+        "COUNT(*)",
+        "SUM(num_cache_hit_tokens)",
+        "SUM(num_cache_miss_tokens)",
+        "SUM(num_output_tokens)",
+    ]
     # the remainder without `%`, which psycopg reads as a placeholder
     + [f"SUM({c} / 1000000), SUM({c} - {c} / 1000000 * 1000000)" for c in _MONEY]
-)  # fmt: skip
-_GROUP = {"account": "account", "model": "model", "hour": f"finished_ms / {BUCKET_MS}",
-          "day": f"finished_ms / {BUCKET_MS}"}  # fmt: skip
+)
+_GROUP = {
+    "account": "account",
+    "model": "model",
+    "hour": f"finished_ms / {BUCKET_MS}",
+    "day": f"finished_ms / {BUCKET_MS}",
+}
 
 
 class Ledger(ABC):
@@ -127,8 +135,10 @@ class Ledger(ABC):
             f"last_ms = {hi}(device_usage.last_ms, excluded.last_ms), "
             "num_devices = excluded.num_devices"
         )
-        values = [(s.hour_ms, s.instance_id, s.service, s.model, s.num_devices, s.first_ms,
-                   s.last_ms) for s in spans]  # fmt: skip
+        values = [
+            (s.hour_ms, s.instance_id, s.service, s.model, s.num_devices, s.first_ms, s.last_ms)
+            for s in spans
+        ]
         guard = self._guarded(f"recording {len(spans)} device spans")
         with self._lock, guard, self._transaction() as cursor:
             cursor.executemany(sql, values)
@@ -216,8 +226,10 @@ class Ledger(ABC):
         return " AND ".join(clauses), params
 
     def _sums(self, group: str, where: str, params: list[Any]) -> list[ReportRow]:
-        sql = (f"SELECT {group}, {_SUMS} FROM usage_ledger {'WHERE ' + where if where else ''} "
-               f"GROUP BY {group} ORDER BY {group}")  # fmt: skip
+        sql = (
+            f"SELECT {group}, {_SUMS} FROM usage_ledger {'WHERE ' + where if where else ''} "
+            f"GROUP BY {group} ORDER BY {group}"
+        )
         return [_report_row(values) for values in self._query(sql, params)]
 
     def _query(self, sql: str, params: list[Any]) -> list[Any]:

@@ -77,10 +77,13 @@ class PostgresLedger(Ledger):
         cursor.execute(UPSERT_SQL, [list(column) for column in zip(*values, strict=True)])
         written = dict(cursor.fetchall())  # request_id -> inserted (else replaced)
         return [
-            "kept" if (new := written.get(p.row.request_id)) is None
-            else "inserted" if new else "replaced"
+            "kept"
+            if (new := written.get(p.row.request_id)) is None
+            else "inserted"
+            if new
+            else "replaced"
             for p in pending
-        ]  # fmt: skip
+        ]
 
     def _close(self) -> None:
         self._closed = True

@@ -127,11 +127,13 @@ class RecordResult:
     inserted_pico_cny: tuple[int, ...] = field(default=(0, 0, 0), compare=False)
 
     def __add__(self, other: RecordResult) -> RecordResult:
-        return RecordResult(self.num_inserted + other.num_inserted,
-                            self.num_replaced + other.num_replaced,
-                            self.num_duplicates + other.num_duplicates,
-                            _add(self.num_ledgered_by_source, other.num_ledgered_by_source),
-                            _add(self.inserted_pico_cny, other.inserted_pico_cny))  # fmt: skip
+        return RecordResult(
+            self.num_inserted + other.num_inserted,
+            self.num_replaced + other.num_replaced,
+            self.num_duplicates + other.num_duplicates,
+            _add(self.num_ledgered_by_source, other.num_ledgered_by_source),
+            _add(self.inserted_pico_cny, other.inserted_pico_cny),
+        )
 
 
 def _add(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:

@@ -123,16 +123,40 @@ def library() -> ctypes.CDLL:
             raise KernelUnavailable(_failure) from exc
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.kvf_quant_matmul.argtypes = [
-            ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int
-        ]  # fmt: skip
+            ctypes.c_int,
+            ptr,
+            i64,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            ctypes.c_int,
+        ]
         lib.kvf_quant_matmul.restype = None
         lib.kvf_quant_dequantize.argtypes = [ctypes.c_int, i64, i64, ptr, ptr, ptr, ptr]
         lib.kvf_quant_dequantize.restype = None
         lib.kvf_quant_simd.restype = ctypes.c_int
         i32, f32 = ctypes.c_int, ctypes.c_float
         lib.kvf_paged_attention.argtypes = [
-            ptr, i64, i64, i32, i32, i32, ptr, i64, i64, i32, ptr, f32, ptr, ptr, i32
-        ]  # fmt: skip
+            ptr,
+            i64,
+            i64,
+            i32,
+            i32,
+            i32,
+            ptr,
+            i64,
+            i64,
+            i32,
+            ptr,
+            f32,
+            ptr,
+            ptr,
+            i32,
+        ]
         lib.kvf_paged_attention.restype = ctypes.c_int
         lib.kvf_attention_simd.restype = ctypes.c_int
         lib.kvf_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]

@@ -17,8 +17,10 @@ def main() -> int:
     except cpu.KernelUnavailable as exc:
         print(f"shared.kernels.cpu: {exc}", file=sys.stderr)
         return 1
-    print(f"shared.kernels.cpu: {path} (block matmul: {'AVX2+FMA' if simd else 'scalar'}; paged "
-          f"attention: {'AVX-512' if attention else 'not built, SDPA serves'})")  # fmt: skip
+    print(
+        f"shared.kernels.cpu: {path} (block matmul: {'AVX2+FMA' if simd else 'scalar'}; paged "
+        f"attention: {'AVX-512' if attention else 'not built, SDPA serves'})"
+    )
     return 0
 
 

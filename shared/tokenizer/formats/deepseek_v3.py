@@ -63,9 +63,20 @@ TOOLS_OUTRO = "\n</tools>\n\nTo call functions, write one block per call in this
 class DeepSeekV3(ChatFormat):
     name = "deepseek-v3"
     MARKERS = (
-        BOS, EOS, USER, ASSISTANT, CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END,
-        OUTPUTS_BEGIN, OUTPUTS_END, OUTPUT_BEGIN, OUTPUT_END, SEP,
-    )  # fmt: skip
+        BOS,
+        EOS,
+        USER,
+        ASSISTANT,
+        CALLS_BEGIN,
+        CALLS_END,
+        CALL_BEGIN,
+        CALL_END,
+        OUTPUTS_BEGIN,
+        OUTPUTS_END,
+        OUTPUT_BEGIN,
+        OUTPUT_END,
+        SEP,
+    )
     STOP_MARKERS = (EOS,)
 
     def render(self, chat: Chat, *, add_generation_prompt: bool = True) -> list[Segment]:

@@ -32,8 +32,9 @@ OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 _ARG_KEYS = ("arguments", "parameters")
 
-(TEXT, OPEN, KEY_START, KEY, COLON, NAME_VALUE, NAME_STR, ARGS, SKIP, AFTER_VALUE,
- BETWEEN) = range(11)  # fmt: skip
+(TEXT, OPEN, KEY_START, KEY, COLON, NAME_VALUE, NAME_STR, ARGS, SKIP, AFTER_VALUE, BETWEEN) = range(
+    11
+)
 
 
 class ChatMLParser(ToolCallParser):
@@ -48,11 +49,18 @@ class ChatMLParser(ToolCallParser):
         self._skip = JsonPrefix(objects_only=False)  # the value of a key we do not use
         self._tag_seen = False  # BETWEEN: the call's `</tool_call>` was read
         self._steps = {
-            TEXT: self._on_text, OPEN: self._on_open, KEY_START: self._on_key_start,
-            KEY: self._on_string, COLON: self._on_colon, NAME_VALUE: self._on_name_value,
-            NAME_STR: self._on_string, ARGS: self._on_args, SKIP: self._on_skip,
-            AFTER_VALUE: self._on_after_value, BETWEEN: self._on_between,
-        }  # fmt: skip
+            TEXT: self._on_text,
+            OPEN: self._on_open,
+            KEY_START: self._on_key_start,
+            KEY: self._on_string,
+            COLON: self._on_colon,
+            NAME_VALUE: self._on_name_value,
+            NAME_STR: self._on_string,
+            ARGS: self._on_args,
+            SKIP: self._on_skip,
+            AFTER_VALUE: self._on_after_value,
+            BETWEEN: self._on_between,
+        }
 
     def _step(self, final: bool) -> bool:
         return self._steps[self._state](final)

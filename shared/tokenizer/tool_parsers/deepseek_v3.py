@@ -50,10 +50,14 @@ class DeepSeekV3Parser(ToolCallParser):
         self._name = ""
         self._name_padded = False  # whitespace after the name: only its end may follow
         self._steps = {
-            TEXT: self._on_text, BLOCK: self._on_block, HEAD: self._on_head,
-            NAME: self._on_name, OPEN_FENCE: self._on_fence, LANG: self._on_lang,
+            TEXT: self._on_text,
+            BLOCK: self._on_block,
+            HEAD: self._on_head,
+            NAME: self._on_name,
+            OPEN_FENCE: self._on_fence,
+            LANG: self._on_lang,
             ARGS: self._on_args,
-        }  # fmt: skip
+        }
 
     def _step(self, final: bool) -> bool:
         return self._steps[self._state](final)

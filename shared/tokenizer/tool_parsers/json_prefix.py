@@ -18,8 +18,29 @@ from __future__ import annotations
 WS = " \t\n\r"  # JSON whitespace
 
 # Modes of JsonPrefix. NUM_* are the states of the number grammar (RFC 8259 section 6).
-(START, VALUE, ARR_FIRST, OBJ_FIRST, OBJ_KEY, COLON, AFTER, STR, ESC, HEX, LIT, DONE, BAD,
- NUM_SIGN, NUM_ZERO, NUM_INT, NUM_DOT, NUM_FRAC, NUM_E, NUM_ESIGN, NUM_EXP) = range(21)  # fmt: skip
+(
+    START,
+    VALUE,
+    ARR_FIRST,
+    OBJ_FIRST,
+    OBJ_KEY,
+    COLON,
+    AFTER,
+    STR,
+    ESC,
+    HEX,
+    LIT,
+    DONE,
+    BAD,
+    NUM_SIGN,
+    NUM_ZERO,
+    NUM_INT,
+    NUM_DOT,
+    NUM_FRAC,
+    NUM_E,
+    NUM_ESIGN,
+    NUM_EXP,
+) = range(21)
 _NUM_END_OK = (NUM_ZERO, NUM_INT, NUM_FRAC, NUM_EXP)  # a number may stop here
 _DIGITS = "0123456789"
 _HEX = "0123456789abcdefABCDEF"
@@ -35,8 +56,17 @@ class JsonPrefix:
     whitespace, which is where a fragment may end (no whitespace-only fragments).
     """
 
-    __slots__ = ("_in_key", "_lit", "_mode", "_num_hex", "_objects_only", "_stack", "first_nonws",
-                 "num_valid", "num_valid_nonws")  # fmt: skip
+    __slots__ = (
+        "_in_key",
+        "_lit",
+        "_mode",
+        "_num_hex",
+        "_objects_only",
+        "_stack",
+        "first_nonws",
+        "num_valid",
+        "num_valid_nonws",
+    )
 
     def __init__(self, *, objects_only: bool = True) -> None:
         self._objects_only = objects_only

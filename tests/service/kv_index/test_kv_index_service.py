@@ -46,11 +46,28 @@ def start_index(
 ) -> subprocess.Popen[bytes]:
     stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by stop(), read if it fails
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.kv_index", "--nats-url", server.url, "--root", root,
-         "--instance-id", f"kv-index-{shard}", "--shard-id", str(shard),
-         "--num-shards", str(num_shards), "--shutdown-grace-s", "2", *extra],
-        stdout=subprocess.DEVNULL, stderr=stderr, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.kv_index",
+            "--nats-url",
+            server.url,
+            "--root",
+            root,
+            "--instance-id",
+            f"kv-index-{shard}",
+            "--shard-id",
+            str(shard),
+            "--num-shards",
+            str(num_shards),
+            "--shutdown-grace-s",
+            "2",
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+        cwd=REPO,
+    )
     _STDERR[process] = stderr
     return process
 
@@ -239,8 +256,13 @@ async def test_cache_cli_stats_evict_flush(
         assert await eventually(lambda: _is(prefix(writer, HASHES, 2), 20))
 
         def cli(*args: str) -> str:
-            done = subprocess.run([kvfabric, "cache", *args, *target], capture_output=True,
-                                  text=True, timeout=60, check=True)  # fmt: skip
+            done = subprocess.run(
+                [kvfabric, "cache", *args, *target],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
             return done.stdout
 
         def ssd_blocks(out: str) -> list[int]:
@@ -291,9 +313,11 @@ async def test_a_batch_that_cannot_be_applied_is_counted_and_its_writer_resynced
         await publish(writer, batch("prefill-0", 1, HASHES[:4]))
         await writer.js.publish(subject, b"\xc1 not msgpack")
         unappliable = KvEventBatch(
-            writer_id="prefill-0", seq=2, ts_ms=0,
+            writer_id="prefill-0",
+            seq=2,
+            ts_ms=0,
             events=(BlocksRemoved(tier="ssd", block_hashes=b"\x01\x02\x03"),),
-        )  # fmt: skip
+        )
         await writer.js.publish(subject, unappliable)
         await publish(writer, batch("prefill-0", 3, HASHES[4:6], 4))
         assert await eventually(lambda: _true(len(resyncs) == 2))

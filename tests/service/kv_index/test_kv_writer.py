@@ -39,9 +39,13 @@ def payload(block_hash: int) -> bytes:
 
 def open_store(root: Path, writer_id: str) -> KvStore:
     config = KvStoreConfig(
-        root_dir=root, writer_id=writer_id, payload_nbytes=PAYLOAD_NBYTES,
-        capacity_bytes=64 * 8192, file_nbytes=16 * 8192, backend="aiofiles",
-    )  # fmt: skip
+        root_dir=root,
+        writer_id=writer_id,
+        payload_nbytes=PAYLOAD_NBYTES,
+        capacity_bytes=64 * 8192,
+        file_nbytes=16 * 8192,
+        backend="aiofiles",
+    )
     return KvStore.open(config)
 
 
@@ -143,10 +147,21 @@ async def test_cache_rebuild_from_slot_headers(
         kvfabric = str(Path(sys.executable).parent / "kvfabric")
         done = await asyncio.to_thread(
             subprocess.run,
-            [kvfabric, "cache", "rebuild", "--store-dir", str(tmp_path),
-             "--nats-url", nats_server.url, "--root", lost_root],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [
+                kvfabric,
+                "cache",
+                "rebuild",
+                "--store-dir",
+                str(tmp_path),
+                "--nats-url",
+                nats_server.url,
+                "--root",
+                lost_root,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
         assert "6 valid slots found, 6 blocks indexed" in done.stdout
         assert await prefix(fresh, HASHES) == 6

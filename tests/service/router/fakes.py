@@ -246,9 +246,12 @@ class FakeMemcache:
     async def beat(self) -> None:
         self.num_beats += 1
         report = LoadReport(
-            service=self.bus.service, instance_id=self.instance_id, seq=self.num_beats, ts_ms=0,
+            service=self.bus.service,
+            instance_id=self.instance_id,
+            seq=self.num_beats,
+            ts_ms=0,
             node_id=self.node_id,
-        )  # fmt: skip
+        )
         await self.bus.publish(self.bus.subjects.load(self.bus.service, self.instance_id), report)
         await self.bus.flush()
 
@@ -263,9 +266,13 @@ class FakeMemcache:
         """One batch; `num_lost` batches before it never reach anyone (a gap)."""
         self.seq += 1 + num_lost
         batch = SwaHeld(
-            instance_id=self.instance_id, node_id=self.node_id, seq=self.seq, is_full=is_full,
-            added=pack_block_hashes(list(added)), removed=pack_block_hashes(list(removed)),
-        )  # fmt: skip
+            instance_id=self.instance_id,
+            node_id=self.node_id,
+            seq=self.seq,
+            is_full=is_full,
+            added=pack_block_hashes(list(added)),
+            removed=pack_block_hashes(list(removed)),
+        )
         await self.bus.publish(self.bus.subjects.swa_events(self.instance_id), batch)
         await self.bus.flush()
 

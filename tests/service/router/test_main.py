@@ -29,9 +29,13 @@ async def test_setup_serves_generate_and_reports_metrics(
         await worker.serve()
         worker.beat_every(0.05)  # inside the router's warm-up (its heartbeat_s)
     config = RouterConfig(
-        nats_url=nats_server.url, root=subject_root, instance_id="router-main",
-        heartbeat_s=0.2, shutdown_grace_s=1.0, match_timeout_s=0.1,
-    )  # fmt: skip
+        nats_url=nats_server.url,
+        root=subject_root,
+        instance_id="router-main",
+        heartbeat_s=0.2,
+        shutdown_grace_s=1.0,
+        match_timeout_s=0.1,
+    )
     runtime = ServiceRuntime(ROUTER, config)
     running = asyncio.create_task(runtime.run(setup))
     client = await bus_factory("ingress", "ingress-0")

@@ -88,9 +88,11 @@ async def test_a_cache_hit_goes_to_the_node_holding_its_sliding_window_snapshot(
     hashes = hashes_of(request)
     await FakeKvIndex(await bus_factory("kv-index", "kv-index-0"), stored=hashes).serve()
     a, b = await start_workers(
-        bus_factory, PREFILL,
-        {"node_id": "node-a", "queued_tokens": 0}, {"node_id": "node-b", "queued_tokens": 30},
-    )  # fmt: skip
+        bus_factory,
+        PREFILL,
+        {"node_id": "node-a", "queued_tokens": 0},
+        {"node_id": "node-b", "queued_tokens": 30},
+    )
     [d1] = await start_workers(bus_factory, DECODE, {})
     for worker in (a, b, d1):
         await worker.serve()
@@ -114,11 +116,13 @@ async def test_a_cache_hit_goes_to_the_node_holding_its_sliding_window_snapshot(
     facts = RequestFacts.of(request, RequestBlocks.of_request(request), len(hashes))
     ttft = {
         name: cost.prefill(
-            num_queued_tokens=queued, num_prompt_tokens=facts.num_prompt_tokens,
-            num_cached_tokens=facts.num_cached_tokens, has_swa_snapshot=has_swa,
+            num_queued_tokens=queued,
+            num_prompt_tokens=facts.num_prompt_tokens,
+            num_cached_tokens=facts.num_cached_tokens,
+            has_swa_snapshot=has_swa,
         ).ttft_s
         for name, queued, has_swa in (("a", 0, False), ("b", 30, True))
-    }  # fmt: skip
+    }
     assert ttft["b"] < ttft["a"]
 
     client = await bus_factory("ingress", "ingress-0")
@@ -275,10 +279,14 @@ async def test_each_model_goes_to_its_own_workers_and_an_unknown_one_is_not_foun
     await known(router, "prefill-1", "prefill-2", "decode-1", "decode-2")
     client = await bus_factory("ingress", "ingress-0")
     smol = msgspec.structs.replace(make_request("r-smol"), model="SmolLM2-135M-Instruct")
-    smol = msgspec.structs.replace(smol, block_hashes=pack_block_hashes(
-        RequestBlocks.hash_prompt(smol.prompt_token_ids, model=smol.model,
-                                  block_size_tokens=BLOCK).hashes
-    ))  # fmt: skip
+    smol = msgspec.structs.replace(
+        smol,
+        block_hashes=pack_block_hashes(
+            RequestBlocks.hash_prompt(
+                smol.prompt_token_ids, model=smol.model, block_size_tokens=BLOCK
+            ).hashes
+        ),
+    )
     decision = await client.request(client.subjects.router_generate, smol, RouteDecision)
     assert (decision.prefill_worker_id, decision.decode_worker_id) == ("prefill-2", "decode-2")
     tiny = await client.request(

@@ -40,8 +40,10 @@ async def main(url: str, root: str, instance_id: str, memcache_id: str, nbytes: 
             await asyncio.sleep(0.1)
     else:
         stored = False
-    print(json.dumps({"stored": stored, "checksum": xxhash.xxh3_64_intdigest(agent.buffer)}),
-          flush=True)  # fmt: skip
+    print(
+        json.dumps({"stored": stored, "checksum": xxhash.xxh3_64_intdigest(agent.buffer)}),
+        flush=True,
+    )
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     agent.close()
     await bus.stop_serving(1.0)

@@ -31,11 +31,29 @@ INSTANCE = "swa-memcache-node0"
 
 def start_memcache(url: str, root: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "services.swa_memcache", "--nats-url", url, "--root", root,
-         "--instance-id", INSTANCE, "--node-id", "node0", "--ttl-s", "2.0",
-         "--capacity-bytes", "3000", "--expire-interval-s", "0.2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.swa_memcache",
+            "--nats-url",
+            url,
+            "--root",
+            root,
+            "--instance-id",
+            INSTANCE,
+            "--node-id",
+            "node0",
+            "--ttl-s",
+            "2.0",
+            "--capacity-bytes",
+            "3000",
+            "--expire-interval-s",
+            "0.2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+    )
 
 
 async def until(check: Callable[[], object], timeout_s: float = 30.0) -> None:
@@ -97,8 +115,11 @@ async def test_events_follow_puts_evictions_expiry_resyncs_and_a_restart(
         await until(lambda: any(4 in hashes(b.added) for b in batches))
         changes = [b for b in batches[1:] if b.added or b.removed]
         assert [(hashes(b.added), hashes(b.removed)) for b in changes] == [
-            ([1], []), ([2], []), ([3], []), ([4], [1]),
-        ]  # fmt: skip
+            ([1], []),
+            ([2], []),
+            ([3], []),
+            ([4], [1]),
+        ]
 
         num_before = len(batches)
         await bus.publish(subjects.swa_resync, SwaResync(instance_id="swa-memcache-other"))
@@ -168,8 +189,11 @@ async def test_a_large_state_goes_in_several_batches_and_stop_empties_it(
 
     hello, *state, goodbye = batches
     assert hello.is_full and hello.added == b""
-    assert [(b.is_full, hashes(b.added)) for b in state] == [(True, [1, 2]), (False, [3, 4]),
-                                                             (False, [5])]  # fmt: skip
+    assert [(b.is_full, hashes(b.added)) for b in state] == [
+        (True, [1, 2]),
+        (False, [3, 4]),
+        (False, [5]),
+    ]
     assert goodbye.is_full and goodbye.added == b""
     assert [b.seq - hello.seq for b in batches] == [0, 1, 2, 3, 4]
     swa = SwaMap()

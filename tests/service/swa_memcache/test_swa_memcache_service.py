@@ -30,11 +30,27 @@ async def test_get_put_ttl_capacity_and_metrics(
     nats_server: NatsServer, subject_root: str, bus_factory: BusFactory
 ) -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.swa_memcache", "--nats-url", nats_server.url,
-         "--root", subject_root, "--instance-id", "swa-memcache-node0", "--ttl-s", "1.0",
-         "--capacity-bytes", "3000", "--expire-interval-s", "0.2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.swa_memcache",
+            "--nats-url",
+            nats_server.url,
+            "--root",
+            subject_root,
+            "--instance-id",
+            "swa-memcache-node0",
+            "--ttl-s",
+            "1.0",
+            "--capacity-bytes",
+            "3000",
+            "--expire-interval-s",
+            "0.2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+    )
     try:
         bus = await bus_factory("prefill", "prefill-0")
         subjects = bus.subjects

@@ -51,12 +51,29 @@ def subject_root(module_root: str) -> str:
 def memcache(nats_server: NatsServer, module_root: str) -> Iterator[subprocess.Popen[bytes]]:
     # Room for three big snapshots and a little: the fourth evicts.
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.swa_memcache", "--nats-url", nats_server.url,
-         "--root", module_root, "--instance-id", MEMCACHE,
-         "--capacity-bytes", str(3 * BIG + (64 << 10)), "--inline-max-bytes", str(256 << 10),
-         "--lease-s", str(LEASE_S), "--transfer-timeout-s", "1.0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.swa_memcache",
+            "--nats-url",
+            nats_server.url,
+            "--root",
+            module_root,
+            "--instance-id",
+            MEMCACHE,
+            "--capacity-bytes",
+            str(3 * BIG + (64 << 10)),
+            "--inline-max-bytes",
+            str(256 << 10),
+            "--lease-s",
+            str(LEASE_S),
+            "--transfer-timeout-s",
+            "1.0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+    )
     try:
         yield process
     finally:
@@ -136,16 +153,29 @@ async def test_big_over_nixl_small_inline_and_leases(prefill: tuple[Bus, SwaClie
 
 
 async def test_failed_pulls_store_nothing_and_memcache_keeps_serving(
-    nats_server: NatsServer, module_root: str, bus_factory: BusFactory,
+    nats_server: NatsServer,
+    module_root: str,
+    bus_factory: BusFactory,
     prefill: tuple[Bus, SwaClient],
-) -> None:  # fmt: skip
+) -> None:
     bus, client = prefill
     caller = subprocess.Popen(
-        [sys.executable, "-m", "tests.service.swa_memcache.swa_peer", nats_server.url,
-         module_root, "prefill-doomed", MEMCACHE, str(BIG)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-m",
+            "tests.service.swa_memcache.swa_peer",
+            nats_server.url,
+            module_root,
+            "prefill-doomed",
+            MEMCACHE,
+            str(BIG),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
         cwd=REPO,
-    )  # fmt: skip
+    )
     silent = await bus_factory("prefill", "prefill-silent")
 
     async def never_answers(request: NixlMetadataRequest, ctx: Context) -> NixlAgentInfo:

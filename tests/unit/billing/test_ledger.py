@@ -43,11 +43,20 @@ def row(
     finished_ms: int = T0,
 ) -> LedgerRow:
     record = UsageRecord(
-        request_id=request_id, api_key_id=api_key_id, model=model, num_cache_hit_tokens=hit,
-        num_cache_miss_tokens=miss, num_output_tokens=output, status=UsageStatus.COMPLETED,
-        finish_reason="stop", started_ms=finished_ms - 1000, finished_ms=finished_ms,
-        prefill_worker_id="prefill-0", decode_worker_id="decode-0", account=account,
-    )  # fmt: skip
+        request_id=request_id,
+        api_key_id=api_key_id,
+        model=model,
+        num_cache_hit_tokens=hit,
+        num_cache_miss_tokens=miss,
+        num_output_tokens=output,
+        status=UsageStatus.COMPLETED,
+        finish_reason="stop",
+        started_ms=finished_ms - 1000,
+        finished_ms=finished_ms,
+        prefill_worker_id="prefill-0",
+        decode_worker_id="decode-0",
+        account=account,
+    )
     charge = price(BOOK, model, finished_ms, hit, miss, output)
     return LedgerRow.of(record, source=source, charge=charge, recorded_ms=finished_ms + 5)
 
@@ -120,8 +129,14 @@ def test_decode_replaces_ingress_and_never_the_other_way(ledger: Ledger) -> None
 
 
 def test_both_sources_in_one_batch_count_as_if_recorded_in_order(ledger: Ledger) -> None:
-    result = ledger.record([row("a", "ingress"), row("a", "decode", output=7),
-                            row("b", "decode", output=8), row("b", "ingress")])  # fmt: skip
+    result = ledger.record(
+        [
+            row("a", "ingress"),
+            row("a", "decode", output=7),
+            row("b", "decode", output=8),
+            row("b", "ingress"),
+        ]
+    )
     assert result == RecordResult(num_inserted=2, num_replaced=1, num_duplicates=1)
     a, b = ledger.get("a"), ledger.get("b")
     assert a is not None and (a.source, a.num_output_tokens) == ("decode", 7)
@@ -137,8 +152,10 @@ def test_the_result_says_what_was_ledgered_by_source_and_the_new_rows_money(
     b = row("b", "decode", output=8)
     first = ledger.record([a_estimate, b, b])
     assert first.num_ledgered_by_source == (1, 1)  # b from decode, a's estimate from ingress
-    money = [sum(getattr(r, f"{kind}_pico_cny") for r in (a_estimate, b))
-             for kind in ("hit", "miss", "output")]  # fmt: skip
+    money = [
+        sum(getattr(r, f"{kind}_pico_cny") for r in (a_estimate, b))
+        for kind in ("hit", "miss", "output")
+    ]
     assert list(first.inserted_pico_cny) == money and money[2] > 0
     second = ledger.record([a_counted, row("c", "ingress"), b])
     assert (second.num_inserted, second.num_replaced, second.num_duplicates) == (1, 1, 1)
@@ -238,15 +255,21 @@ def test_ten_thousand_rows_in_one_call(ledger: Ledger) -> None:
 
 
 def test_reports_by_account_and_model_are_exact_sums(ledger: Ledger) -> None:
-    rows = [row("a1", account="acme", model="m1", hit=10, miss=1, output=3),
-            row("a2", account="acme", model="m2", hit=20, miss=2, output=4),
-            row("b1", account="beta", model="m1", hit=30, miss=3, output=5)]  # fmt: skip
+    rows = [
+        row("a1", account="acme", model="m1", hit=10, miss=1, output=3),
+        row("a2", account="acme", model="m2", hit=20, miss=2, output=4),
+        row("b1", account="beta", model="m1", hit=30, miss=3, output=5),
+    ]
     ledger.record(rows)
     by_account = {r.key: r for r in ledger.report("account")}
     assert list(by_account) == ["acme", "beta"]
     acme = by_account["acme"]
-    assert (acme.num_requests, acme.num_cache_hit_tokens, acme.num_cache_miss_tokens,
-            acme.num_output_tokens) == (2, 30, 3, 7)  # fmt: skip
+    assert (
+        acme.num_requests,
+        acme.num_cache_hit_tokens,
+        acme.num_cache_miss_tokens,
+        acme.num_output_tokens,
+    ) == (2, 30, 3, 7)
     assert acme.hit_pico_cny == 30 * 20_000 and acme.miss_pico_cny == 3 * 1_000_000
     assert acme.output_pico_cny == 7 * 4_000_000
     assert acme.total_pico_cny == rows[0].total_pico_cny + rows[1].total_pico_cny
@@ -259,9 +282,12 @@ def test_reports_by_account_and_model_are_exact_sums(ledger: Ledger) -> None:
 
 def test_sums_past_bigint_stay_exact(ledger: Ledger) -> None:
     """Each row fits BIGINT; their sum (1.4e19 pico-CNY) does not."""
-    huge = [row(f"h{i}")._replace(hit_pico_cny=2**62, miss_pico_cny=0,
-                                output_pico_cny=7, total_pico_cny=2**62 + 7)
-            for i in range(3)]  # fmt: skip
+    huge = [
+        row(f"h{i}")._replace(
+            hit_pico_cny=2**62, miss_pico_cny=0, output_pico_cny=7, total_pico_cny=2**62 + 7
+        )
+        for i in range(3)
+    ]
     ledger.record(huge)
     [total] = ledger.report("account")
     assert total.total_pico_cny == 3 * (2**62 + 7)
@@ -269,19 +295,27 @@ def test_sums_past_bigint_stay_exact(ledger: Ledger) -> None:
 
 
 def test_reports_by_hour_and_day_in_utc_and_filtered(ledger: Ledger) -> None:
-    ledger.record([row("h0a", finished_ms=T0 + 5 * 60_000),
-                   row("h0b", finished_ms=T0 + HOUR_MS - 1),
-                   row("h1", finished_ms=T0 + HOUR_MS),
-                   row("d1", finished_ms=T0 + 24 * HOUR_MS)])  # fmt: skip
+    ledger.record(
+        [
+            row("h0a", finished_ms=T0 + 5 * 60_000),
+            row("h0b", finished_ms=T0 + HOUR_MS - 1),
+            row("h1", finished_ms=T0 + HOUR_MS),
+            row("d1", finished_ms=T0 + 24 * HOUR_MS),
+        ]
+    )
     hours = ledger.report("hour")
-    assert [(r.key, r.num_requests) for r in hours] == [("2025-01-15T00:00+00:00", 2),
-                                                        ("2025-01-15T01:00+00:00", 1),
-                                                        ("2025-01-16T00:00+00:00", 1)]  # fmt: skip
+    assert [(r.key, r.num_requests) for r in hours] == [
+        ("2025-01-15T00:00+00:00", 2),
+        ("2025-01-15T01:00+00:00", 1),
+        ("2025-01-16T00:00+00:00", 1),
+    ]
     days = ledger.report("day")
     assert [(r.key, r.num_requests) for r in days] == [("2025-01-15", 3), ("2025-01-16", 1)]
     window = ledger.report("hour", since_ms=T0 + HOUR_MS - 1, until_ms=T0 + 24 * HOUR_MS)
     assert [(r.key, r.num_requests) for r in window] == [
-        ("2025-01-15T00:00+00:00", 1), ("2025-01-15T01:00+00:00", 1)]  # fmt: skip
+        ("2025-01-15T00:00+00:00", 1),
+        ("2025-01-15T01:00+00:00", 1),
+    ]
 
 
 def test_reports_in_a_time_zone_follow_its_offsets(ledger: Ledger) -> None:
@@ -289,7 +323,8 @@ def test_reports_in_a_time_zone_follow_its_offsets(ledger: Ledger) -> None:
     ledger.record([row("x", finished_ms=T0 + 16 * HOUR_MS + 30 * 60_000)])
     assert [r.key for r in ledger.report("day", time_zone="Asia/Shanghai")] == ["2025-01-16"]
     assert [r.key for r in ledger.report("hour", time_zone="Asia/Kolkata")] == [
-        "2025-01-15T22:00+05:30"]  # fmt: skip
+        "2025-01-15T22:00+05:30"
+    ]
     # New York's fall-back: 01:30 EDT and 01:30 EST are two hours with their own keys
     fall = int(datetime(2025, 11, 2, 5, 30, tzinfo=ZoneInfo("UTC")).timestamp() * 1000)
     ledger.record([row("edt", finished_ms=fall), row("est", finished_ms=fall + HOUR_MS)])
@@ -318,8 +353,10 @@ def test_postgres_reconnects_after_the_connection_drops(postgres_schema_url: str
     ledger = open_ledger(postgres_schema_url)
     ledger.record([row("before")])
     with psycopg.connect(postgres_schema_url, autocommit=True) as admin:
-        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                      "WHERE pid <> pg_backend_pid() AND datname = current_database()")  # fmt: skip
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE pid <> pg_backend_pid() AND datname = current_database()"
+        )
     with pytest.raises(LedgerError, match="none written"):
         ledger.record([row("lost")])  # the batch that finds the connection gone: redelivered
     assert ledger.record([row("lost"), row("after")]) == RecordResult(2, 0, 0)
@@ -333,8 +370,9 @@ def test_device_spans_merge_and_sum(ledger: Ledger) -> None:
     hour = 1_790_000_000_000 - 1_790_000_000_000 % 3_600_000
     a = DeviceSpan(hour, "decode-0", "decode", "m", 8, hour + 1_000, hour + 60_000)
     b = DeviceSpan(hour, "decode-0", "decode", "m", 8, hour + 30_000, hour + 90_000)
-    c = DeviceSpan(hour + 3_600_000, "prefill-0", "prefill", "m", 1, hour + 3_600_500,
-                   hour + 3_601_500)  # fmt: skip
+    c = DeviceSpan(
+        hour + 3_600_000, "prefill-0", "prefill", "m", 1, hour + 3_600_500, hour + 3_601_500
+    )
     ledger.record_device_spans([b, c])
     ledger.record_device_spans([a, b])  # another replica's span and a repeat: min / max
     assert ledger.device_ms() == 89_000 * 8 + 1_000

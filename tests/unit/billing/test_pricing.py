@@ -52,13 +52,17 @@ def peak_book(tmp_path: Path) -> PriceBook:
 
 def test_default_is_the_reference_off_peak_price_in_beijing_time() -> None:
     book = PriceBook.default()
-    charge = price(book, "any-model", at(BEIJING, 2025, 1, 15, 12, 0), 1_000_000, 1_000_000,
-                   1_000_000)  # fmt: skip
+    charge = price(
+        book, "any-model", at(BEIJING, 2025, 1, 15, 12, 0), 1_000_000, 1_000_000, 1_000_000
+    )
     assert charge.window == OFF_PEAK
     assert charge.prices == Prices(20_000, 1_000_000, 4_000_000)
     # a million tokens of each: CNY 0.02 + 1 + 4, exactly
     assert (charge.hit_pico_cny, charge.miss_pico_cny, charge.output_pico_cny) == (
-        20_000 * 10**6, 10**12, 4 * 10**12)  # fmt: skip
+        20_000 * 10**6,
+        10**12,
+        4 * 10**12,
+    )
     assert cny(charge.total_pico_cny) == Decimal("5.020000")
     assert book.any_model.time_zone == "Asia/Shanghai"
 
@@ -109,13 +113,19 @@ def test_dst_moves_the_window_against_utc() -> None:
     assert price(book, "m", at("UTC", 2025, 7, 1, 13, 30), 0, 0, 1).window == "business"
     assert price(book, "m", at("UTC", 2025, 1, 15, 13, 30), 0, 0, 1).window == OFF_PEAK
     # the spring-forward night: 02:00-03:00 does not exist; 01:59:59 EST, then 03:00 EDT
-    night = PriceBook(ModelPricing("", "America/New_York", Prices(1, 1, 1),
-                                   (Window("night", "02:30", "03:30", PEAK),)))  # fmt: skip
+    night = PriceBook(
+        ModelPricing(
+            "", "America/New_York", Prices(1, 1, 1), (Window("night", "02:30", "03:30", PEAK),)
+        )
+    )
     assert price(night, "m", at("UTC", 2025, 3, 9, 6, 59, 59), 0, 0, 1).window == OFF_PEAK
     assert price(night, "m", at("UTC", 2025, 3, 9, 7, 0, 0), 0, 0, 1).window == "night"
     # the fall-back night: 01:30 happens twice, both inside a 01:00-02:00 window
-    fall = PriceBook(ModelPricing("", "America/New_York", Prices(1, 1, 1),
-                                  (Window("w", "01:00", "02:00", PEAK),)))  # fmt: skip
+    fall = PriceBook(
+        ModelPricing(
+            "", "America/New_York", Prices(1, 1, 1), (Window("w", "01:00", "02:00", PEAK),)
+        )
+    )
     assert price(fall, "m", at("UTC", 2025, 11, 2, 5, 30), 0, 0, 1).window == "w"  # EDT
     assert price(fall, "m", at("UTC", 2025, 11, 2, 6, 30), 0, 0, 1).window == "w"  # EST
     assert price(fall, "m", at("UTC", 2025, 11, 2, 7, 0), 0, 0, 1).window == OFF_PEAK
@@ -218,27 +228,40 @@ windows = []
         ("[default]\noff_peak = { hit = 1, miss = 1 }", "default.off_peak.output must"),
         ("[default]\noff_peak = { hit = -1, miss = 1, output = 1 }", "default.off_peak.hit must"),
         ("[default]\nof_peak = { hit = 1, miss = 1, output = 1 }", "unknown field default.of_peak"),
-        ("[default]\ntime_zone = \"Mars/Olympus\"", "default.time_zone must be an IANA zone"),
+        ('[default]\ntime_zone = "Mars/Olympus"', "default.time_zone must be an IANA zone"),
         ('[models."m"]\ntime_zone = 8', "models.m.time_zone must be an IANA zone"),
-        ("[[default.windows]]\nname = \"p\"\nstart = \"8:30\"\nend = \"09:00\"\n"
-         "prices = { hit = 1, miss = 1, output = 1 }", "default.windows[0].start must"),
-        ("[[default.windows]]\nname = \"p\"\nstart = \"08:30\"\nend = \"24:00\"\n"
-         "prices = { hit = 1, miss = 1, output = 1 }", "default.windows[0].end must"),
-        ("[[default.windows]]\nname = \"p\"\nstart = \"08:30\"\nend = \"08:30\"\n"
-         "prices = { hit = 1, miss = 1, output = 1 }", "default.windows[0].end equals start"),
-        ("[[default.windows]]\nname = \"p\"\nstart = \"08:30\"\nend = \"09:00\"",
-         "default.windows[0].prices is missing"),
-        ("[[default.windows]]\nname = \"a\"\nstart = \"08:00\"\nend = \"10:00\"\n"
-         "prices = { hit = 1, miss = 1, output = 1 }\n"
-         "[[default.windows]]\nname = \"b\"\nstart = \"09:59\"\nend = \"11:00\"\n"
-         "prices = { hit = 1, miss = 1, output = 1 }",
-         "windows overlap: 'a' and 'b' both cover 09:59"),
-        ('usd_per_cny = 0.14', "usd_per_cny must be a decimal string"),
+        (
+            '[[default.windows]]\nname = "p"\nstart = "8:30"\nend = "09:00"\n'
+            "prices = { hit = 1, miss = 1, output = 1 }",
+            "default.windows[0].start must",
+        ),
+        (
+            '[[default.windows]]\nname = "p"\nstart = "08:30"\nend = "24:00"\n'
+            "prices = { hit = 1, miss = 1, output = 1 }",
+            "default.windows[0].end must",
+        ),
+        (
+            '[[default.windows]]\nname = "p"\nstart = "08:30"\nend = "08:30"\n'
+            "prices = { hit = 1, miss = 1, output = 1 }",
+            "default.windows[0].end equals start",
+        ),
+        (
+            '[[default.windows]]\nname = "p"\nstart = "08:30"\nend = "09:00"',
+            "default.windows[0].prices is missing",
+        ),
+        (
+            '[[default.windows]]\nname = "a"\nstart = "08:00"\nend = "10:00"\n'
+            "prices = { hit = 1, miss = 1, output = 1 }\n"
+            '[[default.windows]]\nname = "b"\nstart = "09:59"\nend = "11:00"\n'
+            "prices = { hit = 1, miss = 1, output = 1 }",
+            "windows overlap: 'a' and 'b' both cover 09:59",
+        ),
+        ("usd_per_cny = 0.14", "usd_per_cny must be a decimal string"),
         ("models = 3", "models must be a table"),
-        ("currency = \"CNY\"", "unknown field currency"),
+        ('currency = "CNY"', "unknown field currency"),
         ("[default\n", "not valid TOML"),
     ],
-)  # fmt: skip
+)
 def test_bad_price_files_name_the_field(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(text)

@@ -11,8 +11,9 @@ T0 = 1_790_000_000_000 - 1_790_000_000_000 % HOUR_MS  # an hour's start
 
 
 def beat(ts_ms: int, instance: str = "decode-0", devices: int = 1) -> LoadReport:
-    return LoadReport(service="decode", instance_id=instance, seq=0, ts_ms=ts_ms,
-                      model="m", num_devices=devices)  # fmt: skip
+    return LoadReport(
+        service="decode", instance_id=instance, seq=0, ts_ms=ts_ms, model="m", num_devices=devices
+    )
 
 
 def test_spans_cover_first_to_last_beat_of_each_hour() -> None:

@@ -34,9 +34,12 @@ def test_prefix_ending_mid_block_resumes_exactly(model) -> None:  # noqa: F811
     engine.runner.prefill([holder], num_new_tokens=[len(prompt) - 1])
     assert holder.num_computed_tokens == 40 and len(holder.block_table) == 3
     seq_id = engine.add_request(
-        prompt, GREEDY, prefix_block_ids=holder.block_table, prefix_window=holder.window,
+        prompt,
+        GREEDY,
+        prefix_block_ids=holder.block_table,
+        prefix_window=holder.window,
         num_prefix_tokens=40,
-    )  # fmt: skip
+    )
     engine.runner.allocator.free(holder.block_table)  # the sequence holds its own reference
     assert _run(engine, seq_id) == solo(model, prompt, GREEDY)
     assert engine.runner.allocator.num_free_blocks == 32
@@ -62,9 +65,14 @@ def test_first_token_sampled_by_prefill_continues_exactly(model, params) -> None
     holder, first, state = _prefilled_with_first_token(engine, prompt, params)
     assert bool(state) == (not params.is_greedy)
     seq_id = engine.add_request(
-        prompt, params, prefix_block_ids=holder.block_table, prefix_window=holder.window,
-        num_prefix_tokens=len(prompt), first_token_id=first, sampler_state=state,
-    )  # fmt: skip
+        prompt,
+        params,
+        prefix_block_ids=holder.block_table,
+        prefix_window=holder.window,
+        num_prefix_tokens=len(prompt),
+        first_token_id=first,
+        sampler_state=state,
+    )
     engine.runner.allocator.free(holder.block_table)
     # The first token is out before any forward; the rest are the same request's, alone.
     pending = engine.take_pending()
@@ -80,15 +88,20 @@ def test_first_token_sampled_by_prefill_may_end_the_request(model) -> None:  # n
     probe = Engine(runner, eos_token_ids=())
     holder, first, _ = _prefilled_with_first_token(probe, prompt, GREEDY)
     engine = Engine(
-        runner, eos_token_ids=(first,),
+        runner,
+        eos_token_ids=(first,),
         on_finish=lambda seq, reason: finished.append(
             (seq.num_computed_tokens, list(seq.token_ids[len(prompt) :]), list(seq.block_table))
         ),
-    )  # fmt: skip
+    )
     seq_id = engine.add_request(
-        prompt, GREEDY, prefix_block_ids=holder.block_table, prefix_window=holder.window,
-        num_prefix_tokens=len(prompt), first_token_id=first,
-    )  # fmt: skip
+        prompt,
+        GREEDY,
+        prefix_block_ids=holder.block_table,
+        prefix_window=holder.window,
+        num_prefix_tokens=len(prompt),
+        first_token_id=first,
+    )
     # Ended inside add_request, its pages still held when the callback ran.
     assert finished == [(len(prompt), [first], holder.block_table)]
     (out,) = engine.take_pending()
@@ -109,22 +122,35 @@ def test_first_token_needs_the_whole_prompt_computed(model) -> None:  # noqa: F8
     engine.runner.prefill([holder], num_new_tokens=[len(prompt) - 1])
     with pytest.raises(RequestError, match="whole prompt"):
         engine.add_request(
-            prompt, GREEDY, prefix_block_ids=holder.block_table, prefix_window=holder.window,
-            num_prefix_tokens=len(prompt) - 1, first_token_id=5,
-        )  # fmt: skip
+            prompt,
+            GREEDY,
+            prefix_block_ids=holder.block_table,
+            prefix_window=holder.window,
+            num_prefix_tokens=len(prompt) - 1,
+            first_token_id=5,
+        )
     whole = Sequence(2, prompt)
     engine.runner.prefill([whole])
     with pytest.raises(RequestError, match="vocabulary"):
         engine.add_request(
-            prompt, GREEDY, prefix_block_ids=whole.block_table, prefix_window=whole.window,
-            num_prefix_tokens=len(prompt), first_token_id=model.config.vocab_size,
-        )  # fmt: skip
+            prompt,
+            GREEDY,
+            prefix_block_ids=whole.block_table,
+            prefix_window=whole.window,
+            num_prefix_tokens=len(prompt),
+            first_token_id=model.config.vocab_size,
+        )
     seeded = SamplingParams(temperature=1.0, seed=3)
     with pytest.raises(RequestError, match="sampler state"):
         engine.add_request(
-            prompt, seeded, prefix_block_ids=whole.block_table, prefix_window=whole.window,
-            num_prefix_tokens=len(prompt), first_token_id=5, sampler_state=b"\x01\x02",
-        )  # fmt: skip
+            prompt,
+            seeded,
+            prefix_block_ids=whole.block_table,
+            prefix_window=whole.window,
+            num_prefix_tokens=len(prompt),
+            first_token_id=5,
+            sampler_state=b"\x01\x02",
+        )
 
 
 def test_prefix_blocks_must_just_cover_the_prefix(model) -> None:  # noqa: F811
@@ -140,14 +166,20 @@ def test_boundary_windows_on_finish_and_drafts_that_stop_at_block_edges(model) -
     finished: list[tuple[int, int, int | None, list[int]]] = []
     runner = ModelRunner(model, num_blocks=32, block_size_tokens=BLOCK)
     engine = Engine(
-        runner, SchedulerConfig(), eos_token_ids=(),
-        spec_decode=SpecDecodeConfig(enabled=True), track_block_boundaries=True,
-        on_finish=lambda seq, reason: finished.append((
-            seq.seq_id, seq.num_computed_tokens,
-            None if seq.boundary_window is None else seq.boundary_window.end_position,
-            list(seq.block_table),
-        )),
-    )  # fmt: skip
+        runner,
+        SchedulerConfig(),
+        eos_token_ids=(),
+        spec_decode=SpecDecodeConfig(enabled=True),
+        track_block_boundaries=True,
+        on_finish=lambda seq, reason: finished.append(
+            (
+                seq.seq_id,
+                seq.num_computed_tokens,
+                None if seq.boundary_window is None else seq.boundary_window.end_position,
+                list(seq.block_table),
+            )
+        ),
+    )
     # A repeating prompt: prompt lookup drafts long runs, which must not cross block edges.
     prompt = random_tokens(12, seed=3) * 4
     seq_id = engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=40))

@@ -49,8 +49,9 @@ def test_every_quantized_tensor_of_smollm2_dequantizes_to_gguf_bits() -> None:
             continue  # the first tensor of each format (gguf's own path takes seconds each)
         seen.add(tensor.ggml_type)
         block_size, block_bytes = GGML_QUANT_SIZES[tensor.ggml_type]
-        raw = np.memmap(gguf.path, dtype=np.uint8, mode="r", offset=tensor.offset,
-                        shape=tensor.nbytes)  # fmt: skip
+        raw = np.memmap(
+            gguf.path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=tensor.nbytes
+        )
         rows = raw.reshape(*tensor.shape[:-1], tensor.shape[-1] // block_size * block_bytes)
         ours = dequantize(rows, tensor.ggml_type)
         np.testing.assert_array_equal(

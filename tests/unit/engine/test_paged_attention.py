@@ -31,8 +31,9 @@ def scattered_pool(num_layers, num_kv_heads, dim, num_keys, seed):
     """A pool whose blocks for num_keys keys sit at shuffled ids, every other slot NaN."""
     torch.manual_seed(seed)
     num_blocks = -(-num_keys // BLOCK)
-    pool = PagedKVPool(KVBlockLayout(num_layers, BLOCK, num_kv_heads, dim, torch.float32),
-                       num_blocks + 3)  # fmt: skip
+    pool = PagedKVPool(
+        KVBlockLayout(num_layers, BLOCK, num_kv_heads, dim, torch.float32), num_blocks + 3
+    )
     pool.kv.fill_(float("nan"))
     table = torch.randperm(num_blocks + 3)[:num_blocks]
     keys = torch.randn(num_layers, num_keys, num_kv_heads, dim) * 2
@@ -45,10 +46,12 @@ def scattered_pool(num_layers, num_kv_heads, dim, num_keys, seed):
     return pool, table, keys, values
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"),
-                         [(9, 3, 64), (4, 2, 64), (2, 2, 128), (8, 1, 64)])  # fmt: skip
-@pytest.mark.parametrize(("start", "num_new"), [(0, 1), (0, 70), (5, 1), (64, 3), (100, 29),
-                                                (1600, 256), (127, 130)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "dim"), [(9, 3, 64), (4, 2, 64), (2, 2, 128), (8, 1, 64)]
+)
+@pytest.mark.parametrize(
+    ("start", "num_new"), [(0, 1), (0, 70), (5, 1), (64, 3), (100, 29), (1600, 256), (127, 130)]
+)
 def test_kernel_equals_the_masked_reference(num_heads, num_kv_heads, dim, start, num_new) -> None:
     num_keys = start + num_new
     pool, table, keys, values = scattered_pool(2, num_kv_heads, dim, num_keys, seed=start + dim)
@@ -103,8 +106,9 @@ def test_serves_float32_pools_of_64_token_blocks_only() -> None:
 def test_model_through_the_kernel_matches_the_sdpa_path(make_hf) -> None:
     """A llama of head_dim 64 and grouped heads: a prompt, then a chunk after it and a decode
     step, with and without the kernel."""
-    _, path = make_hf("llama", head_dim=64, hidden_size=128, num_attention_heads=2,
-                      num_key_value_heads=1)  # fmt: skip
+    _, path = make_hf(
+        "llama", head_dim=64, hidden_size=128, num_attention_heads=2, num_key_value_heads=1
+    )
     model = load_model(path)
     prompt = [(7 * i + 3) % 97 for i in range(200)]
     outputs = []

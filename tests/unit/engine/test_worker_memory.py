@@ -62,8 +62,11 @@ def run_passes() -> dict:
         pytest.fail(f"{SMOL} is not fetched: run `kvfabric models fetch` (make models)")
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(path)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -72,8 +72,14 @@ class Driver:
     def __init__(self, seed: int, num_shards: int, shard_id: int, capacity_blocks: int) -> None:
         self.rng = random.Random(seed)
         capacity = {"ssd": capacity_blocks * 1000, "dram": capacity_blocks * 300}
-        kwargs = {"capacity_bytes": capacity, "shard_id": shard_id, "num_shards": num_shards,
-                  "ttl_s": TTL_S, "high_watermark": 0.9, "low_watermark": 0.7}  # fmt: skip
+        kwargs = {
+            "capacity_bytes": capacity,
+            "shard_id": shard_id,
+            "num_shards": num_shards,
+            "ttl_s": TTL_S,
+            "high_watermark": 0.9,
+            "low_watermark": 0.7,
+        }
         self.index = KvIndex(**kwargs)
         self.reference = ReferenceIndex(**kwargs)
         self.chains = prompts(self.rng, 60)
@@ -96,10 +102,15 @@ class Driver:
             hashes = [*hashes, hashes[0]]
         size = 1000 if rng.random() < 0.9 else rng.choice([999, 1001])  # now and then another
         blocks = tuple(
-            StoredBlock(h, rng.randrange(4), rng.randrange(1 << 32), rng.randrange(1 << 32),
-                        size if rng.random() < 0.95 else 1000)
+            StoredBlock(
+                h,
+                rng.randrange(4),
+                rng.randrange(1 << 32),
+                rng.randrange(1 << 32),
+                size if rng.random() < 0.95 else 1000,
+            )
             for h in hashes
-        )  # fmt: skip
+        )
         tier = "ssd" if rng.random() < 0.75 else "dram"
         self.batch(rng.choice(WRITERS), (BlocksStored(tier=tier, blocks=blocks),))
 
@@ -107,8 +118,11 @@ class Driver:
         """Mostly hashes a writer holds (as its slot reuse logs them), some it does not."""
         rng = self.rng
         tier, writer = rng.choice(TIERS), rng.choice(WRITERS)
-        held = [h for h, e in self.reference.tiers[tier].items()
-                if self.reference.writer_ids[e.writer] == writer]  # fmt: skip
+        held = [
+            h
+            for h, e in self.reference.tiers[tier].items()
+            if self.reference.writer_ids[e.writer] == writer
+        ]
         hashes = rng.sample(held, min(len(held), rng.randrange(1, 20)))
         chain = rng.choice(self.chains)
         hashes += rng.sample(chain, min(2, len(chain)))
@@ -153,9 +167,14 @@ class Driver:
             if step % 50 == 0:
                 self.check_counts()
             if step % 400 == 399:  # a snapshot restores the same answers
-                copy = KvIndex(capacity_bytes=self.index.capacity_bytes, ttl_s=TTL_S,
-                               shard_id=self.index.shard_id, num_shards=self.index.num_shards,
-                               high_watermark=0.9, low_watermark=0.7)  # fmt: skip
+                copy = KvIndex(
+                    capacity_bytes=self.index.capacity_bytes,
+                    ttl_s=TTL_S,
+                    shard_id=self.index.shard_id,
+                    num_shards=self.index.num_shards,
+                    high_watermark=0.9,
+                    low_watermark=0.7,
+                )
                 copy.restore(self.index.snapshot())
                 self.index = copy
         self.check_counts()

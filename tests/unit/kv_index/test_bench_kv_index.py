@@ -23,11 +23,16 @@ def test_quick_run_without_the_peer_reports_every_figure(tmp_path: Path) -> None
     names = {f["name"]: f for f in data["figures"]}
     expected = {"memory per indexed block, 9K blocks (tracemalloc)"}
     for when in ("before", "after"):
-        expected |= {f"machine {when}: stalls > 10 us a busy loop sees",
-                     f"machine {when}: median stall"}  # fmt: skip
+        expected |= {
+            f"machine {when}: stalls > 10 us a busy loop sees",
+            f"machine {when}: median stall",
+        }
     for label in ("3K", "9K"):
-        expected |= {f"ingest, {label} blocks", f"ingest per CPU-second, {label} blocks",
-                     f"resident memory growth per indexed block, {label} blocks"}  # fmt: skip
+        expected |= {
+            f"ingest, {label} blocks",
+            f"ingest per CPU-second, {label} blocks",
+            f"resident memory growth per indexed block, {label} blocks",
+        }
         for how in bench.PREFIXES.values():
             for stat in ("p99", "p50", "CPU p99"):
                 expected.add(f"match 1200 blocks {how}, {label} blocks: {stat}")

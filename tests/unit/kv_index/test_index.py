@@ -95,9 +95,11 @@ def test_sequence_gaps_and_duplicates() -> None:
     assert index.apply(stored("p1", 7, HASHES[5:6]), now=0) is None  # a new writer starts anywhere
     # The resync reply: clear that writer's blocks, then its whole state.
     resync = KvEventBatch(
-        writer_id="p0", seq=6, ts_ms=0,
+        writer_id="p0",
+        seq=6,
+        ts_ms=0,
         events=(AllBlocksCleared(tier="ssd"), *stored("p0", 6, HASHES[:3]).events),
-    )  # fmt: skip
+    )
     assert index.apply(resync, now=1) is None
     assert prefix_len(index, HASHES) == 3
 

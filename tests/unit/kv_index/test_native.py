@@ -25,8 +25,14 @@ print(native.available(), type(index.tables["ssd"].index).__name__,
 
 
 def run_with(env: dict[str, str]) -> str:
-    done = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", PROGRAM],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+        check=True,
+    )
     return done.stdout.strip()
 
 
@@ -43,14 +49,22 @@ def test_with_a_compiler_the_c_index_is_built_into_the_cache(tmp_path: Path) -> 
 
 def test_a_failed_build_says_why(tmp_path: Path) -> None:
     compiler = tmp_path / "cc"
-    compiler.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake 1.0 && exit 0\n"
-                        "echo 'row_index.c: error: nope' >&2; exit 1\n")  # fmt: skip
+    compiler.write_text(
+        '#!/bin/sh\n[ "$1" = --version ] && echo fake 1.0 && exit 0\n'
+        "echo 'row_index.c: error: nope' >&2; exit 1\n"
+    )
     compiler.chmod(0o755)
     program = (
         "from services.kv_index import native\n"
         "try:\n    native.module()\nexcept native.NativeUnavailable as e:\n    print(e)\n"
     )
     env = {**os.environ, "CC": str(compiler), "KVF_KERNEL_CACHE": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                          env=env, timeout=120, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
     assert "building row_index.c failed" in done.stdout and "error: nope" in done.stdout

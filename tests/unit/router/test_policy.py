@@ -270,8 +270,15 @@ def test_aggregated_workers_are_refused_like_the_others() -> None:
     assert rejection.retry_after_s is not None and rejection.retry_after_s > 0
     # An aggregated worker's model is served: not NOT_FOUND for it.
     models_table = table_with(
-        LoadReport(service=VLLM_WORKER, instance_id="v-m", seq=1, ts_ms=0, model="smol",
-                   num_kv_pages_total=10, num_kv_pages_free=10)
-    )  # fmt: skip
+        LoadReport(
+            service=VLLM_WORKER,
+            instance_id="v-m",
+            seq=1,
+            ts_ms=0,
+            model="smol",
+            num_kv_pages_total=10,
+            num_kv_pages_free=10,
+        )
+    )
     assert NO_SLO.unserved_model("smol", models_table, 0.0) is None
     assert NO_SLO.unserved_model("other", models_table, 0.0) is not None

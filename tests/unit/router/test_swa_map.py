@@ -21,9 +21,13 @@ def held(
     is_full: bool = False,
 ) -> SwaHeld:
     return SwaHeld(
-        instance_id=instance_id, node_id=node_id, seq=seq, is_full=is_full,
-        added=pack_block_hashes(added), removed=pack_block_hashes(removed),
-    )  # fmt: skip
+        instance_id=instance_id,
+        node_id=node_id,
+        seq=seq,
+        is_full=is_full,
+        added=pack_block_hashes(added),
+        removed=pack_block_hashes(removed),
+    )
 
 
 def test_full_state_then_increments_in_sequence() -> None:

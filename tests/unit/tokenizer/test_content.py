@@ -13,10 +13,35 @@ from shared.tokenizer import ContentLeakError, ContentTokenizer
 from tests.unit.tokenizer.test_formats import DEEPSEEK_V3, EDGES, MODEL_NAMES, Model, load
 
 FILLERS = (
-    "\x00", "\x00123,456\x00", "0", "7", "123", "4567", " ", "  ", "\n", "\n\n", "\t",
-    "<", ">", "|", "｜", "▁", "_", "/", "a", "word", "def f():", "中文", "🙂", "é",
-    "<tool_call>", "</tool_call>", '{"name": "x", "arguments": {}}', "```json\n",
-)  # fmt: skip
+    "\x00",
+    "\x00123,456\x00",
+    "0",
+    "7",
+    "123",
+    "4567",
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    "<",
+    ">",
+    "|",
+    "｜",
+    "▁",
+    "_",
+    "/",
+    "a",
+    "word",
+    "def f():",
+    "中文",
+    "🙂",
+    "é",
+    "<tool_call>",
+    "</tool_call>",
+    '{"name": "x", "arguments": {}}',
+    "```json\n",
+)
 
 
 def marker_variants(marker: str) -> list[str]:

@@ -74,40 +74,68 @@ T = ("get_time", '{"tz": "UTC"}')
 E = ("get_time", "{}")
 ESCAPED = r'{"q": "say \"hi\"\n\t\\", "city": "Zürich 東京 😀", "e": "\u00e9\ud83d\ude00"}'
 ARG_SAMPLES = [  # TP-03: what the closing branch must not truncate (vllm#48342)
-    ("various_types", '{"i": 1, "f": -2.5e-3, "t": true, "F": false, "z": null, '
-                      '"l": [1, "x", [2]], "o": {"p": {"q": []}}}'),
-    ("ends_in_number", '{"n": 42}'), ("ends_in_float", '{"f": 0.125E+2}'),
-    ("ends_in_bool", '{"a": "x", "b": true}'), ("ends_in_null", '{"z": null}'),
-    ("ends_in_array", '{"l": [1, 2, 3]}'), ("ends_in_nested", '{"o": {"p": {"q": 1}}}'),
-    ("escaped_and_unicode", ESCAPED), ("empty_args", "{}"),
+    (
+        "various_types",
+        '{"i": 1, "f": -2.5e-3, "t": true, "F": false, "z": null, '
+        '"l": [1, "x", [2]], "o": {"p": {"q": []}}}',
+    ),
+    ("ends_in_number", '{"n": 42}'),
+    ("ends_in_float", '{"f": 0.125E+2}'),
+    ("ends_in_bool", '{"a": "x", "b": true}'),
+    ("ends_in_null", '{"z": null}'),
+    ("ends_in_array", '{"l": [1, 2, 3]}'),
+    ("ends_in_nested", '{"o": {"p": {"q": 1}}}'),
+    ("escaped_and_unicode", ESCAPED),
+    ("empty_args", "{}"),
     ("whitespace_inside", '{ "a" :   [ 1 ,\n 2 ] ,  "s": "  x  " }'),
-]  # fmt: skip
+]
 _U = ds_call("delete_files", '{"path": "/"}')
 _DS_HEAD = CALLS_BEGIN + CALL_BEGIN + "function"
 _DS_OPEN = _DS_HEAD + SEP
 DEEPSEEK = [
     Case("no_tool", "The weather in Tokyo is sunny.", "The weather in Tokyo is sunny."),
-    Case("other_markers_are_text", "a < b <｜User｜> <tool_call>{}</tool_call> " + SEP,
-         "a < b <｜User｜> <tool_call>{}</tool_call> " + SEP),
+    Case(
+        "other_markers_are_text",
+        "a < b <｜User｜> <tool_call>{}</tool_call> " + SEP,
+        "a < b <｜User｜> <tool_call>{}</tool_call> " + SEP,
+    ),
     Case("single", ds_block(ds_call(*W)), "", (W,)),
     Case("parallel", ds_block(ds_call(*W), ds_call(*T)), "", (W, T)),
     Case("parallel_chained", ds_block(ds_call(*W), ds_call(*T), sep=""), "", (W, T)),
     *(Case(n, ds_block(ds_call("get_time", a)), "", (("get_time", a),)) for n, a in ARG_SAMPLES),
-    Case("surrounding_text", "Let me check.\n" + ds_block(ds_call(*W)) + "\nDone.",
-         "Let me check.\n\nDone.", (W,)),
-    Case("markers_inside_json_string",
-         ds_block(ds_call("get_time", '{"code": "' + SEP + ' ``` fence"}')), "",
-         (("get_time", '{"code": "' + SEP + ' ``` fence"}'),)),
-    Case("malformed_json", ds_block(ds_call("get_time", '{"tz": "UTC",}')), "",
-         (("get_time", '{"tz": "UTC",}'),)),
+    Case(
+        "surrounding_text",
+        "Let me check.\n" + ds_block(ds_call(*W)) + "\nDone.",
+        "Let me check.\n\nDone.",
+        (W,),
+    ),
+    Case(
+        "markers_inside_json_string",
+        ds_block(ds_call("get_time", '{"code": "' + SEP + ' ``` fence"}')),
+        "",
+        (("get_time", '{"code": "' + SEP + ' ``` fence"}'),),
+    ),
+    Case(
+        "malformed_json",
+        ds_block(ds_call("get_time", '{"tz": "UTC",}')),
+        "",
+        (("get_time", '{"tz": "UTC",}'),),
+    ),
     Case("empty_block", ds_block(), ds_block()),
-    Case("malformed_text_in_block", CALLS_BEGIN + "just text" + CALLS_END,
-         CALLS_BEGIN + "just text" + CALLS_END),
+    Case(
+        "malformed_text_in_block",
+        CALLS_BEGIN + "just text" + CALLS_END,
+        CALLS_BEGIN + "just text" + CALLS_END,
+    ),
     Case("unknown_tool", ds_block(_U), ds_block(_U)),
     Case("unknown_then_known", ds_block(_U, ds_call(*W)), CALLS_BEGIN + _U + "\n", (W,)),
     Case("no_tools_offered", ds_block(ds_call(*W)), ds_block(ds_call(*W)), (), ()),
-    Case("truncated_in_arguments", _DS_OPEN + 'get_weather\n```json\n{"city": "Tok', "",
-         (("get_weather", '{"city": "Tok'),)),
+    Case(
+        "truncated_in_arguments",
+        _DS_OPEN + 'get_weather\n```json\n{"city": "Tok',
+        "",
+        (("get_weather", '{"city": "Tok'),),
+    ),
     Case("truncated_in_name", _DS_OPEN + "get_wea", _DS_OPEN + "get_wea"),
     Case("truncated_in_fence", _DS_OPEN + "get_time\n``", "", (("get_time", "``"),)),
     Case("truncated_after_fence", _DS_OPEN + "get_time\n```json\n", "", (E,)),
@@ -117,70 +145,141 @@ DEEPSEEK = [
     Case("truncated_in_sep", _DS_HEAD + "<｜tool", _DS_HEAD + "<｜tool"),
     Case("truncated_in_end_marker", ds_call(*T) + "<｜tool▁calls▁e", "<｜tool▁calls▁e", (T,)),
     Case("missing_calls_begin", ds_call(*T), "", (T,)),
-    Case("missing_call_end", _DS_OPEN + 'get_time\n```json\n{"tz": "UTC"}\n```' + CALLS_END,
-         "", (T,)),
-    Case("missing_call_end_before_next",
-         CALLS_BEGIN + ds_call(*W)[: -len(CALL_END)] + ds_call(*T) + CALLS_END, "", (W, T)),
-    Case("v31_form", CALLS_BEGIN + CALL_BEGIN + "get_time" + SEP + T[1] + CALL_END + CALLS_END,
-         "", (T,)),
-    Case("whitespace_and_missing_newlines",
-         _DS_OPEN + ' get_time \n```json{"tz": "UTC"}```' + CALL_END + CALLS_END, "", (T,)),
+    Case(
+        "missing_call_end", _DS_OPEN + 'get_time\n```json\n{"tz": "UTC"}\n```' + CALLS_END, "", (T,)
+    ),
+    Case(
+        "missing_call_end_before_next",
+        CALLS_BEGIN + ds_call(*W)[: -len(CALL_END)] + ds_call(*T) + CALLS_END,
+        "",
+        (W, T),
+    ),
+    Case(
+        "v31_form",
+        CALLS_BEGIN + CALL_BEGIN + "get_time" + SEP + T[1] + CALL_END + CALLS_END,
+        "",
+        (T,),
+    ),
+    Case(
+        "whitespace_and_missing_newlines",
+        _DS_OPEN + ' get_time \n```json{"tz": "UTC"}```' + CALL_END + CALLS_END,
+        "",
+        (T,),
+    ),
     Case("no_fence", _DS_OPEN + 'get_time\n{"tz": "UTC"}' + CALL_END + CALLS_END, "", (T,)),
     Case("text_after_block", ds_block(ds_call(*T)) + "\n", "\n", (T,)),
     Case("stray_end_markers_are_text", "ok" + CALLS_END + CALL_END, "ok" + CALLS_END + CALL_END),
-    Case("tools_sharing_a_prefix", ds_block(ds_call("get", "{}"), ds_call(*T)), "",
-         (("get", "{}"), T), ("get", "get_time")),
-]  # fmt: skip
+    Case(
+        "tools_sharing_a_prefix",
+        ds_block(ds_call("get", "{}"), ds_call(*T)),
+        "",
+        (("get", "{}"), T),
+        ("get", "get_time"),
+    ),
+]
 _CU = tc_call("delete_files", '{"path": "/"}')
 CHATML = [
     Case("no_tool", "Hello! How can I help?", "Hello! How can I help?"),
-    Case("other_markers_are_text", "a < b <tool> " + CALLS_BEGIN + " </tool_call>",
-         "a < b <tool> " + CALLS_BEGIN + " </tool_call>"),
+    Case(
+        "other_markers_are_text",
+        "a < b <tool> " + CALLS_BEGIN + " </tool_call>",
+        "a < b <tool> " + CALLS_BEGIN + " </tool_call>",
+    ),
     Case("single", tc_call(*W), "", (W,)),
     Case("parallel", tc_call(*W) + "\n" + tc_call(*T), "", (W, T)),
     Case("parallel_trailing_newline", tc_call(*W) + "\n\n" + tc_call(*T) + "\n", "\n", (W, T)),
     *(Case(n, tc_call("get_time", a), "", (("get_time", a),)) for n, a in ARG_SAMPLES),
     Case("arguments_first", tc('{"arguments": {"tz": "UTC"}, "name": "get_time"}'), "", (T,)),
-    Case("compact_no_newlines", '<tool_call>{"name":"get_time","arguments":{"tz":"UTC"}}'
-         "</tool_call>", "", (("get_time", '{"tz":"UTC"}'),)),
-    Case("whitespace_variations", '<tool_call>  \n\t{ "name" : "get_time" ,\n "arguments" :'
-         '\n {"tz": "UTC"} }  </tool_call>', "", (T,)),
+    Case(
+        "compact_no_newlines",
+        '<tool_call>{"name":"get_time","arguments":{"tz":"UTC"}}</tool_call>',
+        "",
+        (("get_time", '{"tz":"UTC"}'),),
+    ),
+    Case(
+        "whitespace_variations",
+        '<tool_call>  \n\t{ "name" : "get_time" ,\n "arguments" :\n {"tz": "UTC"} }  </tool_call>',
+        "",
+        (T,),
+    ),
     Case("parameters_key", tc('{"name": "get_time", "parameters": {"tz": "UTC"}}'), "", (T,)),
-    Case("extra_keys", tc('{"id": 7, "type": "function", "name": "get_time", "arguments": '
-         '{"tz": "UTC"}, "x": [1.5, {"y": "}"}], "b": false}'), "", (T,)),
+    Case(
+        "extra_keys",
+        tc(
+            '{"id": 7, "type": "function", "name": "get_time", "arguments": '
+            '{"tz": "UTC"}, "x": [1.5, {"y": "}"}], "b": false}'
+        ),
+        "",
+        (T,),
+    ),
     Case("no_arguments_key", tc('{"name": "get_time"}'), "", (E,)),
-    Case("surrounding_text", "I'll check.\n" + tc_call(*W) + "\nDone.", "I'll check.\n\nDone.",
-         (W,)),
+    Case(
+        "surrounding_text", "I'll check.\n" + tc_call(*W) + "\nDone.", "I'll check.\n\nDone.", (W,)
+    ),
     Case("escaped_name", tc('{"name": "get\\u005ftime", "arguments": {}}'), "", (E,)),
-    Case("open_tag_inside_arguments", tc_call("get_time", '{"s": "<tool_call> {\\"a\\": 1}"}'),
-         "", (("get_time", '{"s": "<tool_call> {\\"a\\": 1}"}'),)),
-    Case("malformed_arguments", tc_call("get_time", '{"tz": "UTC",}'), "",
-         (("get_time", '{"tz": "UTC",}'),)),
+    Case(
+        "open_tag_inside_arguments",
+        tc_call("get_time", '{"s": "<tool_call> {\\"a\\": 1}"}'),
+        "",
+        (("get_time", '{"s": "<tool_call> {\\"a\\": 1}"}'),),
+    ),
+    Case(
+        "malformed_arguments",
+        tc_call("get_time", '{"tz": "UTC",}'),
+        "",
+        (("get_time", '{"tz": "UTC",}'),),
+    ),
     Case("string_arguments", tc_call("get_time", '"{\\"tz\\": \\"UTC\\"}"'), "", (T,)),
     Case("unknown_tool", _CU, _CU),
     Case("unknown_then_known", _CU + "\n" + tc_call(*T), _CU + "\n", (T,)),
     Case("not_a_call", "Use <tool_call> tags like this.", "Use <tool_call> tags like this."),
-    Case("name_not_a_string", tc('{"name": 5, "arguments": {}}'),
-         tc('{"name": 5, "arguments": {}}')),
+    Case(
+        "name_not_a_string", tc('{"name": 5, "arguments": {}}'), tc('{"name": 5, "arguments": {}}')
+    ),
     Case("no_name", tc('{"arguments": {"tz": "UTC"}}'), tc('{"arguments": {"tz": "UTC"}}')),
     Case("no_tools_offered", tc_call(*W), tc_call(*W), (), ()),
-    Case("truncated_in_arguments", '<tool_call>\n{"name": "get_weather", "arguments": {"city": '
-         '"Tok', "", (("get_weather", '{"city": "Tok'),)),
+    Case(
+        "truncated_in_arguments",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tok',
+        "",
+        (("get_weather", '{"city": "Tok'),),
+    ),
     Case("truncated_in_name", '<tool_call>\n{"name": "get_wea', '<tool_call>\n{"name": "get_wea'),
     Case("truncated_after_name", '<tool_call>\n{"name": "get_time"', "", (E,)),
     Case("truncated_in_marker", "abc<tool_ca", "abc<tool_ca"),
     Case("truncated_in_close_tag", tc_call(*T) + "\n</tool_", "\n</tool_", (T,)),
-    Case("truncated_in_close_tag_of_unclosed", tc_call(*T)[:-len("\n</tool_call>") - 1] + "</tool_",
-         "</tool_", (T,)),
-    Case("missing_closing_brace", '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}'
-         "\n</tool_call>", "", (T,)),
-    Case("missing_closing_tag", '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}',
-         "", (T,)),
-    Case("text_breaks_wrapper_after_call",
-         '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"} oops', "oops", (T,)),
-    Case("tools_sharing_a_prefix", tc_call("get", "{}") + "\n" + tc_call(*T), "",
-         (("get", "{}"), T), ("get", "get_time")),
-]  # fmt: skip
+    Case(
+        "truncated_in_close_tag_of_unclosed",
+        tc_call(*T)[: -len("\n</tool_call>") - 1] + "</tool_",
+        "</tool_",
+        (T,),
+    ),
+    Case(
+        "missing_closing_brace",
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}\n</tool_call>',
+        "",
+        (T,),
+    ),
+    Case(
+        "missing_closing_tag",
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}',
+        "",
+        (T,),
+    ),
+    Case(
+        "text_breaks_wrapper_after_call",
+        '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"} oops',
+        "oops",
+        (T,),
+    ),
+    Case(
+        "tools_sharing_a_prefix",
+        tc_call("get", "{}") + "\n" + tc_call(*T),
+        "",
+        (("get", "{}"), T),
+        ("get", "get_time"),
+    ),
+]
 TABLES = [("deepseek-v3", DEEPSEEK), ("chatml", CHATML)]
 
 
@@ -383,11 +482,39 @@ def test_split_invariance_at_token_boundaries(fmt: str, model: str) -> None:
             assert normalize(run(fmt, chunks, case.tools)) == reference, (case.id, chunks)
 
 
-PIECES = [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, "function", "get_time", "get", "\n",
-          "```json\n", "```", " ", '{"a": 1}', '{"b": [true, null, "x<"]}', "{", "}", '"', "text",
-          "<", "｜", "<｜tool", "\\", ":", ",", "1.5e", "</tool_call>", "<tool_call>",
-          '{"name": "get_time", "arguments": ', '"name": "get_weather"', '{"arguments": {}, ',
-          '"parameters"']  # fmt: skip
+PIECES = [
+    CALLS_BEGIN,
+    CALLS_END,
+    CALL_BEGIN,
+    CALL_END,
+    SEP,
+    "function",
+    "get_time",
+    "get",
+    "\n",
+    "```json\n",
+    "```",
+    " ",
+    '{"a": 1}',
+    '{"b": [true, null, "x<"]}',
+    "{",
+    "}",
+    '"',
+    "text",
+    "<",
+    "｜",
+    "<｜tool",
+    "\\",
+    ":",
+    ",",
+    "1.5e",
+    "</tool_call>",
+    "<tool_call>",
+    '{"name": "get_time", "arguments": ',
+    '"name": "get_weather"',
+    '{"arguments": {}, ',
+    '"parameters"',
+]
 
 
 def random_output(rng: random.Random) -> str:
@@ -562,10 +689,22 @@ def test_json_prefix_checker_agrees_with_json() -> None:
 
 @pytest.mark.parametrize(
     ("text", "num_accepted"),
-    [('{"a": "x\ny"}', 8), ('{"a": 01}', 7), ('{"a": 1.}', 8), ('{"a": .5}', 6),
-     ('[1]', 0), ('"s"', 0), ('{"a": NaN}', 6), ('{"a": tru}', 9), ('{"a": "\\x"}', 8),
-     ('{"a": "\\u12g4"}', 11), ('{"a": 1} x', 9), ('{"a": -}', 7), ('{"a": 1e+}', 9)],
-)  # fmt: skip
+    [
+        ('{"a": "x\ny"}', 8),
+        ('{"a": 01}', 7),
+        ('{"a": 1.}', 8),
+        ('{"a": .5}', 6),
+        ("[1]", 0),
+        ('"s"', 0),
+        ('{"a": NaN}', 6),
+        ('{"a": tru}', 9),
+        ('{"a": "\\x"}', 8),
+        ('{"a": "\\u12g4"}', 11),
+        ('{"a": 1} x', 9),
+        ('{"a": -}', 7),
+        ('{"a": 1e+}', 9),
+    ],
+)
 def test_json_prefix_checker_stops_at_the_first_impossible_character(
     text: str, num_accepted: int
 ) -> None:

@@ -12,8 +12,12 @@ from services.vllm_worker.vllm_client import Delta, VllmError, _delta, completio
 from shared.schema import SamplingParams
 from shared.vllm_connector.config import ConnectorConfig, ConnectorConfigError
 
-REQUIRED = {"nats_url": "nats://127.0.0.1:4222", "model": "SmolLM2-135M-Instruct",
-            "store_dir": "/tmp/s", "writer_id": "vllm-worker-0"}  # fmt: skip
+REQUIRED = {
+    "nats_url": "nats://127.0.0.1:4222",
+    "model": "SmolLM2-135M-Instruct",
+    "store_dir": "/tmp/s",
+    "writer_id": "vllm-worker-0",
+}
 
 
 def test_connector_config_needs_its_fields_and_names_unknown_ones() -> None:
@@ -33,8 +37,9 @@ def test_connector_config_needs_its_fields_and_names_unknown_ones() -> None:
 
 
 def test_completion_body_carries_ids_sampling_and_salt_but_no_stop_strings() -> None:
-    sampling = SamplingParams(max_tokens=7, temperature=0.0, top_k=5, seed=3,
-                              stop=("\n\n",), stop_token_ids=(2,))  # fmt: skip
+    sampling = SamplingParams(
+        max_tokens=7, temperature=0.0, top_k=5, seed=3, stop=("\n\n",), stop_token_ids=(2,)
+    )
     body = completion_body("m", [1, 2, 3], sampling, request_id="r-1", cache_salt="t")
     assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 7 and body["top_k"] == 5
     assert body["stream"] and body["return_token_ids"] and body["cache_salt"] == "t"
@@ -44,8 +49,11 @@ def test_completion_body_carries_ids_sampling_and_salt_but_no_stop_strings() -> 
 
 def test_chunks_and_the_final_usage() -> None:
     assert _delta({"choices": [{"token_ids": [5, 6], "finish_reason": None}]}) == Delta((5, 6))
-    usage = {"prompt_tokens": 100, "completion_tokens": 4,
-             "prompt_tokens_details": {"cached_tokens": 64}}  # fmt: skip
+    usage = {
+        "prompt_tokens": 100,
+        "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 64},
+    }
     last = _delta({"choices": [], "usage": usage})
     assert (last.num_prompt_tokens, last.num_cached_tokens, last.num_output_tokens) == (100, 64, 4)
     with pytest.raises(VllmError, match="too long"):
@@ -53,13 +61,15 @@ def test_chunks_and_the_final_usage() -> None:
 
 
 def test_load_from_vllm_metrics_text() -> None:
-    text = "\n".join([
-        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
-        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
-        'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0',
-        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
-        'vllm:cache_config_info{block_size="64",engine="0",num_gpu_blocks="1200"} 1.0',
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
+            'vllm:cache_config_info{block_size="64",engine="0",num_gpu_blocks="1200"} 1.0',
+        ]
+    )
     load = parse_load(text)
     assert (load.num_running, load.num_waiting, load.num_kv_blocks_total) == (3, 1, 1200)
     assert load.kv_cache_usage == 0.25

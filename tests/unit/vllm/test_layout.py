@@ -83,8 +83,12 @@ def assert_round_trip(
 
 
 def test_layer_order_follows_the_layer_index_not_the_name() -> None:
-    names = ["model.layers.10.self_attn.attn", "model.layers.2.self_attn.attn",
-             "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]  # fmt: skip
+    names = [
+        "model.layers.10.self_attn.attn",
+        "model.layers.2.self_attn.attn",
+        "model.layers.0.self_attn.attn",
+        "model.layers.1.self_attn.attn",
+    ]
     with pytest.raises(VllmLayoutError, match="not 0..n-1"):
         layer_order(names)  # 3..9 missing
     assert layer_order(names[1:]) == sorted(names[1:], key=lambda n: int(n.split(".")[2]))

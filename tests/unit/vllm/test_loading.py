@@ -37,8 +37,10 @@ def converter(kernels: str = "vec", device: str = "cpu") -> VllmBlockConverter:
         shape, order = (BLOCKS, BLOCK, HEADS, 2 * DIM), (0, 2, 1, 3)
     else:
         shape, order = (BLOCKS, HEADS, BLOCK, 2 * DIM), (0, 1, 2, 3)
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, device=device).permute(order)
-              for i in range(LAYERS)}  # fmt: skip
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(shape, device=device).permute(order)
+        for i in range(LAYERS)
+    }
     return VllmBlockConverter.of(caches, BLOCK, kernels)
 
 
@@ -47,9 +49,13 @@ def stored(
 ) -> tuple[KvStore, list[SlotRef]]:
     layout = converter().layout
     config = KvStoreConfig(
-        root_dir=tmp_path, writer_id="w0", payload_nbytes=layout.block_nbytes,
-        capacity_bytes=1 << 24, file_nbytes=1 << 22, backend="aiofiles",
-    )  # fmt: skip
+        root_dir=tmp_path,
+        writer_id="w0",
+        payload_nbytes=layout.block_nbytes,
+        capacity_bytes=1 << 24,
+        file_nbytes=1 << 22,
+        backend="aiofiles",
+    )
     store = KvStore.open(config)
     raw = payloads.view(torch.uint8).numpy().reshape(len(payloads), -1)
     blocks = [(1000 + i, memoryview(raw[i])) for i in range(len(payloads))]
@@ -83,8 +89,9 @@ def test_a_bad_slot_ends_the_prefix_there(
     conv = converter(kernels, device)
     payloads = torch.randn(6, *conv.layout.block_shape)
     store, refs = stored(tmp_path, loop, payloads)
-    refs[4] = SlotRef(refs[4].block_hash, "w0", refs[4].file_id, refs[4].slot,
-                      refs[4].generation + 1)  # a slot since reused: not this block  # fmt: skip
+    refs[4] = SlotRef(
+        refs[4].block_hash, "w0", refs[4].file_id, refs[4].slot, refs[4].generation + 1
+    )  # a slot since reused: not this block
     loader = BlockLoader(store, conv, loop, part_bytes=3 * conv.layout.block_nbytes)
     targets = list(range(6))
     assert loader.load(refs, targets, "r2").num_blocks == 4
@@ -144,8 +151,14 @@ def test_the_next_part_is_read_while_this_one_is_scattered(
     loader = BlockLoader(spy, spy, loop, part_bytes=3 * conv.layout.block_nbytes)  # type: ignore[arg-type]
     assert loader.load(refs, list(range(7)), "r5").num_blocks == 7
     assert torch.equal(conv.gather(list(range(7))), payloads)  # two buffers, taken in turn
-    assert spy.events == [("read", 0), ("read", 3), ("scatter", 0), ("read", 6),
-                          ("scatter", 3), ("scatter", 6)]  # fmt: skip
+    assert spy.events == [
+        ("read", 0),
+        ("read", 3),
+        ("scatter", 0),
+        ("read", 6),
+        ("scatter", 3),
+        ("scatter", 6),
+    ]
     store.close()
 
 
