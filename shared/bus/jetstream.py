@@ -94,6 +94,12 @@ class JetStream:
         info = await self._nc.jetstream().stream_info(name)
         return info.state.first_seq, info.state.last_seq
 
+    async def consumer_backlog(self, stream: str, durable: str) -> int:
+        """Messages a durable consumer has not had acknowledged yet: those not delivered
+        and those delivered but not acknowledged (0 once it has worked through its stream)."""
+        info = await self._nc.jetstream().consumer_info(stream, durable)
+        return info.num_pending + info.num_ack_pending
+
     async def publish(
         self,
         subject: str,

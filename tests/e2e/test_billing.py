@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from services.admin.launcher import Cluster
+from services.billing.consumer import DURABLE as BILLING_DURABLE
 from services.billing.ledger import open_ledger
 from shared.bus import Bus
 from shared.natsd import die_with_parent
@@ -93,6 +94,15 @@ def ledger_rows(cluster: Cluster, request_ids: list[str], timeout_s: float = 60.
         ledger.close()
 
 
+async def until_billed(bus: Bus, timeout_s: float = 60.0) -> None:
+    """Once billing's consumer has committed and acknowledged every usage record stored so
+    far (it acknowledges only after the ledger's commit)."""
+    deadline = time.monotonic() + timeout_s
+    while await bus.js.consumer_backlog(bus.subjects.usage_stream, BILLING_DURABLE):
+        assert time.monotonic() < deadline, "billing did not work through the usage log"
+        await asyncio.sleep(0.05)
+
+
 def record(request_id: str, i: int, **fields) -> UsageRecord:  # noqa: ANN003
     base = {
         "request_id": request_id,
@@ -129,13 +139,13 @@ def test_decode_account_wins_over_the_callers_estimate(cluster: Cluster) -> None
             await caller(estimate)  # the caller lost the stream, and is stored first
             await decode(real)
             await decode(first)
-            await asyncio.sleep(1.0)
+            await until_billed(bus)  # decode's row of both-2 is in the ledger
             await caller(late)  # a late estimate loses too
+            await until_billed(bus)
         finally:
             await bus.close()
 
     asyncio.run(run())
-    time.sleep(2.0)
     rows = ledger_rows(cluster, ["both-1", "both-2"])
     assert (rows["both-1"].num_output_tokens, rows["both-1"].source) == (9, "decode")
     assert (rows["both-2"].num_output_tokens, rows["both-2"].source) == (8, "decode")

@@ -24,8 +24,6 @@ import yaml
 
 from services.admin.launcher import Cluster
 from shared.engine.bundled import BUNDLED_MODEL_DIR
-from shared.subjects import DECODE, INGRESS, PREFILL
-from tests.e2e.cluster_helpers import run_cluster
 from tests.unit.test_dashboards import (
     HISTOGRAM_SERIES,
     dashboards,
@@ -43,7 +41,6 @@ pytestmark = [
     ),
 ]
 
-MOCK_ARGS = ["--engine", "mock", "--store-file-nbytes", str(8 << 20)]
 # ~300 tokens (of the model's 512) every request starts with: after the first request, its
 # complete blocks are cache hits.
 SYSTEM = "You review Python code for a coding agent. " + " ".join(
@@ -52,13 +49,8 @@ SYSTEM = "You review Python code for a coding agent. " + " ".join(
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    yield from run_cluster(
-        tmp_path_factory.mktemp("dashboards"),
-        replicas={},
-        extra_args={PREFILL: MOCK_ARGS, DECODE: MOCK_ARGS, INGRESS: ["--require-api-key", "false"]},
-        ready_timeout_s=120,
-    )
+def cluster(observed_cluster: Cluster) -> Cluster:
+    return observed_cluster
 
 
 def free_port() -> int:
@@ -76,7 +68,10 @@ def prometheus(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         service = instance_id.rsplit("-", 1)[0]
         targets.setdefault(service, []).append(urllib.parse.urlsplit(url).netloc)
     config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "global": {
+            "scrape_interval": f"{SCRAPE_INTERVAL_S}s",
+            "evaluation_interval": f"{SCRAPE_INTERVAL_S}s",
+        },
         "scrape_configs": [
             {"job_name": service, "honor_labels": True, "static_configs": [{"targets": hosts}]}
             for service, hosts in sorted(targets.items())
@@ -197,6 +192,7 @@ def send_load(base_url: str, num_requests: int, concurrency: int = 4) -> None:
 
 
 NUM_REQUESTS = 32
+SCRAPE_INTERVAL_S = 1
 
 
 @pytest.fixture(scope="module")
@@ -208,14 +204,26 @@ def loaded(cluster: Cluster, prometheus: str) -> float:
         30,
         "not every process scraped",
     )
+
+    def num_ledgered() -> float:  # billing is the last to see a request (JetStream -> ledger)
+        result = query(prometheus, "sum(kvfabric_billing_records_ledgered_total)")
+        return float(result[0]["value"][1]) if result else 0.0
+
+    # other tests may have sent requests to this cluster before: count from here
+    before = num_ledgered()
     send_load(cluster.http_urls[0], NUM_REQUESTS)
 
-    def ledgered() -> bool:  # billing is the last to see a request (JetStream -> ledger)
-        result = query(prometheus, "sum(kvfabric_billing_records_ledgered_total)")
-        return bool(result) and float(result[0]["value"][1]) >= NUM_REQUESTS
+    def ledgered() -> bool:
+        return num_ledgered() >= before + NUM_REQUESTS
 
     wait_until(ledgered, 30, "billing's ledgered records never reached the requests sent")
-    time.sleep(2)  # two more scrapes of every process after the last record
+    ledgered_at = time.time()
+
+    def scraped_twice_since() -> bool:  # every process, after its last record
+        last = query(prometheus, "min(timestamp(up))")
+        return bool(last) and float(last[0]["value"][1]) > ledgered_at + SCRAPE_INTERVAL_S
+
+    wait_until(scraped_twice_since, 30, "not every process was scraped again")
     return time.time()
 
 

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,22 +20,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.admin.launcher import Cluster
 from shared.discovery import discover
 from shared.engine.bundled import BUNDLED_MODEL_DIR
-from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER, SERVICES
-from tests.e2e.cluster_helpers import connect, run_cluster
+from shared.subjects import BILLING, DECODE, INGRESS, ROUTER, SERVICES
+from tests.e2e.cluster_helpers import connect
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-MOCK_ARGS = ["--engine", "mock", "--store-file-nbytes", str(8 << 20)]
-
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    yield from run_cluster(
-        tmp_path_factory.mktemp("metrics"),
-        replicas={},
-        extra_args={PREFILL: MOCK_ARGS, DECODE: MOCK_ARGS, INGRESS: ["--require-api-key", "false"]},
-        ready_timeout_s=120,
-    )
+def cluster(observed_cluster: Cluster) -> Cluster:
+    return observed_cluster
 
 
 def scrape(url: str) -> str:

@@ -384,6 +384,15 @@ async def test_restarted_prefill_workers_serve_their_first_requests(cluster: Clu
         await bus.close()
 
 
+def _dropped(instance_id: str, router_log: Path, offset: int) -> bool:
+    """Whether the router whose log this is has said, past `offset`, that it dropped
+    `instance_id`."""
+    with router_log.open("rb") as log:
+        log.seek(offset)
+        lines = log.read().decode(errors="replace").splitlines()
+    return any("instance dropped" in line and f'"{instance_id}"' in line for line in lines)
+
+
 def _child(cluster: Cluster, instance_id: str) -> subprocess.Popen[bytes]:
     return next(c.process for c in cluster.children if c.instance_id == instance_id)
 
@@ -437,8 +446,14 @@ async def _busy_decoder(bus: Bus) -> str:
 async def test_killed_prefill_worker_leaves_the_survivor_serving(cluster: Cluster) -> None:
     bus = await connect(cluster)
     try:
+        routers = [c for c in cluster.children if c.service == ROUTER]
+        logged = {c.log_path: c.log_path.stat().st_size for c in routers}
         os.kill(_child(cluster, "prefill-1").pid, signal.SIGKILL)
-        await asyncio.sleep(3.5)  # the router drops it once its heartbeats stop
+        # every router drops it once its heartbeats stop
+        deadline = time.monotonic() + 30
+        while not all(_dropped("prefill-1", path, offset) for path, offset in logged.items()):
+            assert time.monotonic() < deadline, "a router kept the killed prefill worker"
+            await asyncio.sleep(0.2)
         results = [
             await generate(bus, _request(_tokens(f"# after {i}\n" + CODE), max_tokens=8))
             for i in range(3)

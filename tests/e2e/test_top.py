@@ -18,20 +18,16 @@ import sys
 import termios
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from services.admin.launcher import Cluster
-from shared.subjects import DECODE, INGRESS, PREFILL
-from tests.e2e.cluster_helpers import run_cluster
 from tests.e2e.test_dashboards import send_load
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 KVFABRIC = str(Path(sys.executable).parent / "kvfabric")
-MOCK_ARGS = ["--engine", "mock", "--store-file-nbytes", str(8 << 20)]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Za-z0-9]|\r")
 FRAME = re.compile(
     r"frame (\d+) .*?\nrequests (\d+)\s+req/s ([\d.]+)\s+hit share (\S+)\s+"
@@ -41,13 +37,8 @@ FRAME = re.compile(
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    yield from run_cluster(
-        tmp_path_factory.mktemp("top"),
-        replicas={},
-        extra_args={PREFILL: MOCK_ARGS, DECODE: MOCK_ARGS, INGRESS: ["--require-api-key", "false"]},
-        ready_timeout_s=120,
-    )
+def cluster(observed_cluster: Cluster) -> Cluster:
+    return observed_cluster
 
 
 def top_args(cluster: Cluster) -> list[str]:

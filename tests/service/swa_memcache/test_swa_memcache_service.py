@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,13 @@ async def test_get_put_ttl_capacity_and_metrics(
                 subjects.swa_contains, SwaContains(block_hashes=b"\x01\x02"), SwaContainsReply
             )
 
-        await asyncio.sleep(1.5)  # past the TTL: the sweep drops everything
+        # past the TTL the sweep drops everything
+        deadline = time.monotonic() + 30
+        while (await discover(bus, service="swa-memcache"))[0].metrics[
+            "kvfabric_swa_memcache_entries"
+        ]:
+            assert time.monotonic() < deadline, "the TTL sweep never dropped the entries"
+            await asyncio.sleep(0.1)
         assert not (await bus.request(subjects.swa_get, SwaGet(block_hash=3), SwaGetReply)).found
         [instance] = await discover(bus, service="swa-memcache")
         metrics = instance.metrics
