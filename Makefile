@@ -1,7 +1,7 @@
 # Two entry points, each doing all set-up on a fresh machine and reusing it afterwards:
 #   make demo   the whole cluster on one machine, serving a request, then a clean stop
 #   make test   the test suite (what .ci/run calls)
-#   make check  the inner loop: lint, format check, unit and contract tests (~2 minutes)
+#   make check  the inner loop: lint, format check, unit and contract tests (2-3 minutes)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -60,7 +60,7 @@ test: models vllm prometheus
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-# No servers, no cluster, no vLLM: what a change must pass before the whole suite.
+# No NATS, no cluster, no vLLM: what a change must pass before the whole suite.
 check: lint models
 	$(PY) -m pytest -q tests/unit tests/contract
 

@@ -1,4 +1,5 @@
-"""What bounded replay costs in quality (DESIGN.md section 5), measured, not assumed.
+"""What bounded replay costs in quality (docs/design.md, 'Sliding-window state'), measured,
+not assumed.
 
 Over held-out code, at many block-aligned boundaries P, the sliding-window state at P is
 rebuilt by bounded replay of R tokens (R in {0, W/2, W, 2W, k x W}); the following tokens are

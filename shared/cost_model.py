@@ -5,10 +5,11 @@ mock workers is judged against its own assumptions, not another model's.
     prefill = compute of the uncached tokens + load of the hit tokens + replay of the window
     decode step = a fixed part + a part per sequence + a part per context token attended
 
-The rates default to the reference deployment's per-GPU figures (DESIGN.md sections 5 and
-6, below); a deployment sets measured ones through the router's config. The TTFT the router
-compares against its objective is Mooncake's Conductor form (`T_queue + T_prefill(uncached)
-+ T_transfer`), in seconds, rather than Dynamo's weighted overlap score.
+The rates default to the reference deployment's per-GPU figures (docs/design.md, 'The
+reference deployment'; below); a deployment sets measured ones through the router's config.
+The TTFT the router compares against its objective is Mooncake's Conductor form
+(`T_queue + T_prefill(uncached) + T_transfer`), in seconds, rather than Dynamo's weighted
+overlap score.
 
 Queue wait counts queued tokens at the compute rate: a worker reports (and the router counts
 in flight) the tokens it still has to *compute*. Loading a queued job's hit tokens is left

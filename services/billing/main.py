@@ -1,5 +1,5 @@
-"""billing: consumes usage records, prices them and keeps the ledger. DESIGN.md sections 1
-and 6.
+"""billing: consumes usage records, prices them and keeps the ledger. docs/design.md,
+'Usage and billing'.
 
 Wiring only: the ledger (SQLite embedded, PostgreSQL in production: `--ledger-url`), the
 price book (`--pricing-file`, else the reference deployment's off-peak prices), and the

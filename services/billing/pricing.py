@@ -1,4 +1,4 @@
-"""Prices and charges, in exact integers (DESIGN.md section 6).
+"""Prices and charges, in exact integers (docs/design.md, 'Usage and billing').
 
 A price is micro-CNY per million tokens (0.02 CNY/M = 20_000), so tokens x price is an
 exact charge in pico-CNY (1e-12 CNY): a micro-CNY per million tokens is a pico-CNY per

@@ -1,5 +1,6 @@
 """decode: continuous batching over a paged KV pool, streams tokens, writes completed
-blocks to the store and emits usage. DESIGN.md section 3, docs/request-flow.md.
+blocks to the store and emits usage. docs/design.md, 'One request, end to end';
+docs/request-flow.md.
 
 Serves `<root>.decode.run[.<id>]` (`DecodeJob` -> `JobAccepted`), `<root>.decode.suffix.<id>`
 (`SuffixReady` -> `JobAccepted` after the NIXL pull) and its NIXL metadata; listens for

@@ -1,5 +1,5 @@
 """Anthropic Messages: `POST /v1/messages` and `POST /v1/messages/count_tokens`
-(protocols.md 1.3).
+(docs/design.md, 'HTTP APIs').
 
 Streams follow AN-S-01..10: every frame has its `event:` line; one `message_start` first,
 carrying the input accounting known then (the router's estimate of the cached tokens); blocks

@@ -1,5 +1,5 @@
-"""One error type for ingress, rendered in each protocol's own shape (protocols.md 1.1.6,
-1.2.6, 1.3.6, C-03, C-04).
+"""One error type for ingress, rendered in each protocol's own shape (docs/design.md, 'HTTP
+APIs': C-03, C-04).
 
 `ApiError` carries a protocol-neutral kind; `openai_body` and `anthropic_body` spell it the
 way each SDK reads it, and `headers` adds `x-should-retry` (both SDKs obey it) and

@@ -1,5 +1,5 @@
 """ingress: the HTTP front door (OpenAI Chat Completions, OpenAI Responses, Anthropic
-Messages). DESIGN.md sections 1 and 3; the routes are in app.py.
+Messages). docs/design.md, 'Services' and 'HTTP APIs'; the routes are in app.py.
 
 Wiring only: the served-model table (from discovery), the pipeline (tokenize, send to the
 router, read the stream), the stored-responses and API-key buckets in JetStream, a usage

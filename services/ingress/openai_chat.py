@@ -1,4 +1,4 @@
-"""OpenAI Chat Completions: `POST /v1/chat/completions` (protocols.md 1.1).
+"""OpenAI Chat Completions: `POST /v1/chat/completions` (docs/design.md, 'HTTP APIs').
 
 The request becomes a protocol-neutral `Completion`; the events of its generations become
 either one `chat.completion` or a stream of `chat.completion.chunk`s in the order the SDK's

@@ -1,4 +1,5 @@
-"""OpenAI Responses: `POST /v1/responses`, `GET /v1/responses/{id}` (protocols.md 1.2).
+"""OpenAI Responses: `POST /v1/responses`, `GET /v1/responses/{id}` (docs/design.md, 'HTTP
+APIs').
 
 One `_Output` builder turns the generation's events into output items and, for a stream, the
 typed events with gap-free `sequence_number`s (OR-S-01..07): `response.created` first, items

@@ -1,4 +1,5 @@
-"""Server-sent events as the official SDKs read them (protocols.md C-01, C-02, AN-S-01).
+"""Server-sent events as the official SDKs read them (docs/design.md, 'HTTP APIs': C-01,
+C-02, AN-S-01).
 
 `data:` carries compact JSON, never empty; Anthropic's events also need their `event:` line
 (its SDK dispatches on it); keep-alives are SSE comments, which both SDKs skip.

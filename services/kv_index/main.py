@@ -1,5 +1,5 @@
 """kv-index: the global prefix index (block hash -> KV location), longest-prefix match,
-LRU/TTL/capacity eviction. DESIGN.md section 4. Metadata only: KV bytes never pass here.
+LRU/TTL/capacity eviction. docs/design.md, 'KV tiers'. Metadata only: KV bytes never pass here.
 
 Serves (per shard, replicas of a shard in one queue group):
   <root>.kv-index.match.shard<N>   MatchRequest -> MatchReply

@@ -1,5 +1,6 @@
 """prefill: loads the cached prefix KV, restores the sliding-window state, computes the
-uncached suffix and hands it to decode. DESIGN.md sections 3 and 5, docs/request-flow.md.
+uncached suffix and hands it to decode. docs/design.md, 'One request, end to end' and
+'Sliding-window state'; docs/request-flow.md.
 
 Serves `<root>.prefill.run[.<id>]` (`PrefillJob` -> `PrefillDone`, once decode holds the
 suffix) and its NIXL metadata; listens for `CancelRequest`s; writes the blocks it computes

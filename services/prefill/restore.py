@@ -1,5 +1,5 @@
 """A prefill job's starting point: the cached prefix's pages from the store and the
-sliding-window state at its end (DESIGN.md section 5).
+sliding-window state at its end (docs/design.md, 'Sliding-window state').
 
 Window state, best first: the snapshot in the node's swa-memcache (exact, free); else a
 replay of the last R tokens through the sliding layers -- bounded (R = one window by default,

@@ -1,5 +1,6 @@
 """router: picks a prefill and a decode worker for each request (cache-, load- and
-SLO-aware) and forwards the job. DESIGN.md sections 1 and 3, docs/request-flow.md.
+SLO-aware) and forwards the job. docs/design.md, 'Services' and 'One request, end to end';
+docs/request-flow.md.
 
 Serves (pooled in queue group `router`, and on `<subject>.<instance_id>`):
   <root>.router.generate      GenerateRequest -> RouteDecision, once the decode worker accepted

@@ -2,7 +2,8 @@
 
 Pure and synchronous (no NATS, no asyncio): handler.py feeds it batches and asks it per
 request. It replaces asking every memcache `contains` per request, which at the reference
-deployment's ~150 prefill nodes was ~150 NATS requests per generate (DESIGN.md section 3).
+deployment's ~150 prefill nodes was ~150 NATS requests per generate (docs/design.md,
+'Sliding-window state').
 
 Per memcache instance: its node, the last sequence number seen and the hashes it holds.
 - A full batch (`is_full`) replaces what was known of the instance, whatever its sequence

@@ -1,8 +1,9 @@
 """A RAM store of sliding-window snapshots: TTL (180 s by default) and capacity-bounded LRU.
 
-Pure and synchronous. Agent steps come back within minutes (>98% hit in production, DESIGN.md
-section 5), so a short TTL keeps the RAM for the sessions that are still live; the capacity
-bound evicts the least recently used first when a burst of sessions overflows it.
+Pure and synchronous. Agent steps come back within minutes (>98% hit in production,
+docs/design.md, 'Sliding-window state'), so a short TTL keeps the RAM for the sessions that
+are still live; the capacity bound evicts the least recently used first when a burst of
+sessions overflows it.
 
 The bytes live in one buffer of `capacity_bytes` (the memcache registers it with NIXL, so a
 peer reads a snapshot where it lies), carved up by `Arena`. Two more states protect bytes a

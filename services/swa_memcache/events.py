@@ -1,6 +1,6 @@
 """What this memcache holds, told to every router: `SwaHeld` batches on
-`<root>.swa-memcache.events.<instance_id>` (DESIGN.md section 3: the router keeps a map from
-these events instead of asking every node per request).
+`<root>.swa-memcache.events.<instance_id>` (docs/design.md, 'Sliding-window state': the
+router keeps a map from these events instead of asking every node per request).
 
 - After each handler that can change the key set (a put commits or evicts, a get drops an
   expired entry, the sweep expires), the net change since the last batch (`tracked`).

@@ -1,6 +1,7 @@
 """swa-memcache: node-local RAM cache of sliding-window snapshots (180 s TTL, LRU under a
-capacity). DESIGN.md section 5. Never written to SSD. One instance per prefill node, named
-`swa-memcache-<node>` so the node's prefill workers (and the router) address it directly.
+capacity). docs/design.md, 'Sliding-window state'. Never written to SSD. One instance per
+prefill node, named `swa-memcache-<node>` so the node's prefill workers (and the router)
+address it directly.
 
 Serves (pooled in queue group `swa-memcache`, and on `<subject>.<instance_id>`):
   <root>.swa-memcache.get            SwaGet -> SwaGetReply

@@ -1,6 +1,7 @@
 """vllm-worker: a vLLM engine behind kvfabric's messages, prefill and decode in one instance
 (an aggregated worker), its prefix cache extended by kvfabric's SSD tier and kv-index
-through the KV connector (shared/vllm_connector). DESIGN.md section 3; docs/vllm.md.
+through the KV connector (shared/vllm_connector). docs/design.md, 'One request, end to end';
+docs/vllm.md.
 
 At start it exports the model's weights for vLLM (the GGUF's own tensors, once) and starts
 vLLM's OpenAI-compatible server from vLLM's own venv (`shared.vllm_env`: built on first use)

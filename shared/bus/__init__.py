@@ -1,4 +1,4 @@
-"""The bus: the only package that imports `nats` (DESIGN.md section 1). Re-exports only:
+"""The bus: the only package that imports `nats` (docs/design.md, 'Services'). Re-exports:
 `core` (the `Bus`), `endpoints` (serving requests), `jetstream` (`bus.js`), `connection`,
 `wire` (headers, typed errors, deadlines)."""
 

@@ -1,5 +1,5 @@
-"""JetStream, only where loss is unacceptable (DESIGN.md section 2): the usage log, the KV
-index's event log and its snapshots (an object store bucket).
+"""JetStream, only where loss is unacceptable (docs/design.md, 'Two planes'): the usage log,
+the KV index's event log and its snapshots (an object store bucket).
 
 `bus.js` is this module's `JetStream` on the bus's connection.
 """

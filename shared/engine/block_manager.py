@@ -2,10 +2,10 @@
 
 Ref counts let several sequences share the blocks of a common prefix (prefix cache hit);
 a block returns to the free list when its last owner frees it. Only whole blocks are ever
-shared (partial trailing blocks are not cached, DESIGN.md section 4), so a sequence never
+shared (partial trailing blocks are not cached: docs/design.md, 'Block hashes'), so a sequence never
 writes into a block another sequence reads: no copy-on-write is needed.
 
-The pool is also the first KV tier (DESIGN.md section 4: device memory, then the store). A
+The pool is also the first KV tier (docs/design.md, 'KV tiers': device, then the store). A
 page holding a complete block can be tagged with that block's chained hash (`tag`); a free
 tagged page keeps its bytes until it is handed out again, and free pages are handed out
 oldest first, so a worker's recent prefixes stay in its pool. `revive` takes the pages of a

@@ -1,4 +1,5 @@
-"""Sliding-window state at a cached boundary (DESIGN.md section 5), rebuilt three ways.
+"""Sliding-window state at a cached boundary (docs/design.md, 'Sliding-window state'), rebuilt
+three ways.
 
 A cached prefix of P tokens brings the full-attention layers' K/V (pages from the store) but
 not the sliding layers' last-W-tokens state, which lives only in the producing node's RAM

@@ -1,5 +1,5 @@
 """A request's block layout: the one owner of every question about which of its blocks are
-which (DESIGN.md section 3).
+which (docs/design.md, 'Block hashes').
 
 The prompt is hashed exactly once on the request path, by the caller (`hash_prompt`:
 ingress, `shared.client`); the chain then travels in `GenerateRequest.block_hashes`. The

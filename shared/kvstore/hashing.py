@@ -5,7 +5,7 @@ h_i = XXH3-64(seed, h_{i-1} || token ids of block i as little-endian u32), with 
 and the seed derived from the namespace (model id, KV layout version, optional tenant salt).
 Chaining makes a block's hash name its whole prefix, so equal hashes mean equal prefixes and
 a prefix match is a walk down the list. Only complete blocks are hashed (partial trailing
-blocks are not cached, DESIGN.md section 4).
+blocks are not cached: docs/design.md, 'Block hashes').
 """
 
 from __future__ import annotations

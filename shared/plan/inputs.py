@@ -1,7 +1,7 @@
 """What a capacity plan starts from: the traffic, the per-GPU rates, the prices and the
-shape of the hardware. The defaults are the reference deployment (DESIGN.md section 6:
-DeepSeek V4.1 Flash, one cluster, 155T tokens/day), so `PlanInputs()` reproduces its
-published figures; every field carries its unit in its name.
+shape of the hardware. The defaults are the reference deployment (docs/design.md, 'The
+reference deployment': DeepSeek V4.1 Flash, one cluster, 155T tokens/day), so `PlanInputs()`
+reproduces its published figures; every field carries its unit in its name.
 
 Three defaults are derived rather than published, and say how:
 
@@ -13,9 +13,9 @@ Three defaults are derived rather than published, and say how:
 - KV bytes per token: the published 10 TiB/s aggregate SSD read over the ~1.71B hit tokens/s
   the traffic implies is 6.4 KB per token; 6 KiB (a 64-token block is a 384 KiB slot) is the
   default. Cross-check against the other storage figure: the ~7.58T new tokens/day (misses
-  plus outputs) at 6 KiB fill 100 PiB in 2.4 days, the "day-scale" retention of DESIGN.md
-  section 4; the default retention, 2 days, needs 83 PiB and leaves the rest to the
-  eviction high-watermark.
+  plus outputs) at 6 KiB fill 100 PiB in 2.4 days, the "day-scale" retention of
+  docs/design.md, 'KV tiers'; the default retention, 2 days, needs 83 PiB and leaves the
+  rest to the eviction high-watermark.
 - GPU cost: an assumption, not a quote. CNY 14 per GPU-hour is ~USD 2, the H800 rental
   price DeepSeek assumed in its own published inference-system cost analysis (Feb 2025).
 
@@ -64,7 +64,7 @@ class PlanInputs:
     hit_rate: float = REFERENCE_HIT_RATE  # fraction of input tokens served from the KV store
     prefill_tokens_per_s_per_gpu: float = REFERENCE_PREFILL_TOKENS_PER_S_PER_GPU
     # The hit rate the prefill rate above was measured at. A prefill GPU is compute-bound on
-    # its misses (1.5M at 96 % is 60K miss tokens/s, DESIGN.md's no-cache rate; loading the
+    # its misses (1.5M at 96 % is 60K miss tokens/s, the no-cache rate; loading the
     # hits overlaps with compute, see shared/cost_model.py), so at another hit rate it serves
     # 60K / (1 - hit_rate) input tokens/s. Set it equal to hit_rate to take the rate as is.
     prefill_rate_hit_rate: float = REFERENCE_HIT_RATE
@@ -76,8 +76,9 @@ class PlanInputs:
     headroom_fraction: float = 0.0  # extra GPUs over the load; 0.01-0.27: "2,400-3,000"
     kv_bytes_per_token: int = 6_144  # full-attention layers only (module docstring)
     retention_days: float = 2.0
-    # SSD reads per hit token: 1 matches the published 10 TiB/s. DESIGN.md section 3 has
-    # decode load the prefix as well; where host DRAM does not absorb that read, it is 2.
+    # SSD reads per hit token: 1 matches the published 10 TiB/s. Decode loads the prefix as
+    # well (docs/design.md, 'One request, end to end'); where host DRAM does not absorb that
+    # read, it is 2.
     ssd_reads_per_hit_token: int = 1
     block_size_tokens: int = 64
     index_bytes_per_block: float = MEASURED_INDEX_BYTES_PER_BLOCK  # kv-index RAM per block

@@ -103,8 +103,9 @@ async def node_swa_client(
     agent: KvTransferAgent | None,
     **staging: int,
 ) -> SwaClient:
-    """A client of this node's swa-memcache: snapshots are node-local (DESIGN.md section 5),
-    and the router sends an agent's next step to the node whose memcache holds its window.
+    """A client of this node's swa-memcache: snapshots are node-local (docs/design.md,
+    'Sliding-window state'), and the router sends an agent's next step to the node whose
+    memcache holds its window.
     Workers and memcaches start together, so one that is not there yet is looked for again
     every `MEMCACHE_LOOKUP_S` (off the request path); until then any instance serves.
     Discovery metadata names it (`swa_memcache`) once found."""

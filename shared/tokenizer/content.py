@@ -3,11 +3,12 @@
 A model's tokenizer matches its added tokens (`<|im_end|>`, `<｜User｜>`, ...) anywhere in the
 text it is given, so a user who types a marker gets the control id. `encode_special_tokens`
 (HF's `split_special_tokens`) turns that matching off only for tokens flagged `special`, and
-DeepSeek-V3 flags its chat and tool markers `special: false` (protocols.md section 5): with it
-alone `<｜User｜>` in content still becomes 128803. So this is a copy of the model's tokenizer
-(round-tripped through `to_str()`, the original is untouched) in which every added token is
-flagged special and `encode_special_tokens` is on: a marker in content is then ordinary text,
-split by the pre-tokenizer like any other punctuation, and no added-token id can come out.
+DeepSeek-V3 flags its chat and tool markers `special: false` (docs/design.md, 'Tokenization'):
+with it alone `<｜User｜>` in content still becomes 128803. So this is a copy of the model's
+tokenizer (round-tripped through `to_str()`, the original is untouched) in which every added
+token is flagged special and `encode_special_tokens` is on: a marker in content is then
+ordinary text, split by the pre-tokenizer like any other punctuation, and no added-token id
+can come out.
 
 For benign text (no added-token string in it) the ids are the model tokenizer's own, so a
 prompt built from content segments hits the same prefix-cache blocks (INJ-07). Segments are

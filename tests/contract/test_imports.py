@@ -1,7 +1,7 @@
 """The import rules the layout promises, checked on the source (every import statement,
 function-level ones included, since a lazy import is a dependency all the same):
 
-- only `shared/bus/` imports nats (DESIGN.md section 1);
+- only `shared/bus/` imports nats (docs/design.md, 'Services');
 - no import cycles among the project's modules (a cycle is two modules that are one);
 - production code never imports `shared.testing` (fixtures), and `shared/` never `services`;
 - `import shared.engine` does not import torch: the mock workers and the CLI stay light.

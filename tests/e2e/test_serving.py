@@ -2,7 +2,8 @@
 and 2 decode workers running the bundled model), real NATS, real store files, real NIXL.
 
 Tests share one cluster and run in file order: the destructive ones (kill -9) come last.
-Blocks are 16 tokens here so that short prompts have many blocks (DESIGN.md section 4).
+Blocks are 16 tokens here so that short prompts have many blocks (docs/design.md, 'Block
+hashes').
 """
 
 from __future__ import annotations

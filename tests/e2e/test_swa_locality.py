@@ -1,5 +1,6 @@
 """An agent's next turn goes back to the node whose swa-memcache holds its sliding window, and
-the router learns that from the memcaches' events, not by asking them (DESIGN.md section 3).
+the router learns that from the memcaches' events, not by asking them (docs/design.md,
+'Sliding-window state').
 
 A mock cluster on one host, laid out as three prefill nodes: `node-i` runs `swa-memcache-i`
 and `prefill-i` (per-instance `--node-id`), plus one decode worker, kv-index and the router.

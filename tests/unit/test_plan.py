@@ -1,6 +1,6 @@
-"""`shared.plan` and `kvfabric plan`: the reference deployment's published figures (DESIGN.md
-section 6), how the plan moves with its inputs, the rounding, and the command's output and
-errors."""
+"""`shared.plan` and `kvfabric plan`: the reference deployment's published figures
+(docs/design.md, 'The reference deployment'), how the plan moves with its inputs, the
+rounding, and the command's output and errors."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_default_output_tokens_balance_prefill_and_decode() -> None:
 
 def test_reference_storage_fits_the_published_tier() -> None:
     storage = REFERENCE.storage
-    # 100 PiB, 10 TiB/s aggregate read (DESIGN.md section 6).
+    # 100 PiB, 10 TiB/s aggregate read (docs/design.md, 'The reference deployment').
     assert storage.ssd_capacity_bytes <= 100 * PIB
     assert storage.ssd_read_bytes_per_s == pytest.approx(10 * TIB, rel=0.1)
     hit_bytes_per_s = REFERENCE.traffic.hit_tokens_per_s * REFERENCE.inputs.kv_bytes_per_token
@@ -105,7 +105,7 @@ def test_more_hits_need_fewer_prefill_gpus_and_shift_revenue_to_hits() -> None:
 
 
 def test_prefill_rate_scales_with_misses_unless_measured_at_the_plan_hit_rate() -> None:
-    # No cache at all: DESIGN.md's ~60K tokens/s per prefill GPU.
+    # No cache at all: the reference deployment's ~60K tokens/s per prefill GPU.
     cold = plan(PlanInputs(hit_rate=0.0))
     assert cold.fleet.prefill_tokens_per_s_per_gpu == pytest.approx(60_000)
     as_is = plan(PlanInputs(hit_rate=0.5, prefill_rate_hit_rate=0.5))

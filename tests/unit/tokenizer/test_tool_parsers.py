@@ -1,8 +1,9 @@
 """Streaming tool-call parsers (shared/tokenizer/tool_parsers): fixture tables per format,
-re-creating the cases of SGLang's and vLLM's DeepSeek/Hermes suites (protocols.md 2.4), each
-checked one-shot, then for split invariance (TP-01: 100 seeded random chunkings, every two-way
-split, one character and one model token per chunk), for the JSON-prefix property of the
-argument fragments (jiter's partial mode, as Anthropic's SDK parses them) and for event order.
+re-creating the cases of SGLang's and vLLM's DeepSeek/Hermes suites (docs/design.md, 'Tool
+calls'), each checked one-shot, then for split invariance (TP-01: 100 seeded random
+chunkings, every two-way split, one character and one model token per chunk), for the
+JSON-prefix property of the argument fragments (jiter's partial mode, as Anthropic's SDK
+parses them) and for event order.
 """
 
 from __future__ import annotations
