@@ -9,8 +9,8 @@ answer after the first chunks), so both are awaited at once.
 The stream belongs to the decode worker; if that worker dies, nobody will end the stream, so
 the caller watches its heartbeats (`LoadReport`, ~1 s): silence for `liveness_timeout_s`
 means the worker is gone. The caller then bills what it received (a FAILED `UsageRecord`,
-through its durable outbox, with the request id as JetStream message id: if the worker did
-publish its own record first, JetStream keeps that one) and raises `Unavailable`, well
+through its durable outbox, under a message id of its own: if the worker did publish its
+record as well, billing's ledger keeps the worker's count) and raises `Unavailable`, well
 before the idle timeout.
 
 Whenever the caller stops waiting before the stream ended (cancelled, deadline, stall, lost

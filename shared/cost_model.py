@@ -6,7 +6,8 @@ mock workers is judged against its own assumptions, not another model's.
     decode step = a fixed part + a part per sequence + a part per context token attended
 
 The rates default to the reference deployment's per-GPU figures (docs/design.md, 'The
-reference deployment'; below); a deployment sets measured ones through the router's config.
+reference deployment'; below); `CostModel(...)` takes measured ones (no service's flags
+set them yet).
 The TTFT the router compares against its objective is Mooncake's Conductor form
 (`T_queue + T_prefill(uncached) + T_transfer`), in seconds, rather than Dynamo's weighted
 overlap score.

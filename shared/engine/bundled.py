@@ -1,5 +1,5 @@
 """Where the bundled model lives: `models/tiny-coder/` at the repository's top (see its
-README.md, the model card). It is the default model of `kvfabric up`."""
+README.md, the model card). `kvfabric up` serves it beside SmolLM2 by default."""
 
 from __future__ import annotations
 
