@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from shared.load_table import HEARTBEAT_TIMEOUT_S
 from shared.models import ModelError, model_path, served_name
 from shared.subjects import DEFAULT_ROOT, Subjects, check_token
 
@@ -50,6 +51,9 @@ class ServiceConfig:
     instance_id: str | None = None  # generated as <service>-<8 hex> when unset
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
     heartbeat_s: float = 1.0
+    # Another instance silent this long is gone: the router stops routing to it and ingress
+    # stops serving a model none of whose workers beat (the same rule: shared/load_table.py).
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     shutdown_grace_s: float = 10.0
     connect_timeout_s: float = 10.0
     log_level: str = "info"
@@ -77,7 +81,7 @@ class ServiceConfig:
                 check_token(self.instance_id, "instance_id")
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        for name in ("heartbeat_s", "connect_timeout_s"):
+        for name in ("heartbeat_s", "heartbeat_timeout_s", "connect_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.shutdown_grace_s < 0:

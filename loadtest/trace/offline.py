@@ -37,7 +37,7 @@ from loadtest.trace.caches import Caches, WindowMap
 from loadtest.trace.policies import BASELINES, OURS, OURS_PER_WORKER, POLICY_NAMES, baseline
 from loadtest.trace.synth import PromptHashes, TraceRequest, arrivals_s
 from loadtest.trace.workers import Job, SimDecode, SimPrefill
-from services.router.load import LoadTable
+from shared.load_table import LoadTable
 from services.router.policy import PolicyConfig, Rejection, RequestFacts, RoutePolicy
 from shared.cost_model import CostModel
 from shared.kvstore.blocks import RequestBlocks

@@ -13,7 +13,7 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
-from services.router.load import WorkerView
+from shared.load_table import WorkerView
 
 OURS = "ours"  # RoutePolicy.choose on the router's facts
 # What if the router knew each worker's own hit: RoutePolicy's estimate per worker, each with

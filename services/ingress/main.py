@@ -35,7 +35,11 @@ async def setup(runtime: ServiceRuntime) -> None:
     config = runtime.config
     assert isinstance(config, IngressConfig)  # service_main built it from IngressConfig
     bus = runtime.bus
-    models = ModelTable(bus, cache_tokens=config.segment_cache_tokens)
+    models = ModelTable(
+        bus,
+        cache_tokens=config.segment_cache_tokens,
+        heartbeat_timeout_s=config.heartbeat_timeout_s,
+    )
     config.usage_outbox_dir.mkdir(parents=True, exist_ok=True)
     outbox = await open_usage_outbox(bus, INGRESS, config.usage_outbox_dir, runtime.instance_id)
     runtime.on_stop(lambda: outbox.close(timeout_s=config.shutdown_grace_s))

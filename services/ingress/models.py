@@ -5,9 +5,12 @@ Decode workers name their model, its checkpoint path, context length and KV bloc
 discovery metadata. Ingress reads the same checkpoint (a shared filesystem in a cluster; the
 model cache on one machine) for its tokenizer and chat template, never the weights. The table
 refreshes every few seconds in the background, and at once when a request names a model it
-does not know yet, so a model whose workers just came up is served without waiting. Between
-rounds, the workers' heartbeats (`LoadReport`, one a second) keep a known model marked as
-served: a model stays served while any of its workers beats.
+does not know yet, so a model whose workers just came up is served without waiting.
+
+Which models are served is the router's rule, from the router's table (shared/load_table.py):
+a model is served while a SERVING worker of it has beaten (`LoadReport`, one a second) within
+`heartbeat_timeout_s`. Discovery rounds count as beats (their STATS carry each instance's
+report). So ingress accepts a model exactly while the router has a worker to route it to.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from shared.bus import Bus
 from shared.discovery import discover
 from shared.engine.checkpoint import Checkpoint
+from shared.load_table import HEARTBEAT_TIMEOUT_S, LoadTable
 from shared.logging import get_logger
-from shared.schema.control import InstanceState, LoadReport
+from shared.schema.control import LoadReport
 from shared.subjects import DECODE, VLLM_WORKER
 from shared.tokenizer import ChatFormat, PromptTokenizer, format_for
 
@@ -42,21 +48,24 @@ class ServedModel:
 
 
 class ModelTable:
-    def __init__(self, bus: Bus, *, cache_tokens: int = 4_000_000, forget_after_s: float = 15.0):
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        cache_tokens: int = 4_000_000,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+    ):
         self.bus = bus
         self.cache_tokens = cache_tokens
-        # A model stays served until no worker of it has answered discovery for this long:
-        # one busy worker missing one discovery round must not turn requests into 404s.
-        self.forget_after_s = forget_after_s
         self._models: dict[str, ServedModel] = {}
-        self._seen_at: dict[str, float] = {}  # name -> when a decode worker last answered
+        self._workers = LoadTable(bus.instance_id, heartbeat_timeout_s=heartbeat_timeout_s)
         self._refreshed_at = 0.0
         self._round_started_at = 0.0  # when the last discovery round began
         self._lock = asyncio.Lock()
 
     def _served(self) -> set[str]:
         now = time.monotonic()
-        return {n for n, at in self._seen_at.items() if now - at < self.forget_after_s}
+        return {m for service in STREAMERS for m in self._workers.models(service, now)}
 
     def served(self) -> list[ServedModel]:
         return sorted(
@@ -64,19 +73,12 @@ class ModelTable:
         )
 
     async def follow_heartbeats(self) -> None:
-        """Mark a known model seen at each heartbeat of a worker serving it. Without this, a
-        model was seen only by discovery rounds: after its workers restarted, a request could
-        find the last round's sighting older than `forget_after_s` and wait a whole round
-        (1 s) for its model, though the restarted workers were beating again."""
+        """Take every streaming worker's heartbeat into the table."""
         await self.bus.subscribe(self.bus.subjects.load_all, LoadReport, self.on_load_report)
 
     async def on_load_report(self, report: LoadReport) -> None:
-        if (
-            report.service in STREAMERS
-            and report.state == InstanceState.SERVING
-            and report.model in self._models
-        ):
-            self._seen_at[report.model] = time.monotonic()
+        if report.service in STREAMERS:
+            self._workers.observe(report, time.monotonic())
 
     async def get(self, name: str) -> ServedModel | None:
         """The model, asking discovery again if it is not (or no longer) known."""
@@ -118,7 +120,15 @@ class ModelTable:
                             path=meta.get("model_path"),
                         )
                         continue
-                self._seen_at[name] = time.monotonic()
+                if instance.load:  # its report, as a heartbeat of its own
+                    try:
+                        report = msgspec.convert(instance.load, LoadReport)
+                    except msgspec.ValidationError:
+                        log.warning(
+                            "malformed load report in discovery", instance_id=instance.instance_id
+                        )
+                    else:
+                        self._workers.observe(report, time.monotonic())
             self._refreshed_at = time.monotonic()
 
     def _load(self, meta: dict[str, str]) -> ServedModel:

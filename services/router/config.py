@@ -15,7 +15,6 @@ class RouterConfig(ServiceConfig):
 
     kv_index_shards: int = 1
     match_timeout_s: float = 0.5  # kv-index match; past it the request is routed cold
-    heartbeat_timeout_s: float = 3.0  # a worker without a LoadReport for this long is gone
     ttft_objective_s: float = 2.0  # reject (OVERLOADED) past this estimated TTFT; 0 = off
     max_queued_tokens: int = 240_000  # per prefill worker, see PolicyConfig
     decode_retry_after_s: float = 5.0
@@ -29,7 +28,6 @@ class RouterConfig(ServiceConfig):
         for name in (
             "kv_index_shards",
             "match_timeout_s",
-            "heartbeat_timeout_s",
             "max_queued_tokens",
             "decode_retry_after_s",
             "decode_page_size_tokens",

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from services.router.config import RouterConfig
-from services.router.load import InflightDelta, LoadTable
 from services.router.metrics import RouterMetrics
 from services.router.policy import Rejection, RequestFacts, RoutePolicy
 from services.router.prefill_jobs import PrefillJobs
@@ -34,6 +33,7 @@ from shared.bus import Bus, Context, Endpoint
 from shared.cost_model import CostModel
 from shared.kv_index_client import PrefixMatch
 from shared.kvstore.blocks import BlockLayoutError, RequestBlocks
+from shared.load_table import InflightDelta, LoadTable
 from shared.logging import get_logger
 from shared.metrics import Metrics, tier_label
 from shared.schema import (

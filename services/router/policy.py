@@ -23,9 +23,9 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from services.router.load import InflightDelta, LoadTable, WorkerView
 from shared.cost_model import CostModel, PrefillEstimate
 from shared.kvstore.blocks import RequestBlocks
+from shared.load_table import InflightDelta, LoadTable, WorkerView
 from shared.schema.errors import (
     BadRequest,
     ErrorCode,

@@ -18,11 +18,11 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 import msgspec
 from opentelemetry.trace import StatusCode
 
-from services.router.load import InflightDelta, LoadTable
 from services.router.metrics import RouterMetrics
 from services.router.policy import Rejection, RequestFacts, RoutePolicy
 from shared import telemetry
 from shared.bus import Bus
+from shared.load_table import InflightDelta, LoadTable
 from shared.logging import get_logger
 from shared.schema import Cancelled, NoResponders, ServiceError, Unavailable
 from shared.schema.inference import CancelRequest, PrefillDone, PrefillJob

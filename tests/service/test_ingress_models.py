@@ -1,10 +1,13 @@
 """Ingress's model table over a real NATS server: a model is learned from discovery and
-stays served while a worker of it beats (LoadReport), even when no discovery round has seen
-that worker for longer than the table forgets after (a restart's gap)."""
+stays served while a worker of it beats (LoadReport), even when no discovery round sees that
+worker any more; once no serving worker of it has beaten for `heartbeat_timeout_s` it is
+forgotten, as the router forgets the workers (the same table, shared/load_table.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 
 import pytest
 
@@ -19,18 +22,26 @@ from shared.testing.fixtures import BusFactory
 pytestmark = pytest.mark.nats
 
 MODEL = "tiny-coder"
-FORGET_S = 0.6
+TIMEOUT_S = 0.6
+SEQ = itertools.count(1)
 
 
 def report(bus, model: str, state: InstanceState = InstanceState.SERVING) -> LoadReport:  # noqa: ANN001
+    """A fresh report (a later seq and time than any before: the table drops repeats)."""
     return LoadReport(
-        service=bus.service, instance_id=bus.instance_id, seq=1, ts_ms=0, state=state, model=model
+        service=bus.service,
+        instance_id=bus.instance_id,
+        seq=next(SEQ),
+        ts_ms=int(time.time() * 1000),
+        state=state,
+        model=model,
     )
 
 
-async def beat(bus, message: LoadReport, seconds: float) -> None:  # noqa: ANN001
+async def beat(bus, model: str, seconds: float, **state: InstanceState) -> None:  # noqa: ANN001
     """Heartbeats every 0.1 s for `seconds`."""
     for _ in range(round(seconds / 0.1)):
+        message = report(bus, model, **state)
         await bus.publish(bus.subjects.load(bus.service, bus.instance_id), message)
         await asyncio.sleep(0.1)
 
@@ -54,23 +65,24 @@ async def test_a_beating_worker_keeps_its_model_served_between_rounds(
     await responder.start()
     await decode.flush()
     ingress = await bus_factory("ingress")
-    table = ModelTable(ingress, forget_after_s=FORGET_S)
+    table = ModelTable(ingress, heartbeat_timeout_s=TIMEOUT_S)
     await table.refresh()
     assert served(table) == [MODEL]
     await responder.stop()  # no discovery round sees the worker from here on
     await table.follow_heartbeats()
     await ingress.flush()
 
-    await beat(decode, report(decode, MODEL), 3 * FORGET_S)
+    await beat(decode, MODEL, 3 * TIMEOUT_S)
     assert served(table) == [MODEL]
     assert (await table.get(MODEL)) is not None
 
     # Heartbeats that do not speak for a serving worker of it keep nothing: a draining
     # decode worker, a prefill worker, another model's worker.
-    others = [report(decode, MODEL, InstanceState.DRAINING), report(decode, "other-model")]
+    draining, other = await bus_factory(DECODE), await bus_factory(DECODE)
     prefill = await bus_factory(PREFILL)
     await asyncio.gather(
-        *(beat(decode, r, 2 * FORGET_S) for r in others),
-        beat(prefill, report(prefill, MODEL), 2 * FORGET_S),
+        beat(draining, MODEL, 2 * TIMEOUT_S, state=InstanceState.DRAINING),
+        beat(other, "other-model", 2 * TIMEOUT_S),
+        beat(prefill, MODEL, 2 * TIMEOUT_S),
     )
     assert served(table) == []

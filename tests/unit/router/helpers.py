@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.router.load import LoadTable
+from shared.load_table import LoadTable
 from services.router.policy import RequestFacts
 from shared.schema.control import InstanceState, LoadReport
 from shared.subjects import DECODE, PREFILL

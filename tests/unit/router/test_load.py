@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from services.router.load import InflightDelta, LoadTable
+from shared.load_table import InflightDelta, LoadTable
 from shared.cost_model import CostModel, CostModelError
 from shared.schema.control import InstanceState
 from shared.subjects import PREFILL

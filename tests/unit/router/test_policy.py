@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from services.router.load import InflightDelta
+from shared.load_table import InflightDelta
 from services.router.policy import PolicyConfig, Rejection, RequestFacts, RoutePolicy
 from shared.cost_model import CostModel
 from shared.kvstore.blocks import RequestBlocks

@@ -1,4 +1,7 @@
-"""What the router knows of each worker's load: its latest heartbeat plus work in flight.
+"""What the cluster's heartbeats say of each instance: its latest `LoadReport` plus work in
+flight. The router routes on it; ingress serves the models it lists (`models`), so both take
+an instance as gone after the same silence (`heartbeat_timeout_s`, one setting of every
+service) and ingress never accepts a model the router would refuse for want of workers.
 
 Pure and synchronous; the caller passes `now_s` (a monotonic clock of its own) everywhere, so
 heartbeat ages are measured on the router's clock, never against a worker's `ts_ms` (clocks of
@@ -19,6 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.schema.control import InstanceState, LoadReport
+
+# An instance silent this long is gone (heartbeats come every second by default).
+HEARTBEAT_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ class LoadTable:
         self,
         router_id: str,
         *,
-        heartbeat_timeout_s: float = 3.0,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
         inflight_settle_s: float = 0.05,
     ) -> None:
         if heartbeat_timeout_s <= 0:
