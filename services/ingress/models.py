@@ -89,14 +89,19 @@ class ModelTable:
         # one that joined a moment ago is in no earlier round (the demo's first request
         # right after its workers came up got a 404 that way). Rounds for unknown names
         # start at most 4 times a second, however many ask.
-        if name not in self._served():
+        # A heartbeat can name a model before any round has loaded its tokenizer (the
+        # demo's first request came while the round that found it was still loading).
+        if not self._ready(name):
             asked_at = time.monotonic()
             await asyncio.sleep(max(0.0, self._refreshed_at + 0.25 - asked_at))
             async with self._lock:  # a round already under way ends first
                 pass
-            if name not in self._served() and self._round_started_at < asked_at:
+            if not self._ready(name) and self._round_started_at < asked_at:
                 await self.refresh(timeout_s=1.0)
-        return self._models.get(name) if name in self._served() else None
+        return self._models[name] if self._ready(name) else None
+
+    def _ready(self, name: str) -> bool:
+        return name in self._models and name in self._served()
 
     async def refresh(self, timeout_s: float = 0.5) -> None:
         async with self._lock:

@@ -18,6 +18,7 @@ from shared.schema import LoadReport
 from shared.schema.control import InstanceState
 from shared.subjects import DECODE, PREFILL
 from shared.testing.fixtures import BusFactory
+from shared.testing.waits import eventually
 
 pytestmark = pytest.mark.nats
 
@@ -86,3 +87,33 @@ async def test_a_beating_worker_keeps_its_model_served_between_rounds(
         beat(prefill, MODEL, 2 * TIMEOUT_S),
     )
     assert served(table) == []
+
+
+async def test_a_model_heard_of_before_its_tokenizer_loaded_waits_for_the_load(
+    bus_factory: BusFactory,
+) -> None:
+    """A heartbeat names the model while the discovery round that found it is still
+    loading its tokenizer: a request for it waits for that round instead of a 404."""
+    decode = await bus_factory(DECODE)
+    metadata = {"model": MODEL, "model_path": str(model_path(MODEL)), "kv_block_size_tokens": "64"}
+    responder = DiscoveryResponder(
+        decode,
+        version="0",
+        description="decode",
+        metadata=metadata,
+        load_report=lambda: report(decode, MODEL),
+    )
+    await responder.start()
+    await decode.flush()
+    ingress = await bus_factory("ingress")
+    table = ModelTable(ingress, heartbeat_timeout_s=10.0)
+    await table.follow_heartbeats()
+    await ingress.flush()
+    await decode.publish(decode.subjects.load(DECODE, decode.instance_id), report(decode, MODEL))
+    await eventually(lambda: MODEL in table._served())
+    assert served(table) == []  # heard of, not loaded
+
+    found = await table.get(MODEL)
+    assert found is not None and found.name == MODEL
+    assert served(table) == [MODEL]
+    await responder.stop()

@@ -36,6 +36,7 @@ from shared.schema import (
 )
 from shared.subjects import PREFILL
 from shared.tasks import cancel_and_wait
+from shared.testing.waits import eventually
 
 StartRouter = Callable[..., Awaitable[Router]]  # the `start_router` fixture
 
@@ -68,15 +69,6 @@ def hashes_of(request: GenerateRequest) -> list[int]:
     return RequestBlocks.hash_prompt(
         request.prompt_token_ids, model=MODEL, block_size_tokens=BLOCK
     ).hashes
-
-
-async def eventually(check: Callable[[], object], timeout_s: float = 5.0) -> None:
-    """Wait until `check()` is true (polled every 10 ms); fail the test if it never is."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition never became true")
-        await asyncio.sleep(0.01)
 
 
 async def known(router: Router, *instance_ids: str) -> None:

@@ -8,7 +8,6 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from shared.schema import NoResponders, pack_block_hashes, unpack_block_hashes
 from shared.schema.swa import SwaContains, SwaContainsReply, SwaHeld, SwaPut, SwaPutReply, SwaResync
 from shared.subjects import Subjects
 from shared.testing.fixtures import BusFactory
+from shared.testing.waits import eventually
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[3]
@@ -54,13 +54,6 @@ def start_memcache(url: str, root: str) -> subprocess.Popen[bytes]:
         stderr=subprocess.DEVNULL,
         cwd=REPO,
     )
-
-
-async def until(check: Callable[[], object], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition never became true"
-        await asyncio.sleep(0.02)
 
 
 async def put(bus: Bus, block_hash: int) -> None:
@@ -99,7 +92,7 @@ async def test_events_follow_puts_evictions_expiry_resyncs_and_a_restart(
     started_us = time.time_ns() // 1000
     process = start_memcache(nats_server.url, subject_root)
     try:
-        await until(lambda: batches)
+        await eventually(lambda: batches)
         hello = batches[0]  # a fresh instance announces that it holds nothing
         assert (hello.instance_id, hello.node_id, hello.is_full) == (INSTANCE, "node0", True)
         assert hello.added == b"" and hello.seq > started_us  # counted from the clock
@@ -112,7 +105,7 @@ async def test_events_follow_puts_evictions_expiry_resyncs_and_a_restart(
                 await asyncio.sleep(0.1)
         for key in (2, 3, 4):  # 4 KB into 3 KB: the least recently used (1) goes
             await put(bus, key)
-        await until(lambda: any(4 in hashes(b.added) for b in batches))
+        await eventually(lambda: any(4 in hashes(b.added) for b in batches))
         changes = [b for b in batches[1:] if b.added or b.removed]
         assert [(hashes(b.added), hashes(b.removed)) for b in changes] == [
             ([1], []),
@@ -124,17 +117,17 @@ async def test_events_follow_puts_evictions_expiry_resyncs_and_a_restart(
         num_before = len(batches)
         await bus.publish(subjects.swa_resync, SwaResync(instance_id="swa-memcache-other"))
         await bus.publish(subjects.swa_resync, SwaResync(instance_id=INSTANCE, reason="gap"))
-        await until(lambda: any(b.is_full for b in batches[num_before:]))
+        await eventually(lambda: any(b.is_full for b in batches[num_before:]))
         [full] = [b for b in batches[num_before:] if b.is_full]  # the other's ignored
         assert sorted(hashes(full.added)) == [2, 3, 4]
 
         def expired() -> list[int]:  # past the 2 s TTL, maybe over two sweeps
             return sorted(k for b in batches[num_before:] for k in hashes(b.removed))
 
-        await until(lambda: len(expired()) == 3)
+        await eventually(lambda: len(expired()) == 3)
         assert expired() == [2, 3, 4]
         num_sweeps = len(batches)
-        await until(lambda: len(batches) >= num_sweeps + 2)  # sweeps confirm the sequence
+        await eventually(lambda: len(batches) >= num_sweeps + 2)  # sweeps confirm the sequence
         assert all(not b.added and not b.removed for b in batches[num_sweeps:])
 
         # Every batch in sequence; replayed into a router's map they say what `contains` says.
@@ -142,7 +135,7 @@ async def test_events_follow_puts_evictions_expiry_resyncs_and_a_restart(
         swa = SwaMap()
         assert not any(swa.apply(b, now_s=0) for b in batches)
         await put(bus, 5)
-        await until(lambda: 5 in hashes(batches[-1].added))
+        await eventually(lambda: 5 in hashes(batches[-1].added))
         swa.apply(batches[-1], now_s=0)
         asked = SwaContains(block_hashes=pack_block_hashes([2, 5]))
         reply = await bus.request(subjects.swa_contains, asked, SwaContainsReply)
@@ -151,14 +144,14 @@ async def test_events_follow_puts_evictions_expiry_resyncs_and_a_restart(
     finally:
         process.terminate()
         process.wait(timeout=30)
-    await until(lambda: batches[-1].is_full)  # stopping: it holds nothing any more
+    await eventually(lambda: batches[-1].is_full)  # stopping: it holds nothing any more
     assert batches[-1].added == b""
     last_seq = batches[-1].seq
 
     num_before = len(batches)
     process = start_memcache(nats_server.url, subject_root)  # the same id again
     try:
-        await until(lambda: len(batches) > num_before)
+        await eventually(lambda: len(batches) > num_before)
         restarted = batches[num_before]
         assert restarted.is_full and restarted.seq > last_seq  # a jump, and a full state
     finally:
@@ -185,7 +178,7 @@ async def test_a_large_state_goes_in_several_batches_and_stop_empties_it(
         cache.put(key, b"x", now=time.monotonic())
     await publisher.publish_state()
     await publisher.stop()
-    await until(lambda: len(batches) == 5)
+    await eventually(lambda: len(batches) == 5)
 
     hello, *state, goodbye = batches
     assert hello.is_full and hello.added == b""
