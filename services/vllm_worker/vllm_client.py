@@ -56,10 +56,12 @@ def completion_body(
     *,
     request_id: str,
     cache_salt: str = "",
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `/v1/completions` request for a prompt of ids. Stop strings are ours: the worker
     matches them on its own detokenizer's text (as the kvfabric engine does) and closes the
-    stream, so vLLM gets none."""
+    stream, so vLLM gets none. `kv_transfer_params` reach the connector with the request
+    (`shared.vllm_connector.params`)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(token_ids),
@@ -81,6 +83,8 @@ def completion_body(
         body["stop_token_ids"] = list(sampling.stop_token_ids)
     if cache_salt:
         body["cache_salt"] = cache_salt
+    if kv_transfer_params:
+        body["kv_transfer_params"] = kv_transfer_params
     return body
 
 

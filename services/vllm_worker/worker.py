@@ -5,15 +5,17 @@ KV handoff).
 
 Per job: the same checks as a decode worker (`checked_prompt`: model, block size, chain,
 room to generate), then a task streams the completion from vLLM's HTTP API
-(vllm_client.py) and sends each step's ids with their text (our detokenizer, so text and
-stop strings behave as on kvfabric's engine; a matched stop string closes vLLM's stream).
-Cancellation (`CancelRequest`), the request's deadline and a worker shutdown cancel the
-task: the closed HTTP stream makes vLLM abort the request and free its blocks. The final
-chunk carries the usage vLLM reports (cached tokens: its own prefix cache plus what the
-connector loaded from the store); a request that ends without vLLM's usage (cancelled,
-failed) is billed with the prompt tokens the router found cached. Every request accepted
-leaves one usage record, published as decode's (`usage.decode`): billing takes the
-engine's own count over the caller's estimate.
+(vllm_client.py), handing the connector the prompt's chain and the router's kv-index match
+in `kv_transfer_params` (it neither hashes the prompt nor asks kv-index again), and sends
+each step's ids with their text (our detokenizer, so text and stop strings behave as on
+kvfabric's engine; a matched stop string closes vLLM's stream). Cancellation
+(`CancelRequest`), the request's deadline and a worker shutdown cancel the task: the closed
+HTTP stream makes vLLM abort the request and free its blocks. The final chunk carries the
+usage vLLM reports (cached tokens: its own prefix cache plus what the connector loaded from
+the store); a request that ends without vLLM's usage (cancelled, failed) is billed with the
+prompt tokens the router found cached. Every request accepted leaves one usage record,
+published as decode's (`usage.decode`): billing takes the engine's own count over the
+caller's estimate.
 """
 
 from __future__ import annotations
@@ -58,8 +60,16 @@ from shared.serving.checks import checked_prompt
 from shared.streams import StreamWriter
 from shared.usage import keep_record
 from shared.usage_outbox import UsageOutbox
+from shared.vllm_connector.params import RoutedPrefix, to_kv_transfer_params
 
 log = get_logger(__name__)
+
+
+def routed_prefix(job: DecodeJob) -> dict[str, str]:
+    """The prompt's chain and the router's kv-index match, as `kv_transfer_params`: with them
+    the connector neither hashes the prompt nor asks kv-index again."""
+    prefix = RoutedPrefix(block_hashes=job.request.block_hashes, cached_blocks=job.cached_blocks)
+    return to_kv_transfer_params(prefix)
 
 
 @dataclass(eq=False)
@@ -276,6 +286,8 @@ class VllmWorker:
             request.sampling,
             request_id=request.request_id,
             cache_salt=request.cache_salt,
+            # Nothing reads them without the connector.
+            kv_transfer_params=routed_prefix(state.job) if self.config.connector else None,
         )
         async for delta in self.client.generate(body):
             if delta.num_cached_tokens is not None:

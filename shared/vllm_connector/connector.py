@@ -10,14 +10,17 @@ worker of the same model, and outliving restarts.
 
 vLLM makes two of these per engine: one beside its scheduler, one beside its model runner.
 
-Scheduler side. `get_num_new_matched_tokens` hashes the prompt with the same chained block
-hashes as ingress (`RequestBlocks`: namespace = model, block size, the request's
-`cache_salt`) and asks kv-index for the longest prefix on the SSD tier. It offers the blocks
-past vLLM's own cached prefix, up to the prompt's last complete block before its last token
-(that token is computed, for its logits), and remembers where each lives. When a request
-finishes, `request_finished` hands its complete blocks past the stored prefix -- prompt and
-output, so an agent's next turn hits its own answer -- to the worker side, and holds vLLM's
-blocks until they are copied out.
+Scheduler side (`scheduler_side.py`). `get_num_new_matched_tokens` finds the longest prefix
+of the prompt on the SSD tier: for a request the vllm-worker sent, from its
+`kv_transfer_params` (the caller's chain and the router's kv-index match, `params.py`: the
+prompt is neither hashed nor matched again); for one sent to vLLM directly, by hashing the
+prompt with the same chained block hashes as ingress (`RequestBlocks`: namespace = model,
+block size, the request's `cache_salt`) and asking kv-index. It offers the blocks past
+vLLM's own cached prefix, up to the prompt's last complete block before its last token (that
+token is computed, for its logits), and remembers where each lives. When a request finishes,
+`request_finished` hands its complete blocks past the stored prefix -- prompt and output, so
+an agent's next turn hits its own answer -- to the worker side, hashing only the blocks past
+the chain it holds, and holds vLLM's blocks until they are copied out.
 
 Worker side. `start_load_kv` reads the offered slots from the store, synchronously, before
 the forward that needs them, and writes them into vLLM's paged cache (`loading.py`,
@@ -49,8 +52,6 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -65,17 +66,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from shared import kv_index_client
 from shared.bus import Bus
-from shared.kvstore.blocks import RequestBlocks
-from shared.kvstore.hashing import BlockHasher
-from shared.kvstore.slots import SlotRef
+from shared.kv_index_client import PrefixMatch
 from shared.kvstore.store import KvStore, KvStoreConfig
 from shared.kvstore.writer import KvEventPublisher
 from shared.logging import get_logger
-from shared.schema import ServiceError
 from shared.vllm_connector.config import ConnectorConfig, ConnectorConfigError
 from shared.vllm_connector.layout import VllmBlockConverter, check_with_kernel
 from shared.vllm_connector.loading import BlockLoader
 from shared.vllm_connector.loop import LoopThread
+from shared.vllm_connector.scheduler_side import LoadJob, SaveJob, SchedulerSide
 from shared.vllm_connector.spin import shorten_idle_spin
 
 if TYPE_CHECKING:
@@ -95,34 +94,10 @@ MAX_PENDING_SAVE_BYTES = 1 << 30  # copied out and not yet written: beyond this,
 
 
 # -- what the scheduler side tells the worker side, each step --------------------------------
-@dataclass(frozen=True)
-class LoadJob:
-    request_id: str
-    block_ids: list[int]  # vLLM blocks to fill, in order
-    refs: list[SlotRef]  # where each one's KV is, in the same order
-
-
-@dataclass(frozen=True)
-class SaveJob:
-    request_id: str
-    block_ids: list[int]  # vLLM blocks holding blocks first_block.. of the sequence
-    block_hashes: list[int]  # their chained hashes
-    parent_block_hash: int | None
-
-
 @dataclass
 class KvfabricMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
-
-
-@dataclass
-class _Admitted:
-    """A request's match, from its first look until it is scheduled or finished."""
-
-    num_local_blocks: int  # vLLM's own prefix cache
-    num_stored_blocks: int  # the store's prefix (0 when kv-index was not asked)
-    refs: list[SlotRef]  # blocks num_local_blocks.. of the store's prefix
 
 
 class KvfabricConnector(KVConnectorBase_V1):
@@ -156,12 +131,8 @@ class KvfabricConnector(KVConnectorBase_V1):
             ),
             timeout_s=CONNECT_TIMEOUT_S + 5,
         )
-        self._hashers: dict[str, BlockHasher] = {}
-        # scheduler side
-        self._admitted: dict[str, _Admitted] = {}
-        self._loads: dict[str, _Admitted] = {}  # allocated, to go in the next metadata
-        self._saves: list[SaveJob] = []
-        self.counts = {"matches": 0, "match_failures": 0, "offered_blocks": 0, "saved_requests": 0}
+        self.scheduler_side = SchedulerSide(config, block_size, self._match)
+        self.counts = self.scheduler_side.counts
         # worker side
         self.converter: VllmBlockConverter | None = None
         self.store: KvStore | None = None
@@ -180,85 +151,31 @@ class KvfabricConnector(KVConnectorBase_V1):
             block_size_tokens=block_size,
         )
 
-    def _hasher(self, salt: str | None) -> BlockHasher:
-        salt = salt or ""
-        hasher = self._hashers.get(salt)
-        if hasher is None:
-            hasher = RequestBlocks.namespace(self.config.model, self.block_size, salt)
-            self._hashers[salt] = hasher
-        return hasher
-
-    # == scheduler side ========================================================================
+    # == scheduler side (scheduler_side.py) ===================================================
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        b = self.block_size
-        prompt = request.prompt_token_ids or []
-        num_prefill_blocks = max(0, len(prompt) - 1) // b  # the last token is computed
-        num_local = num_computed_tokens // b
-        admitted = self._admitted.get(request.request_id)
-        if admitted is None or admitted.num_local_blocks != num_local:
-            admitted = self._match(request, prompt, num_prefill_blocks, num_local)
-            self._admitted[request.request_id] = admitted
-        num_offered = len(admitted.refs)
-        return num_offered * b, False
+        return self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens), False
 
-    def _match(
-        self, request: Request, prompt: Sequence[int], num_prefill_blocks: int, num_local: int
-    ) -> _Admitted:
-        if not self.config.load or num_prefill_blocks <= num_local:
-            return _Admitted(num_local, 0, [])
-        hasher = self._hasher(request.cache_salt)
-        hashes = hasher.hashes(list(prompt[: num_prefill_blocks * self.block_size]))
-        self.counts["matches"] += 1
-        started = time.perf_counter()
-        try:
-            matches = self._loop.call(
-                kv_index_client.match(
-                    self.bus,
-                    hashes,
-                    num_shards=self.config.kv_index_shards,
-                    timeout_s=self.config.match_timeout_s,
-                ),
-                timeout_s=self.config.match_timeout_s + 1.0,
-            )
-        except (ServiceError, TimeoutError) as exc:
-            self.counts["match_failures"] += 1
-            log.warning(
-                "kv-index did not answer: computing the prompt",
-                request_id=request.request_id,
-                error=str(exc),
-            )
-            return _Admitted(num_local, 0, [])
-        stored = matches.get("ssd")
-        log.debug(
-            "matched",
-            request_id=request.request_id,
-            num_local_blocks=num_local,
-            num_stored_blocks=stored.num_blocks if stored is not None else 0,
-            ms=round((time.perf_counter() - started) * 1e3, 2),
+    def _match(self, hashes: list[int]) -> dict[str, PrefixMatch]:
+        """kv-index's answer, from vLLM's scheduler thread (our loop runs the request)."""
+        return self._loop.call(
+            kv_index_client.match(
+                self.bus,
+                hashes,
+                num_shards=self.config.kv_index_shards,
+                timeout_s=self.config.match_timeout_s,
+            ),
+            timeout_s=self.config.match_timeout_s + 1.0,
         )
-        if stored is None or stored.num_blocks == 0:
-            return _Admitted(num_local, 0, [])
-        num_stored = min(stored.num_blocks, num_prefill_blocks)
-        rows = stored.locations.rows()[num_local:num_stored]
-        return _Admitted(num_local, stored.num_blocks, [SlotRef.from_location(r) for r in rows])
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        admitted = self._admitted.get(request.request_id)
-        if admitted is None or num_external_tokens == 0:
-            return
-        num_blocks = num_external_tokens // self.block_size
-        self._loads[request.request_id] = _Admitted(
-            admitted.num_local_blocks, admitted.num_stored_blocks, admitted.refs[:num_blocks]
-        )
-        self.counts["offered_blocks"] += num_blocks
+        self.scheduler_side.allocated(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KvfabricMetadata(saves=self._saves)
-        self._saves = []
+        meta = KvfabricMetadata(saves=self.scheduler_side.take_saves())
         for new in scheduler_output.scheduled_new_reqs:
             self._add_load(meta, new.req_id, new.block_ids[0])
         cached = scheduler_output.scheduled_cached_reqs
@@ -270,41 +187,15 @@ class KvfabricConnector(KVConnectorBase_V1):
         return meta
 
     def _add_load(self, meta: KvfabricMetadata, request_id: str, block_ids: list[int]) -> None:
-        load = self._loads.pop(request_id, None)
-        if load is None or not load.refs:
-            return
-        first = load.num_local_blocks
-        targets = block_ids[first : first + len(load.refs)]
-        meta.loads.append(LoadJob(request_id, list(targets), load.refs[: len(targets)]))
+        load = self.scheduler_side.take_load(request_id, block_ids)
+        if load is not None:
+            meta.loads.append(load)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        admitted = self._admitted.pop(request.request_id, None)
-        self._loads.pop(request.request_id, None)
-        if not self.config.save:
-            return False, None
-        b = self.block_size
-        tokens = list(request.all_token_ids)
-        num_complete = min(request.num_computed_tokens, len(tokens), len(block_ids) * b) // b
-        # What is on the store already: the prefix it matched, and vLLM's own cached prefix
-        # (blocks of a request before this one on this worker, saved when that one finished).
-        first = 0
-        if admitted is not None:
-            first = max(admitted.num_stored_blocks, admitted.num_local_blocks)
-        if num_complete <= first:
-            return False, None
-        hashes = self._hasher(request.cache_salt).hashes(tokens[: num_complete * b])
-        self._saves.append(
-            SaveJob(
-                request.request_id,
-                list(block_ids[first:num_complete]),
-                hashes[first:num_complete],
-                hashes[first - 1] if first else None,
-            )
-        )
-        self.counts["saved_requests"] += 1
-        return True, None  # vLLM holds the blocks until the worker side copied them
+        # True: vLLM holds the blocks until the worker side copied them.
+        return self.scheduler_side.finished(request, block_ids), None
 
     # == worker side ===========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
