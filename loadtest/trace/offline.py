@@ -37,10 +37,10 @@ from loadtest.trace.caches import Caches, WindowMap
 from loadtest.trace.policies import BASELINES, OURS, OURS_PER_WORKER, POLICY_NAMES, baseline
 from loadtest.trace.synth import PromptHashes, TraceRequest, arrivals_s
 from loadtest.trace.workers import Job, SimDecode, SimPrefill
-from shared.load_table import LoadTable
 from services.router.policy import PolicyConfig, Rejection, RequestFacts, RoutePolicy
 from shared.cost_model import CostModel
 from shared.kvstore.blocks import RequestBlocks
+from shared.load_table import LoadTable
 from shared.schema import LoadReport, RouteDecision
 from shared.subjects import DECODE, PREFILL
 
@@ -178,8 +178,9 @@ class Replay:
         return RequestFacts(
             request_id=str(request.index),
             num_prompt_tokens=request.input_length,
-            num_cached_tokens=num_blocks * blocks.block_size,
+            num_cached_blocks=num_blocks,
             max_tokens=self._num_output(request),
+            block_size_tokens=blocks.block_size,
             boundary_block_hash=blocks.boundary_hash(num_blocks),
             model=self.model,
         )

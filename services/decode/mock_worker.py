@@ -30,6 +30,7 @@ from services.decode.finish import Finisher
 from services.decode.jobs import DecodeJobsBase
 from services.decode.state import STREAM_FINISH_REASONS, DecodeRequest, Finished
 from shared.bus import Bus
+from shared.kvstore.blocks import num_blocks_before_last
 from shared.mock_engine import (
     FinishReason,
     MockEngine,
@@ -147,7 +148,7 @@ class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
         reason = out.finish_reason or FinishReason.STOP
         token_ids = state.token_ids + state.output_ids
         first = state.blocks.num_prefill_blocks
-        end = (len(token_ids) - 1) // self.block_size
+        end = num_blocks_before_last(len(token_ids), self.block_size)
         blocks = [(i, self._payload) for i in range(first, end)]
         return Finished(
             "stop" if stopped_by_string else STREAM_FINISH_REASONS[reason],

@@ -101,9 +101,7 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         prefill_worker_id = state.job.decision.prefill_worker_id
         if prefill_worker_id:
             self.agent.connect_soon(PREFILL, prefill_worker_id)
-        num_cached_blocks = state.blocks.num_reusable_blocks(
-            state.job.decision.num_cached_tokens // self.block_size
-        )
+        num_cached_blocks = state.blocks.num_reusable_blocks(state.job.decision.num_cached_blocks)
         self._prefix_loads[state.request_id] = asyncio.create_task(
             self._load_prefix(state, num_cached_blocks)
         )

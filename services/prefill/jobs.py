@@ -164,9 +164,7 @@ class PrefillJobsBase(ABC, Generic[JobT]):
             raise BadRequest(f"request {request.request_id} is already being prefilled here")
         accepted_s = time.perf_counter()
         self.counts.jobs_received.inc()
-        num_cached_blocks = blocks.num_reusable_blocks(
-            job.decision.num_cached_tokens // self.block_size
-        )
+        num_cached_blocks = blocks.num_reusable_blocks(job.decision.num_cached_blocks)
         entry = await self._admit(job, token_ids, blocks, num_cached_blocks, accepted_s)
         entry.span = telemetry.current_span()
         self.counts.cached_tokens.inc(entry.num_cached_blocks * self.block_size)

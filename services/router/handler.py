@@ -256,7 +256,7 @@ class Router:
         match = await self._match(request.request_id, request.block_hashes)
         facts = RequestFacts.of(request, blocks, match.num_blocks if match else 0)
         swa_node_ids = self._swa_holders(facts.boundary_block_hash)
-        cached = cached_prefix(match, facts.num_cached_tokens // request.block_size_tokens)
+        cached = cached_prefix(match, facts.num_cached_blocks)
         decision = await self._place(request, facts, swa_node_ids, cached)
         if not decision.aggregated:  # an aggregated worker prefills the job it was sent
             self.prefill_jobs.start(

@@ -42,10 +42,16 @@ from shared.subjects import DECODE, PREFILL, VLLM_WORKER
 class RequestFacts:
     request_id: str
     num_prompt_tokens: int
-    num_cached_tokens: int  # whole blocks, always < num_prompt_tokens
+    num_cached_blocks: int  # never the block holding the prompt's last token
     max_tokens: int
+    block_size_tokens: int = 64
     boundary_block_hash: int | None = None  # whose SWA snapshot restores the cached prefix
     model: str | None = None  # None: any worker (tests of the policy alone)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """The cached prefix in tokens, as the cost model counts work."""
+        return self.num_cached_blocks * self.block_size_tokens
 
     @classmethod
     def of(
@@ -56,8 +62,9 @@ class RequestFacts:
         return cls(
             request_id=request.request_id,
             num_prompt_tokens=blocks.num_prompt_tokens,
-            num_cached_tokens=num_blocks * blocks.block_size,
+            num_cached_blocks=num_blocks,
             max_tokens=request.sampling.max_tokens,
+            block_size_tokens=blocks.block_size,
             boundary_block_hash=blocks.boundary_hash(num_blocks),
             model=request.model,
         )
@@ -350,7 +357,8 @@ class RoutePolicy:
             prefill_worker_id=prefill.worker.instance_id,
             decode_worker_id=decode_id,
             num_prompt_tokens=facts.num_prompt_tokens,
-            num_cached_tokens=facts.num_cached_tokens,
+            num_cached_blocks=facts.num_cached_blocks,
+            block_size_tokens=facts.block_size_tokens,
             has_swa_snapshot=prefill.has_swa_snapshot,
             estimated_ttft_ms=prefill.estimate.ttft_s * 1000.0,
             aggregated=aggregated,

@@ -37,6 +37,14 @@ from shared.schema.tokens import (
 )
 
 
+def num_blocks_before_last(num_tokens: int, block_size: int) -> int:
+    """Complete blocks before a sequence's last token: the rule "the last token is decode's".
+    That token is always computed (its logits give the next token), so for a prompt these
+    are the most a cache hit reuses and what prefill writes; for a finished sequence, the
+    blocks whose KV exists (the last sampled token's is never computed)."""
+    return max(num_tokens - 1, 0) // block_size
+
+
 class BlockLayoutError(ValueError):
     """A request's block hashes do not belong to its tokens (count or content)."""
 
@@ -109,7 +117,7 @@ class RequestBlocks:
         """Complete blocks before the prompt's last token (always computed: its logits give
         the first output token): the most a hit reuses, what prefill writes; decode writes
         from here on."""
-        return max(self.num_prompt_tokens - 1, 0) // self.block_size
+        return num_blocks_before_last(self.num_prompt_tokens, self.block_size)
 
     def num_reusable_blocks(self, num_hit_blocks: int) -> int:
         """How many blocks of a cached prefix of `num_hit_blocks` a job restores."""

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 import msgspec
 
 # Bumped only for an incompatible change; additive changes (new fields with defaults) keep it.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):

@@ -46,12 +46,20 @@ class RouteDecision(Message, tag="route_decision"):
     prefill_worker_id: str
     decode_worker_id: str
     num_prompt_tokens: int
-    num_cached_tokens: int
+    # The cached prefix the jobs restore, in whole blocks of `block_size_tokens` (never the
+    # block holding the prompt's last token: see `RequestBlocks.num_prefill_blocks`).
+    num_cached_blocks: int
+    block_size_tokens: int = 64
     has_swa_snapshot: bool = False
     estimated_ttft_ms: float = 0.0
     # One worker does both (a vLLM worker): prefill_worker_id == decode_worker_id, and the
     # job goes to it whole, with no prefill job and no KV handoff.
     aggregated: bool = False
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """The cached prefix in tokens (for usage and estimates; the workers count blocks)."""
+        return self.num_cached_blocks * self.block_size_tokens
 
 
 class BlockLocation(msgspec.Struct, frozen=True, array_like=True):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared.kv_index_client import PrefixMatch
-from shared.kvstore.blocks import RequestBlocks
+from shared.kvstore.blocks import RequestBlocks, num_blocks_before_last
 from shared.kvstore.hashing import BlockHasher
 from shared.kvstore.slots import SlotRef
 from shared.logging import get_logger
@@ -142,7 +142,7 @@ class SchedulerSide:
     def _admit(
         self, request: VllmRequest, state: _RequestState, prompt: Sequence[int], num_local: int
     ) -> None:
-        num_prefill_blocks = max(0, len(prompt) - 1) // self.block_size  # the last is computed
+        num_prefill_blocks = num_blocks_before_last(len(prompt), self.block_size)
         state.num_local_blocks, state.num_stored_blocks, state.refs = num_local, 0, []
         if not self.config.load or num_prefill_blocks <= num_local:
             return

@@ -95,7 +95,7 @@ _decision = RouteDecision(
     prefill_worker_id="prefill-0",
     decode_worker_id="decode-1",
     num_prompt_tokens=5,
-    num_cached_tokens=0,
+    num_cached_blocks=0,
     has_swa_snapshot=True,
     estimated_ttft_ms=12.5,
 )

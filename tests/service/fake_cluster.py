@@ -79,7 +79,7 @@ class FakeDecode:
             prefill_worker_id="prefill-a",
             decode_worker_id=DECODE_ID,
             num_prompt_tokens=200,
-            num_cached_tokens=128,
+            num_cached_blocks=2,
         )
 
 

@@ -47,7 +47,7 @@ def decision(request_id: str) -> RouteDecision:
         prefill_worker_id="prefill-0",
         decode_worker_id="decode-0",
         num_prompt_tokens=100,
-        num_cached_tokens=0,
+        num_cached_blocks=0,
     )
 
 

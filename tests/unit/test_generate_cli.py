@@ -89,7 +89,7 @@ def a_result() -> GenerateResult:
             prefill_worker_id="p",
             decode_worker_id="d",
             num_prompt_tokens=200,
-            num_cached_tokens=128,
+            num_cached_blocks=2,
         ),
         token_ids=[5, 6, 7, 8, 9],
         text="hello",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.load_table import LoadTable
 from services.router.policy import RequestFacts
+from shared.load_table import LoadTable
 from shared.schema.control import InstanceState, LoadReport
 from shared.subjects import DECODE, PREFILL
 
@@ -50,4 +50,5 @@ def decoder(instance_id: str = "d1", **kwargs: object) -> LoadReport:
 def facts(
     num_prompt_tokens: int = 10_000, num_cached_tokens: int = 0, max_tokens: int = 256
 ) -> RequestFacts:
-    return RequestFacts("req-1", num_prompt_tokens, num_cached_tokens, max_tokens)
+    assert num_cached_tokens % 64 == 0, "a cached prefix is whole blocks"
+    return RequestFacts("req-1", num_prompt_tokens, num_cached_tokens // 64, max_tokens)

@@ -9,10 +9,10 @@ import math
 
 import pytest
 
-from shared.load_table import InflightDelta
 from services.router.policy import PolicyConfig, Rejection, RequestFacts, RoutePolicy
 from shared.cost_model import CostModel
 from shared.kvstore.blocks import RequestBlocks
+from shared.load_table import InflightDelta
 from shared.schema import GenerateRequest, pack_token_ids
 from shared.schema.control import LoadReport
 from shared.schema.errors import ErrorCode, Overloaded, Unavailable

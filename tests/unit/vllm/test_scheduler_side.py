@@ -139,7 +139,8 @@ def routed(index: Index, request_id: str, prompt: list[int]) -> Request:
         prefill_worker_id="vllm-0",
         decode_worker_id="vllm-0",
         num_prompt_tokens=len(prompt),
-        num_cached_tokens=num_cached * B,
+        num_cached_blocks=num_cached,
+        block_size_tokens=B,
         aggregated=True,
     )
     job = DecodeJob(
