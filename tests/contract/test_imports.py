@@ -4,7 +4,7 @@ function-level ones included, since a lazy import is a dependency all the same):
 - only `shared/bus/` imports nats (docs/design.md, 'Services');
 - no import cycles among the project's modules (a cycle is two modules that are one);
 - production code never imports `shared.testing` (fixtures), and `shared/` never `services`;
-- `import shared.engine` does not import torch: the mock workers and the CLI stay light.
+- `import worker.engine` does not import torch: the mock workers and the CLI stay light.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("shared", "services")
+PACKAGES = ("shared", "worker", "services")
 
 
 def _module_name(path: Path) -> str:
@@ -126,8 +126,8 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_importing_the_engine_package_imports_no_torch() -> None:
     code = (
-        "import sys, shared.engine, shared.engine.outputs, shared.engine.bundled, "
-        "shared.mock_engine, services.admin.cli; print('torch' in sys.modules)"
+        "import sys, worker.engine, worker.engine.outputs, worker.engine.checkpoint, "
+        "worker.mock_engine, services.admin.cli; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

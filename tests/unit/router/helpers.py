@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.load_table import LoadTable
 from services.router.policy import RequestFacts
+from shared.load_table import LoadTable
 from shared.schema.control import InstanceState, LoadReport
 from shared.subjects import DECODE, PREFILL
 
