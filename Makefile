@@ -32,7 +32,7 @@ models: $(STAMP)
 # a no-op after. Only the vllm-worker service (`kvfabric up --engine vllm`), the tests marked
 # vllm and `kvfabric bench peers` use it; `make demo` never builds it.
 vllm: $(STAMP)
-	$(PY) -m shared.vllm_env
+	$(PY) -m services.vllm_worker.vllm_env
 
 # Prometheus's server and promtool (Debian's `prometheus` package): the dashboard and metrics
 # tests run them and skip, naming the package, where they are missing. Installed here when

@@ -40,10 +40,10 @@ from loadtest.agent.workload import Workload
 from loadtest.results import BenchResult
 from services.admin.launcher import Cluster, ClusterSpec
 from shared.bus import Bus
-from shared.engine.checkpoint import Checkpoint
 from shared.models import model_path, served_name
 from shared.subjects import BILLING, DECODE, PREFILL
 from shared.testing import unique_root
+from worker.engine.checkpoint import Checkpoint
 
 KEY = "kvf-bench-agent-key"
 # Sizes by scale: (sessions, steps, initial tokens, growth tokens, max tokens, concurrency).

@@ -1,5 +1,5 @@
 """Connector benchmark: whole blocks between vLLM's paged cache and the store's payloads
-(shared.vllm_connector), against a plain copy of as many bytes, side by side in one run.
+(services.vllm_worker.connector), against a plain copy of as many bytes, side by side in one run.
 
     python -m loadtest.bench_connector [--device cpu|cuda] [--model smollm2|llama-8b]
                                        [--blocks 30] [--rounds 5] [--json FILE]
@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 from loadtest.results import BenchResult, bench_options
-from shared.kvstore.slots import SlotRef
-from shared.kvstore.store import KvStore, KvStoreConfig
-from shared.vllm_connector.layout import VllmBlockConverter
-from shared.vllm_connector.loading import PART_BYTES, BlockLoader
-from shared.vllm_connector.loop import LoopThread
+from services.vllm_worker.connector.layout import VllmBlockConverter
+from services.vllm_worker.connector.loading import PART_BYTES, BlockLoader
+from services.vllm_worker.connector.loop import LoopThread
+from worker.kvstore.slots import SlotRef
+from worker.kvstore.store import KvStore, KvStoreConfig
 
 BLOCK = 64  # tokens, the store's
 MODELS = {  # layers, KV heads, head dim, dtype

@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 
 from loadtest.results import BenchResult
-from shared.engine import (
+from shared.models import model_path
+from worker.engine import (
     Checkpoint,
     Engine,
     ModelRunner,
@@ -49,16 +50,15 @@ from shared.engine import (
     Sequence,
     load_model,
 )
-from shared.engine.attention import (
+from worker.engine.attention import (
     attend_after_prefix,
     paged_attention,
     paged_attention_scratch,
     paged_attention_serves,
 )
-from shared.engine.layers import can_pack
-from shared.engine.model import CausalLM
-from shared.engine.quant import block_formats
-from shared.models import model_path
+from worker.engine.layers import can_pack
+from worker.engine.model import CausalLM
+from worker.engine.quant import block_formats
 
 DEFAULT_MODEL = Path("models/tiny-coder")
 STDLIB_FILES = ("os.py", "argparse.py", "typing.py", "dataclasses.py", "inspect.py", "pathlib.py")

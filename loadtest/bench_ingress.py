@@ -32,12 +32,12 @@ from loadtest.results import BenchResult, bench_options
 from services.admin.launcher import Cluster, ClusterSpec
 from shared.bus import Bus
 from shared.client import build_request, generate
-from shared.engine.checkpoint import Checkpoint
 from shared.models import model_path
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL
 from shared.testing import unique_root
 from shared.tokenizer import PromptTokenizer, format_for
 from shared.tokenizer.chat import Chat, Message
+from worker.engine.checkpoint import Checkpoint
 
 MODEL = "tiny-coder"
 KEY = "kvf-bench-ingress-key"

@@ -43,10 +43,10 @@ import xxhash
 
 from loadtest.results import BenchResult, bench_options
 from shared.bus import Bus
-from shared.kvstore import KvStore, KvStoreConfig, SlotRef
 from shared.natsd import NatsServer
 from shared.schema import StoredBlock
-from shared.transfer import ByteRange, KvTransferAgent
+from worker.kvstore import KvStore, KvStoreConfig, SlotRef
+from worker.transfer import ByteRange, KvTransferAgent
 
 SMALL_BLOCK_NBYTES = 98_304  # 64 tokens x 3 full layers x K,V x 2 kv heads x 64 dim x bf16
 BIG_BLOCK_NBYTES = 2 << 20  # a big model's block (e.g. 64 tokens x 61 layers x MLA 576 dims)

@@ -1,6 +1,6 @@
 """Peer benchmark: vLLM's CPU build against kvfabric serving SmolLM2-135M-Instruct (the same
-weights: vLLM loads shared.vllm_env's export of our GGUF), under the same agent workload
-through the same client, side by side in one run. Three sides:
+weights: vLLM loads services.vllm_worker.vllm_env's export of our GGUF), under the same agent
+workload through the same client, side by side in one run. Three sides:
 (a) vLLM alone, with its own prefix caching; (b) kvfabric with two vLLM workers, kvfabric's
 store as their KV connector; (c) kvfabric on its own engine (a prefill and a decode worker).
 
@@ -82,15 +82,15 @@ import openai
 from loadtest.peers.vllm import leading_agreement
 from loadtest.results import BenchResult, bench_options
 from services.admin.launcher import Child, Cluster, ClusterSpec
+from services.vllm_worker.vllm_env import VllmServer, ensure_vllm, export_checkpoint
 from shared.bus import Bus
 from shared.discovery import discover
-from shared.engine.checkpoint import Checkpoint
 from shared.models import model_path
 from shared.natsd import die_with_parent
 from shared.subjects import BILLING, DECODE, PREFILL, VLLM_WORKER
 from shared.testing import unique_root
 from shared.venvs import venvs_dir
-from shared.vllm_env import VllmServer, ensure_vllm, export_checkpoint
+from worker.engine.checkpoint import Checkpoint
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "kvf-bench-peers-key"

@@ -34,11 +34,11 @@ from loadtest.results import BenchResult
 from services.admin.launcher import Cluster, ClusterSpec
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
-from shared.engine.checkpoint import Checkpoint
-from shared.engine.config import FULL, ModelConfig
 from shared.models import model_path, served_name
 from shared.subjects import DECODE, PREFILL
 from shared.testing import unique_root
+from worker.engine.checkpoint import Checkpoint
+from worker.engine.config import FULL, ModelConfig
 
 BLOCK = 64
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +46,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def corpus_tokens(tokenizer: Tokenizer, num_tokens: int, offset: int) -> list[int]:
     """`num_tokens` tokens of this repository's Python sources, starting at file `offset`."""
-    files = sorted(REPO.glob("shared/**/*.py")) + sorted(REPO.glob("services/**/*.py"))
+    files = [
+        p for top in ("shared", "worker", "services") for p in sorted(REPO.glob(f"{top}/**/*.py"))
+    ]
     ids: list[int] = []
     for path in files[offset:] + files[:offset]:
         ids += tokenizer.encode(path.read_text()).ids

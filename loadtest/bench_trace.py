@@ -39,8 +39,8 @@ from loadtest.trace.synth import (
     load_trace,
     upper_bound_hits,
 )
-from shared.engine.checkpoint import Checkpoint
 from shared.models import model_path, served_name
+from worker.engine.checkpoint import Checkpoint
 
 SHARE = "share of prompt tokens"
 DEFAULTS: dict[str, object] = {

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from shared.engine import ModelRunner, Sequence, load_model
-from shared.engine.swa_restore import exact_replay_tokens, replay_window
+from worker.engine import ModelRunner, Sequence, load_model
+from worker.engine.swa_restore import exact_replay_tokens, replay_window
 
 BLOCK = 64
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shared import telemetry
+from shared.blocks import RequestBlocks
 from shared.bus import Bus, now_ms
-from shared.kvstore.blocks import RequestBlocks
 from shared.logging import get_logger
 from shared.schema import (
     CancelRequest,

@@ -220,7 +220,7 @@ class EngineWorkerConfig(ServiceConfig):
     dtype: str = "float32"
     # Dummy tokens the worker runs through its model before it joins discovery (0: none):
     # a fresh process's first long forward pays for its thread's allocator arena and
-    # OpenMP team (~100 ms on SmolLM2, shared/engine/worker.py), the warm-up instead of the
+    # OpenMP team (~100 ms on SmolLM2, worker/engine/worker.py), the warm-up instead of the
     # first request routed to it.
     warmup_tokens: int = 512
     # Longest sequence served; 0: the model's max_position_embeddings (its training context).
@@ -236,7 +236,7 @@ class EngineWorkerConfig(ServiceConfig):
     # NIXL-registered host memory for the prefill -> decode KV handoff; 0: room for one
     # prompt of the longest length served (its pages and window), whatever the model.
     handoff_staging_bytes: int = 0
-    # `mock`: the same endpoints and messages over shared.mock_engine's MockEngine -- timing from
+    # `mock`: the same endpoints and messages over worker.mock_engine's MockEngine -- timing from
     # CostModel, deterministic fake tokens, but real KV events, store writes and usage.
     # No torch, no NIXL (the store uses aiofiles whatever store_backend says), so one host
     # runs dozens of workers for e2e tests and the simulator.

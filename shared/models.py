@@ -26,7 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.engine.bundled import BUNDLED_MODEL_DIR
+# `models/tiny-coder/` at the repository's top (its README.md is the model card). Kept here,
+# beside the registry that names it, so the platform's config needs nothing of the engine's.
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-coder"
 
 CACHE_ENV = "KVF_MODEL_CACHE"
 CHECKSUMS = "SHA256SUMS"

@@ -3,7 +3,7 @@ its greedy tokens against our engine's for the same prompt.
 
     python -m loadtest.peers.vllm [--model SmolLM2-135M-Instruct] [--max-tokens 48]
 
-vLLM's venv, the exported checkpoint and the server are `shared.vllm_env`'s.
+vLLM's venv, the exported checkpoint and the server are `services.vllm_worker.vllm_env`'s.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import json
 import sys
 from typing import Any
 
-from shared.engine.checkpoint import Checkpoint
+from services.vllm_worker.vllm_env import VllmServer, export_checkpoint
 from shared.models import model_path, served_name
-from shared.vllm_env import VllmServer, export_checkpoint
+from worker.engine.checkpoint import Checkpoint
 
 SMOKE_QUESTION = "Write a Python function that returns the maximum of a list of numbers."
 
 
 def our_greedy(model_name: str, messages: list[dict[str, str]], max_tokens: int):
     """(prompt ids, greedy completion ids) of our engine, in process, for a chat."""
-    from shared.engine import Engine, ModelRunner, SamplingParams, load_model
+    from worker.engine import Engine, ModelRunner, SamplingParams, load_model
 
     checkpoint = Checkpoint(model_path(model_name))
     text = checkpoint.chat_template().render(messages)

@@ -34,11 +34,11 @@ from loadtest.trace.synth import PromptHashes, TraceRequest, arrivals_s, prompt_
 from services.admin.launcher import Cluster, ClusterSpec
 from shared.bus import Bus, now_ms
 from shared.client import build_request, generate
-from shared.cost_model import CostModel
-from shared.engine.checkpoint import Checkpoint
 from shared.models import model_path, served_name
 from shared.schema import GenerateRequest
 from shared.subjects import BILLING, DECODE, DEFAULT_ROOT, INGRESS, PREFILL, ROUTER
+from worker.cost_model import CostModel
+from worker.engine.checkpoint import Checkpoint
 
 # The router admits every request, as the offline replay does: no TTFT objective, no bound on
 # a prefill queue (a refused request would be sent again later than the trace says).

@@ -10,7 +10,7 @@ worker); the decode worker is always `choose`'s, and the in-flight deltas are re
 the router records them. The chosen worker's own cache gives the hit it really gets
 (refreshed, as a read is).
 
-Workers follow the cost model the router estimates with (`shared.cost_model`), as the mock
+Workers follow the cost model the router estimates with (`worker.cost_model`), as the mock
 engine does: a prefill worker runs its jobs first come, first served, each taking compute
 of the uncached tokens + load of the cached ones + a bounded replay without the window;
 when one ends, its new blocks go to its cache as a BlocksStored batch and its window to its
@@ -38,11 +38,11 @@ from loadtest.trace.policies import BASELINES, OURS, OURS_PER_WORKER, POLICY_NAM
 from loadtest.trace.synth import PromptHashes, TraceRequest, arrivals_s
 from loadtest.trace.workers import Job, SimDecode, SimPrefill
 from services.router.policy import PolicyConfig, Rejection, RequestFacts, RoutePolicy
-from shared.cost_model import CostModel
-from shared.kvstore.blocks import RequestBlocks
+from shared.blocks import RequestBlocks
 from shared.load_table import LoadTable
 from shared.schema import LoadReport, RouteDecision
 from shared.subjects import DECODE, PREFILL
+from worker.cost_model import CostModel
 
 ROUTER_ID = "router-offline"
 DECODE_PAGES = 1 << 40  # per decode worker: none ever waits for pages here

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.kvstore.blocks import RequestBlocks
+from shared.blocks import RequestBlocks
 from shared.schema.tokens import pack_token_ids
 
 TRACE_BLOCK_TOKENS = 512

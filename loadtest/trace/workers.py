@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from loadtest.trace.synth import TraceRequest
-from shared.kvstore.blocks import RequestBlocks
+from shared.blocks import RequestBlocks
 
 
 @dataclass(eq=False)

@@ -35,7 +35,7 @@ A {s["num_params"] / 1e6:.2f}M-parameter Qwen3-architecture decoder trained from
 two CPU cores, in {s["wall_s"] / 60:.0f} minutes, on the Python standard library. It exists
 so the cluster's tests and demos have a real model with **sliding-window layers followed
 by full-attention layers** (docs/design.md, 'Sliding-window state') that loads in
-transformers and in `shared.engine`, and whose output looks like Python. It is not a useful
+transformers and in `worker.engine`, and whose output looks like Python. It is not a useful
 code assistant.
 
 ## Architecture

@@ -4,7 +4,7 @@
   `bos + file + eos` and cut into windows of at most `context` predictions that never cross
   a file boundary (so later windows of a long file start without earlier context);
 - greedy continuations of fixed Python prompts (bos + prompt, transformers `generate`);
-- the engine check: `shared.engine.load_model` logits against transformers (eager, float32)
+- the engine check: `worker.engine.load_model` logits against transformers (eager, float32)
   on the first held-out tokens, relative to the largest logit.
 """
 
@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM
 
 from models.tiny_coder import card, data
 from models.tiny_coder.tokenizer import BOS, EOS
-from shared.engine import load_model
-from shared.engine.attention import DenseAttention
+from worker.engine import load_model
+from worker.engine.attention import DenseAttention
 
 PROMPTS = (
     "def fibonacci(n):",

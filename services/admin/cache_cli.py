@@ -13,10 +13,10 @@ import typer
 
 from shared.bus import Bus
 from shared.discovery import discover
-from shared.kvstore.scan import infer_payload_nbytes, scan_headers
 from shared.schema import ServiceError, StoredBlock
 from shared.schema.kv_index import CacheCommand, CacheStats, RebuildBatch, RebuildReply
 from shared.subjects import DEFAULT_ROOT, KV_INDEX
+from worker.kvstore.scan import infer_payload_nbytes, scan_headers
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
 NATS_URL = typer.Option(

@@ -27,9 +27,9 @@ from shared import models
 from shared.bus import Bus
 from shared.client import build_request, generate
 from shared.discovery import discover
-from shared.engine.checkpoint import Checkpoint
 from shared.tokenizer import PromptTokenizer, format_for
 from shared.tokenizer.chat import Chat, Message
+from worker.engine.checkpoint import Checkpoint
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = (

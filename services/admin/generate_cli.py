@@ -24,14 +24,14 @@ import typer
 
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
-from shared.engine.checkpoint import Checkpoint
-from shared.engine.errors import EngineError
 from shared.logging import configure_logging
 from shared.models import DEFAULT_MODELS, ModelError, model_path, served_name
 from shared.schema import GenerateRequest, ServiceError, TokenChunk, Unavailable
 from shared.subjects import DEFAULT_ROOT, INGRESS
 from shared.usage import open_usage_outbox
 from shared.usage_outbox import OutboxLocked, UsageOutbox
+from worker.engine.checkpoint import Checkpoint
+from worker.engine.errors import EngineError
 
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130

@@ -47,8 +47,8 @@ def show(
     verify: bool = typer.Option(False, "--verify", help="hash the cached file again"),
 ) -> None:
     """A model's file, architecture, context, tokenizer and chat template."""
-    from shared.engine.checkpoint import Checkpoint
-    from shared.engine.errors import EngineError
+    from worker.engine.checkpoint import Checkpoint
+    from worker.engine.errors import EngineError
 
     try:
         path = models.model_path(name)

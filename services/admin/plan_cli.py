@@ -1,5 +1,5 @@
 """`kvfabric plan`: the capacity and economics of a deployment, from its traffic, per-GPU
-rates and prices (the model is `shared.plan`; the defaults are the reference deployment of
+rates and prices (the model is `services.admin.plan`; the defaults are the reference deployment of
 docs/design.md, 'The reference deployment'). Prints the inputs, then the outputs by group;
 `--json` prints the whole plan as one object instead.
 
@@ -14,8 +14,8 @@ import math
 
 import typer
 
-from shared.plan import Plan, PlanError, PlanInputs, plan
-from shared.plan.inputs import MICRO  # micro-CNY per CNY
+from services.admin.plan import Plan, PlanError, PlanInputs, plan
+from services.admin.plan.inputs import MICRO  # micro-CNY per CNY
 
 DEFAULTS = PlanInputs()
 

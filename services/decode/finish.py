@@ -21,16 +21,16 @@ from services.decode.metrics import DecodeMetrics
 from services.decode.state import DecodeRequest, Finished
 from shared import telemetry
 from shared.bus import Bus
-from shared.kvstore.store import KvStore
-from shared.kvstore.writer import KvEventPublisher
 from shared.logging import get_logger
 from shared.metrics import Metrics, tier_label
 from shared.schema import ServiceError, TokenChunk, UsageStatus, pack_token_ids
-from shared.serving.kv_io import store_payloads
 from shared.subjects import DECODE
-from shared.swa_client import SwaClient
 from shared.usage import keep_record
 from shared.usage_outbox import UsageOutbox
+from worker.kvstore.store import KvStore
+from worker.kvstore.writer import KvEventPublisher
+from worker.serving.kv_io import store_payloads
+from worker.swa_client import SwaClient
 
 log = get_logger(__name__)
 

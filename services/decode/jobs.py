@@ -30,7 +30,6 @@ from services.decode.finish import Finisher
 from services.decode.state import DecodeRequest, Finished
 from shared import telemetry
 from shared.bus import Bus, Context
-from shared.detokenizer import IncrementalDetokenizer
 from shared.logging import get_logger
 from shared.schema import (
     BadRequest,
@@ -46,15 +45,16 @@ from shared.schema import (
     SuffixReady,
     Unavailable,
 )
-from shared.serving.checks import checked_prompt
 from shared.streams import StreamWriter
 from shared.tasks import cancel_and_wait
+from worker.detokenizer import IncrementalDetokenizer
+from worker.serving.checks import checked_prompt
 
 log = get_logger(__name__)
 
 
 class SteppingEngine(Protocol):
-    """What both engines offer here (the model's `Engine`, shared.mock_engine's `MockEngine`)."""
+    """What both engines offer here (the model's `Engine`, worker.mock_engine's `MockEngine`)."""
 
     def has_unfinished(self) -> bool: ...
 

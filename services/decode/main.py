@@ -9,7 +9,7 @@ per request to JetStream. Speculative decoding with prompt-lookup drafts is on b
 (`--spec-decode false` turns it off); its drafts proposed and accepted and tokens per step are
 in the metrics (metrics.py: /metrics, `kvfabric status --json`).
 
-`--engine mock` serves the same subjects from `mock_worker.py` over shared.mock_engine's
+`--engine mock` serves the same subjects from `mock_worker.py` over worker.mock_engine's
 MockEngine: simulated step times, fake tokens, real streams, store writes, KV events and
 usage, no torch and no NIXL.
 """
@@ -24,22 +24,22 @@ from services.decode.finish import Finisher
 from services.decode.jobs import DecodeJobsBase
 from services.decode.mock_worker import MockDecodeWorker
 from shared.bus import Endpoint
-from shared.engine.checkpoint import Checkpoint
-from shared.kvstore.store import KvStore
-from shared.mock_engine import MockEngine, MockEngineConfig
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, DecodeJob, SuffixReady
-from shared.serving.metrics import observe_outbox
-from shared.serving.wiring import (
+from shared.subjects import DECODE
+from shared.usage import adopt_orphans, ensure_usage_stream, open_usage_outbox
+from shared.usage_outbox import UsageOutbox
+from worker.engine.checkpoint import Checkpoint
+from worker.kvstore.store import KvStore
+from worker.mock_engine import MockEngine, MockEngineConfig
+from worker.serving.metrics import observe_outbox
+from worker.serving.wiring import (
     limit_openmp_spin,
     open_mock_kv,
     open_model_kv,
     start_model_thread,
     start_worker,
 )
-from shared.subjects import DECODE
-from shared.usage import adopt_orphans, ensure_usage_stream, open_usage_outbox
-from shared.usage_outbox import UsageOutbox
 
 # How often a worker looks for outboxes of dead workers in its directory (an instance that
 # restarts under a new id never reopens its old one).
@@ -56,10 +56,10 @@ async def setup(runtime: ServiceRuntime) -> None:
     limit_openmp_spin()
     # Imported here: they import torch (2-10 s), which `--engine mock` never needs.
     from services.decode.worker import DecodeWorker
-    from shared.engine.drafter import SpecDecodeConfig
-    from shared.engine.engine import Engine
-    from shared.engine.scheduler import SchedulerConfig
-    from shared.engine.worker import describe, handoff_staging_bytes, max_model_len
+    from worker.engine.drafter import SpecDecodeConfig
+    from worker.engine.engine import Engine
+    from worker.engine.scheduler import SchedulerConfig
+    from worker.engine.worker import describe, handoff_staging_bytes, max_model_len
 
     bus = runtime.bus
     runner, model_thread = await start_model_thread(runtime, config)

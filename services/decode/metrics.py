@@ -1,7 +1,7 @@
 """What a decode worker measures, model or mock alike (jobs.py and finish.py count it).
 
 Its load (queue depth, sequences, KV pages), store and usage outbox are the worker
-lifecycle's (shared/serving/metrics.py); these are the requests': latency as the worker
+lifecycle's (worker/serving/metrics.py); these are the requests': latency as the worker
 sees it (time to first token from the job's acceptance, the gap between a sequence's steps
 per token, the whole request), how each ended, its tokens and cache hit by tier, what it
 left for the next turn, the suffix pulled from prefill. The model's engine adds its own
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from shared.metrics import CACHE_TIERS, Metrics
 
 if TYPE_CHECKING:  # the model's engine imports torch; the mock worker never does
-    from shared.engine.engine import Engine
+    from worker.engine.engine import Engine
 
 OUTCOMES = ("stop", "length", "cancelled", "error")  # TokenChunk.finish_reason, or an error
 

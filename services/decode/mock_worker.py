@@ -1,5 +1,5 @@
 """The mock decode worker (`--engine mock`): the real worker's endpoints, streams, store writes
-and usage over `shared.mock_engine.MockEngine` (docs/request-flow.md).
+and usage over `worker.mock_engine.MockEngine` (docs/request-flow.md).
 
 `DecodeJob`: admit if the engine has the pages the request can grow to free (prompt +
 max_tokens: what MockEngine holds, so it never preempts), reserve them in the engine (its
@@ -29,9 +29,10 @@ from services.decode.config import DecodeConfig
 from services.decode.finish import Finisher
 from services.decode.jobs import DecodeJobsBase
 from services.decode.state import STREAM_FINISH_REASONS, DecodeRequest, Finished
+from shared.blocks import num_blocks_before_last
 from shared.bus import Bus
-from shared.kvstore.blocks import num_blocks_before_last
-from shared.mock_engine import (
+from shared.schema import BadRequest, SamplingParams, SuffixReady
+from worker.mock_engine import (
     FinishReason,
     MockEngine,
     MockModel,
@@ -40,7 +41,6 @@ from shared.mock_engine import (
     MockStepOutput,
     sleep_simulated,
 )
-from shared.schema import BadRequest, SamplingParams, SuffixReady
 
 
 class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):

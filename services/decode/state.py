@@ -8,9 +8,7 @@ from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN, Span
 
-from shared.detokenizer import IncrementalDetokenizer
-from shared.engine.outputs import FinishReason
-from shared.kvstore.blocks import RequestBlocks
+from shared.blocks import RequestBlocks
 from shared.schema import (
     CancelRequest,
     DecodeJob,
@@ -24,6 +22,8 @@ from shared.schema import (
     error_from_wire,
 )
 from shared.streams import StreamWriter
+from worker.detokenizer import IncrementalDetokenizer
+from worker.engine.outputs import FinishReason
 
 # An engine's finish reason -> the stream's (`TokenChunk.finish_reason`, usage records).
 STREAM_FINISH_REASONS = {

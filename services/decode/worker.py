@@ -27,18 +27,18 @@ from services.decode.jobs import DecodeJobsBase
 from services.decode.state import STREAM_FINISH_REASONS, DecodeRequest, Finished
 from shared import telemetry
 from shared.bus import Bus
-from shared.engine.engine import Engine, FinishReason, RequestError, StepOutput
-from shared.engine.kv_cache import SlidingWindowState
-from shared.engine.sampler import SamplingParams as EngineSampling
-from shared.engine.sequence import Sequence
-from shared.engine.swa_restore import snapshot_from_bytes, snapshot_to_bytes
-from shared.engine.worker import ModelThread
 from shared.schema import BadRequest, SamplingParams, SuffixReady, Unavailable
-from shared.serving.pages import LoadedPrefix, tag_blocks, take_prefix, unstage_pages
-from shared.serving.sampling import engine_sampling
-from shared.serving.staging import StagingSpace
 from shared.subjects import PREFILL
-from shared.transfer import ByteRange, KvTransferAgent
+from worker.engine.engine import Engine, FinishReason, RequestError, StepOutput
+from worker.engine.kv_cache import SlidingWindowState
+from worker.engine.sampler import SamplingParams as EngineSampling
+from worker.engine.sequence import Sequence
+from worker.engine.swa_restore import snapshot_from_bytes, snapshot_to_bytes
+from worker.engine.worker import ModelThread
+from worker.serving.pages import LoadedPrefix, tag_blocks, take_prefix, unstage_pages
+from worker.serving.sampling import engine_sampling
+from worker.serving.staging import StagingSpace
+from worker.transfer import ByteRange, KvTransferAgent
 
 
 class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):

@@ -26,9 +26,9 @@ from services.ingress.openai_responses import ResponseStore
 from services.ingress.pipeline import Pipeline
 from shared.api_keys import KeyStore
 from shared.runtime import ServiceRuntime, service_main
-from shared.serving.metrics import observe_outbox
 from shared.subjects import INGRESS
 from shared.usage import open_usage_outbox
+from worker.serving.metrics import observe_outbox
 
 
 async def setup(runtime: ServiceRuntime) -> None:

@@ -1,7 +1,7 @@
 """What ingress measures, as its clients see it: HTTP requests by protocol and status and how
 long each took to its last byte (`CountRequests`, an ASGI middleware), and per generation
 the time to its first token from the request's arrival and the gap per token between its
-chunks (pipeline.py). Its usage outbox is exported as every worker's (shared/serving).
+chunks (pipeline.py). Its usage outbox is exported as every worker's (worker/serving).
 """
 
 from __future__ import annotations

@@ -24,12 +24,12 @@ import msgspec
 
 from shared.bus import Bus
 from shared.discovery import discover
-from shared.engine.checkpoint import Checkpoint
 from shared.load_table import HEARTBEAT_TIMEOUT_S, LoadTable
 from shared.logging import get_logger
 from shared.schema.control import LoadReport
 from shared.subjects import DECODE, VLLM_WORKER
 from shared.tokenizer import ChatFormat, PromptTokenizer, format_for
+from worker.engine.checkpoint import Checkpoint
 
 log = get_logger(__name__)
 

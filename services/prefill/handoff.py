@@ -12,7 +12,7 @@ from shared import telemetry
 from shared.bus import Bus
 from shared.logging import get_logger
 from shared.schema import JobAccepted, PrefillTimings, ServiceError, SuffixReady
-from shared.swa_client import SwaClient
+from worker.swa_client import SwaClient
 
 log = get_logger(__name__)
 

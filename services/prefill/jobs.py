@@ -28,9 +28,8 @@ from opentelemetry.trace import INVALID_SPAN, Span, StatusCode
 
 from services.prefill.metrics import PrefillMetrics
 from shared import telemetry
+from shared.blocks import RequestBlocks
 from shared.bus import Bus, Context
-from shared.kvstore.blocks import RequestBlocks
-from shared.kvstore.writer import KvEventPublisher
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.schema import (
@@ -44,10 +43,11 @@ from shared.schema import (
     PrefillTimings,
     ServiceError,
 )
-from shared.serving.checks import checked_prompt
 from shared.subjects import PREFILL
-from shared.swa_client import SwaClient
 from shared.tasks import cancel_and_wait
+from worker.kvstore.writer import KvEventPublisher
+from worker.serving.checks import checked_prompt
+from worker.swa_client import SwaClient
 
 log = get_logger(__name__)
 

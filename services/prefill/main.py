@@ -22,10 +22,11 @@ from services.prefill.config import PrefillConfig
 from services.prefill.jobs import PrefillJobsBase
 from services.prefill.mock_worker import MockPrefillWorker
 from shared.bus import Endpoint
-from shared.kvstore.store import KvStore
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, PrefillJob
-from shared.serving.wiring import (
+from shared.subjects import PREFILL
+from worker.kvstore.store import KvStore
+from worker.serving.wiring import (
     limit_openmp_spin,
     node_swa_client,
     open_mock_kv,
@@ -33,7 +34,6 @@ from shared.serving.wiring import (
     start_model_thread,
     start_worker,
 )
-from shared.subjects import PREFILL
 
 
 async def setup(runtime: ServiceRuntime) -> None:
@@ -47,7 +47,7 @@ async def setup(runtime: ServiceRuntime) -> None:
     # Imported here: they import torch (2-10 s), which `--engine mock` never needs.
     from services.prefill.restore import PrefixRestorer, RestorePolicy
     from services.prefill.worker import PrefillWorker
-    from shared.engine.worker import describe, handoff_staging_bytes, max_model_len
+    from worker.engine.worker import describe, handoff_staging_bytes, max_model_len
 
     bus = runtime.bus
     runner, model_thread = await start_model_thread(runtime, config)

@@ -1,7 +1,7 @@
 """What a prefill worker measures, model or mock alike (jobs.py counts it for both).
 
 Its load (queue depth, jobs, KV pages) and its store's reads and writes are the worker
-lifecycle's (shared/serving/metrics.py); these are the jobs': how each ended, the tokens
+lifecycle's (worker/serving/metrics.py); these are the jobs': how each ended, the tokens
 computed or restored, how its sliding window was restored (a memcache snapshot, or a bounded
 or exact replay), what it left for the next turn, and how long it took.
 """

@@ -1,5 +1,5 @@
 """The mock prefill worker (`--engine mock`): the real worker's endpoints and messages, with
-simulated compute (docs/request-flow.md; what both mock workers share: shared/mock_engine/;
+simulated compute (docs/request-flow.md; what both mock workers share: worker/mock_engine/;
 what this shares with the model's worker -- the job table, batching, deadlines, the
 handoff's messages -- jobs.py).
 
@@ -25,15 +25,15 @@ from services.prefill.config import PrefillConfig
 from services.prefill.handoff import put_window, tell_decode
 from services.prefill.jobs import JobState, PrefillJobsBase
 from shared import telemetry
+from shared.blocks import RequestBlocks
 from shared.bus import Bus
-from shared.cost_model import CostModel
-from shared.kvstore.blocks import RequestBlocks
-from shared.kvstore.writer import KvEventPublisher
 from shared.metrics import Metrics
-from shared.mock_engine import MockModel, sleep_simulated
 from shared.schema import PrefillJob, PrefillTimings
-from shared.serving.kv_io import store_payloads
-from shared.swa_client import SwaClient
+from worker.cost_model import CostModel
+from worker.kvstore.writer import KvEventPublisher
+from worker.mock_engine import MockModel, sleep_simulated
+from worker.serving.kv_io import store_payloads
+from worker.swa_client import SwaClient
 
 # swa-memcache keeps it inline; a real window's size (96 KiB for tiny-coder) is not simulated.
 MOCK_SNAPSHOT_NBYTES = 1024

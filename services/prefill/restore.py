@@ -13,18 +13,18 @@ import time
 from dataclasses import dataclass
 
 from shared import telemetry
-from shared.engine.errors import SequenceStateError
-from shared.engine.kv_cache import SlidingWindowState
-from shared.engine.runner import ModelRunner
-from shared.engine.swa_restore import exact_replay_tokens, replay_window, snapshot_from_bytes
-from shared.engine.worker import ModelThread
-from shared.kvstore.blocks import RequestBlocks
-from shared.kvstore.store import KvStore
+from shared.blocks import RequestBlocks
 from shared.logging import get_logger
 from shared.schema import ServiceError
 from shared.schema.inference import BlockLocations
-from shared.serving.pages import LoadedPrefix, take_prefix
-from shared.swa_client import SwaClient
+from worker.engine.errors import SequenceStateError
+from worker.engine.kv_cache import SlidingWindowState
+from worker.engine.runner import ModelRunner
+from worker.engine.swa_restore import exact_replay_tokens, replay_window, snapshot_from_bytes
+from worker.engine.worker import ModelThread
+from worker.kvstore.store import KvStore
+from worker.serving.pages import LoadedPrefix, take_prefix
+from worker.swa_client import SwaClient
 
 log = get_logger(__name__)
 

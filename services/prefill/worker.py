@@ -30,22 +30,22 @@ from services.prefill.handoff import put_window, tell_decode
 from services.prefill.jobs import JobState, PrefillJobsBase
 from services.prefill.restore import PrefixRestorer
 from shared import telemetry
+from shared.blocks import RequestBlocks
 from shared.bus import Bus
-from shared.engine.runner import ModelRunner
-from shared.engine.sampler import SamplingParams as EngineSampling
-from shared.engine.sampler import generator_state, make_generator, sample_one
-from shared.engine.sequence import Sequence
-from shared.engine.swa_restore import snapshot_to_bytes
-from shared.engine.worker import ModelThread
-from shared.kvstore.blocks import RequestBlocks
-from shared.kvstore.writer import KvEventPublisher
 from shared.metrics import Metrics
 from shared.schema import BadRequest, PrefillJob, PrefillTimings
-from shared.serving.pages import stage_pages, store_blocks, tag_blocks
-from shared.serving.sampling import engine_sampling
-from shared.serving.staging import StagingSpace, StagingTooSmall
-from shared.swa_client import SwaClient
-from shared.transfer import KvTransferAgent
+from worker.engine.runner import ModelRunner
+from worker.engine.sampler import SamplingParams as EngineSampling
+from worker.engine.sampler import generator_state, make_generator, sample_one
+from worker.engine.sequence import Sequence
+from worker.engine.swa_restore import snapshot_to_bytes
+from worker.engine.worker import ModelThread
+from worker.kvstore.writer import KvEventPublisher
+from worker.serving.pages import stage_pages, store_blocks, tag_blocks
+from worker.serving.sampling import engine_sampling
+from worker.serving.staging import StagingSpace, StagingTooSmall
+from worker.swa_client import SwaClient
+from worker.transfer import KvTransferAgent
 
 
 @dataclass(eq=False)

@@ -29,10 +29,9 @@ from services.router.prefill_jobs import PrefillJobs
 from services.router.swa_map import SwaMap
 from shared import kv_index_client as index_client
 from shared import telemetry
+from shared.blocks import BlockLayoutError, RequestBlocks
 from shared.bus import Bus, Context, Endpoint
-from shared.cost_model import CostModel
 from shared.kv_index_client import PrefixMatch
-from shared.kvstore.blocks import BlockLayoutError, RequestBlocks
 from shared.load_table import InflightDelta, LoadTable
 from shared.logging import get_logger
 from shared.metrics import Metrics, tier_label
@@ -55,6 +54,7 @@ from shared.schema import (
 )
 from shared.subjects import DECODE, PREFILL, ROUTER, SWA_MEMCACHE, VLLM_WORKER
 from shared.telemetry import REQUEST_ID
+from worker.cost_model import CostModel
 
 log = get_logger(__name__)
 

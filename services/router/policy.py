@@ -23,8 +23,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from shared.cost_model import CostModel, PrefillEstimate
-from shared.kvstore.blocks import RequestBlocks
+from shared.blocks import RequestBlocks
 from shared.load_table import InflightDelta, LoadTable, WorkerView
 from shared.schema.errors import (
     BadRequest,
@@ -36,6 +35,7 @@ from shared.schema.errors import (
 )
 from shared.schema.inference import GenerateRequest, RouteDecision
 from shared.subjects import DECODE, PREFILL, VLLM_WORKER
+from worker.cost_model import CostModel, PrefillEstimate
 
 
 @dataclass(frozen=True)

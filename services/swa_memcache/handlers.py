@@ -27,8 +27,8 @@ from shared.schema.swa import (
     SwaRelease,
 )
 from shared.subjects import SWA_MEMCACHE
-from shared.swa_client import read_snapshot
-from shared.transfer import KvTransferAgent, TransferError
+from worker.swa_client import read_snapshot
+from worker.transfer import KvTransferAgent, TransferError
 
 log = get_logger(__name__)
 

@@ -29,7 +29,7 @@ entry (`SnapshotCache` over `Arena`):
 - get (`SwaGet.can_read_nixl`): we pin the entry for `lease_s` (5 s) and reply its range in
   our region; the reader pulls and checks it, then publishes `SwaRelease`. A pinned entry is
   never evicted or overwritten; a reader that finishes past its lease treats it as a miss.
-`shared.swa_client.SwaClient` is the caller's side. Where NIXL cannot start, the
+`worker.swa_client.SwaClient` is the caller's side. Where NIXL cannot start, the
 memcache serves inline only (large puts refused, large gets inline while NATS carries them).
 """
 
@@ -45,7 +45,7 @@ from shared.logging import get_logger
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema.swa import SwaContains, SwaGet, SwaPut, SwaRelease
 from shared.subjects import SWA_MEMCACHE
-from shared.transfer import KvTransferAgent, TransferError
+from worker.transfer import KvTransferAgent, TransferError
 
 log = get_logger(__name__)
 

@@ -16,7 +16,7 @@ class VllmWorkerConfig(ServiceConfig):
     env_prefix: ClassVar[str] = "KVF_VLLM_WORKER_"
 
     # A model's name (`kvfabric models list`) or a path; vLLM loads its HF export (the GGUF's
-    # own weights, shared.vllm_env.export_checkpoint) under the model's served name, which is
+    # own weights, vllm_env.export_checkpoint) under the model's served name, which is
     # also the block-hash namespace, so its blocks and a kvfabric engine's are the same.
     model: str = "SmolLM2-135M-Instruct"
     kv_block_size_tokens: int = 64  # vLLM's --block-size: the store's blocks
@@ -26,15 +26,15 @@ class VllmWorkerConfig(ServiceConfig):
     dtype: str = "float32"
     max_num_seqs: int = 32  # requests this worker holds at once (more: OVERLOADED)
     retry_after_s: float = 5.0
-    # The KV connector (shared/vllm_connector): kvfabric's SSD tier and kv-index under vLLM's
-    # prefix cache. Off: vLLM with its own prefix caching only (what a plain vLLM does).
+    # The KV connector (connector/, beside this file): kvfabric's SSD tier and kv-index under
+    # vLLM's prefix cache. Off: vLLM with its own prefix caching only (what a plain vLLM does).
     connector: bool = True
     store_dir: Path = Path("/tmp/kvfabric/kvstore")
     store_capacity_bytes: int = 8 << 30
     store_file_nbytes: int = 256 << 20
     store_backend: str = "aiofiles"  # vLLM's venv has no NIXL unless installed there
     kv_index_shards: int = 1
-    # vLLM itself: its venv's python (default: shared.vllm_env builds one on first use),
+    # vLLM itself: its venv's python (default: vllm_env.py builds one on first use),
     # its HTTP port (0: any free one), start-up and eager mode (no torch.compile: starts in
     # half the time, steps slower), its KV cache's size.
     vllm_python: Path | None = None

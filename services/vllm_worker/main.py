@@ -1,10 +1,10 @@
 """vllm-worker: a vLLM engine behind kvfabric's messages, prefill and decode in one instance
 (an aggregated worker), its prefix cache extended by kvfabric's SSD tier and kv-index
-through the KV connector (shared/vllm_connector). docs/design.md, 'One request, end to end';
-docs/vllm.md.
+through the KV connector (connector/, beside this file). docs/design.md, 'One request, end to
+end'; docs/vllm.md.
 
 At start it exports the model's weights for vLLM (the GGUF's own tensors, once) and starts
-vLLM's OpenAI-compatible server from vLLM's own venv (`shared.vllm_env`: built on first use)
+vLLM's OpenAI-compatible server from vLLM's own venv (`vllm_env.py`: built on first use)
 with `--block-size`, `--dtype` (float32 by default) and the connector; the instance shows up
 in discovery once vLLM answers. Serves `<root>.vllm-worker.run.<id>` (`DecodeJob` ->
 `JobAccepted`: the router sends the whole request here, and no prefill job), listens for
@@ -25,17 +25,22 @@ import aiohttp
 from services.vllm_worker.config import VllmWorkerConfig
 from services.vllm_worker.metrics import VllmWorkerMetrics
 from services.vllm_worker.vllm_client import VllmClient, VllmError
+from services.vllm_worker.vllm_env import (
+    VllmServer,
+    connector_config,
+    ensure_vllm,
+    export_checkpoint,
+)
 from services.vllm_worker.worker import VllmWorker
 from shared.bus import Endpoint
-from shared.engine.checkpoint import Checkpoint
 from shared.logging import get_logger
 from shared.models import model_path
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, DecodeJob
-from shared.serving.metrics import observe_load, observe_outbox
 from shared.subjects import DECODE, VLLM_WORKER
 from shared.usage import adopt_orphans, ensure_usage_stream, open_usage_outbox
-from shared.vllm_env import VllmServer, connector_config, ensure_vllm, export_checkpoint
+from worker.engine.checkpoint import Checkpoint
+from worker.serving.metrics import observe_load, observe_outbox
 
 log = get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """What a vllm-worker measures of its requests (worker.py counts it): latency as the worker
 sees it, how each request ended, its tokens and cache hit, its usage records. Its load (queue
-depth, sequences, KV pages) is the worker lifecycle's (shared/serving/metrics.py)."""
+depth, sequences, KV pages) is the worker lifecycle's (worker/serving/metrics.py)."""
 
 from __future__ import annotations
 

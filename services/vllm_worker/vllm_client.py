@@ -61,7 +61,7 @@ def completion_body(
     """The `/v1/completions` request for a prompt of ids. Stop strings are ours: the worker
     matches them on its own detokenizer's text (as the kvfabric engine does) and closes the
     stream, so vLLM gets none. `kv_transfer_params` reach the connector with the request
-    (`shared.vllm_connector.params`)."""
+    (`services.vllm_worker.connector.params`)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(token_ids),

@@ -29,11 +29,11 @@ from opentelemetry.trace import INVALID_SPAN, Span, StatusCode
 from tokenizers import Tokenizer
 
 from services.vllm_worker.config import VllmWorkerConfig
+from services.vllm_worker.connector.params import RoutedPrefix, to_kv_transfer_params
 from services.vllm_worker.metrics import VllmWorkerMetrics
 from services.vllm_worker.vllm_client import VllmClient, VllmError, completion_body
 from shared import telemetry
 from shared.bus import Bus, Context
-from shared.detokenizer import IncrementalDetokenizer
 from shared.logging import get_logger
 from shared.metrics import tier_label
 from shared.schema import (
@@ -56,11 +56,11 @@ from shared.schema import (
     error_from_wire,
     pack_token_ids,
 )
-from shared.serving.checks import checked_prompt
 from shared.streams import StreamWriter
 from shared.usage import keep_record
 from shared.usage_outbox import UsageOutbox
-from shared.vllm_connector.params import RoutedPrefix, to_kv_transfer_params
+from worker.detokenizer import IncrementalDetokenizer
+from worker.serving.checks import checked_prompt
 
 log = get_logger(__name__)
 

@@ -1,10 +1,14 @@
 """The import rules the layout promises, checked on the source (every import statement,
 function-level ones included, since a lazy import is a dependency all the same):
 
+- three layers, each importing only those below it (docs/design.md, 'Code layout'): `shared/`
+  (the platform every process runs on) imports neither `worker` nor `services`, `worker/` (the
+  workers' machinery) does not import `services`;
 - only `shared/bus/` imports nats (docs/design.md, 'Services');
-- no import cycles among the project's modules (a cycle is two modules that are one);
-- production code never imports `shared.testing` (fixtures), and `shared/` never `services`;
-- `import shared.engine` does not import torch: the mock workers and the CLI stay light.
+- no import cycles among the project's modules (a cycle is two modules that are one), nor
+  among its packages (two packages that import each other are one package in two places);
+- production code never imports `shared.testing` (fixtures);
+- `import worker.engine` does not import torch: the mock workers and the CLI stay light.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections import deque
+from itertools import pairwise
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("shared", "services")
+PACKAGES = ("shared", "worker", "services")
+LAYERS = {top: rank for rank, top in enumerate(PACKAGES)}  # each imports only lower ranks
 
 
 def _module_name(path: Path) -> str:
@@ -53,7 +60,7 @@ def test_only_the_bus_imports_nats() -> None:
     assert offenders == []
 
 
-def test_production_code_imports_no_test_harness_and_shared_no_service() -> None:
+def test_production_code_imports_no_test_harness() -> None:
     harness = sorted(
         name
         for name, imported in IMPORTS.items()
@@ -61,10 +68,14 @@ def test_production_code_imports_no_test_harness_and_shared_no_service() -> None
         and any(i.startswith("shared.testing") for i in imported)
     )
     assert harness == []
+
+
+def test_each_layer_imports_only_the_layers_below() -> None:
     upward = sorted(
-        name
+        f"{name} imports {i}"
         for name, imported in IMPORTS.items()
-        if name.startswith("shared") and any(i.startswith("services") for i in imported)
+        for i in imported
+        if LAYERS.get(i.split(".")[0], -1) > LAYERS[name.split(".")[0]]
     )
     assert upward == []
 
@@ -76,6 +87,51 @@ def test_no_import_cycles() -> None:
     }
     cycles = _strongly_connected(graph)
     assert cycles == [], f"import cycles: {cycles}"
+
+
+def _package(module: str) -> str:
+    """A module's package, as the package cycles count them: its name's first two parts
+    (`worker.engine.runner` -> `worker.engine`; `shared.config`, a module of the platform's
+    top, is a node of its own)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_import_cycles_among_packages() -> None:
+    because: dict[tuple[str, str], str] = {}  # (package, package) -> one import behind it
+    for name, imported in sorted(IMPORTS.items()):
+        for i in sorted(imported):
+            if i in MODULES and _package(i) != _package(name):
+                because.setdefault((_package(name), _package(i)), f"{name} imports {i}")
+    graph: dict[str, set[str]] = {_package(name): set() for name in MODULES}
+    for source, target in because:
+        graph[source].add(target)
+    components = _strongly_connected(graph)
+    assert components == [], "package import cycles:\n" + "\n".join(
+        f"{', '.join(component)} import one another, e.g.\n  "
+        + " -> ".join(cycle)
+        + "".join(f"\n    {because[hop]}" for hop in pairwise(cycle))
+        for component, cycle in ((c, _a_cycle(c, graph)) for c in components)
+    )
+
+
+def _a_cycle(component: list[str], graph: dict[str, set[str]]) -> list[str]:
+    """A shortest cycle through the component's first member, as the path that walks it
+    (first member again at the end): what the failure names, with the imports behind it."""
+    start, members = component[0], set(component)
+    parent: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for child in sorted(graph[node] & members):
+            if child == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                return [*reversed(path), start]
+            if child not in parent:
+                parent[child] = node
+                queue.append(child)
+    raise AssertionError(f"no cycle through {start}")  # a component always has one
 
 
 def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -124,10 +180,17 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _strongly_connected(graph) == [["a", "b", "c"]]
 
 
+def test_a_package_cycle_is_reported_as_its_path() -> None:
+    assert _package("worker.engine.runner") == "worker.engine"
+    assert _package("shared.config") == "shared.config"
+    graph = {"a": {"b", "d"}, "b": {"c"}, "c": {"a", "b"}, "d": {"c"}}
+    assert _a_cycle(["a", "b", "c", "d"], graph) == ["a", "b", "c", "a"]
+
+
 def test_importing_the_engine_package_imports_no_torch() -> None:
     code = (
-        "import sys, shared.engine, shared.engine.outputs, shared.engine.bundled, "
-        "shared.mock_engine, services.admin.cli; print('torch' in sys.modules)"
+        "import sys, worker.engine, worker.engine.outputs, worker.engine.checkpoint, "
+        "worker.mock_engine, services.admin.cli; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -9,7 +9,7 @@ from pathlib import Path
 from shared.subjects import SERVICES
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = ("shared", "services", "loadtest")
+SCANNED = ("shared", "worker", "services", "loadtest")
 ALLOWED = {ROOT / "shared" / "subjects.py"}
 
 _PREFIXED = re.compile(r"^(\$SRV|\$JS|_INBOX|kvf)(\.|$)")

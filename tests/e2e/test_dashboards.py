@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from services.admin.launcher import Cluster
-from shared.engine.bundled import BUNDLED_MODEL_DIR
+from shared.models import BUNDLED_MODEL_DIR
 from tests.unit.test_dashboards import (
     HISTOGRAM_SERIES,
     dashboards,

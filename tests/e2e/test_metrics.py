@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.admin.launcher import Cluster
 from shared.discovery import discover
-from shared.engine.bundled import BUNDLED_MODEL_DIR
+from shared.models import BUNDLED_MODEL_DIR
 from shared.subjects import BILLING, DECODE, INGRESS, ROUTER, SERVICES
 from tests.e2e.cluster_helpers import connect
 

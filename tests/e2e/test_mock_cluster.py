@@ -23,14 +23,14 @@ import msgspec
 import pytest
 
 from services.admin.launcher import Cluster
+from shared.blocks import RequestBlocks
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
 from shared.discovery import discover
-from shared.engine.bundled import BUNDLED_MODEL_DIR
-from shared.kvstore.blocks import RequestBlocks
-from shared.mock_engine import fake_tokens
+from shared.models import BUNDLED_MODEL_DIR
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
 from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster, usage_records
+from worker.mock_engine import fake_tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -98,19 +98,18 @@ async def _indexed(bus: Bus, prompt: list[int]) -> None:
 
 def test_mock_path_imports_neither_torch_nor_nixl() -> None:
     """What keeps 16 mock workers cheap: none of them loads torch or NIXL (they use only the
-    engine's torch-free modules: its lazy package, the bundled model's path, FinishReason,
-    and the model's metadata, tokenizer and chat template through `Checkpoint`)."""
+    engine's torch-free modules: its lazy package, FinishReason, and the model's metadata,
+    tokenizer and chat template through `Checkpoint`)."""
     code = (
         "import sys, services.prefill.main, services.decode.main; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'nixl'))); "
-        "print(sorted(m for m in sys.modules if m.startswith('shared.engine')))"
+        "print(sorted(m for m in sys.modules if m.startswith('worker.engine')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     heavy, engine = out.stdout.splitlines()
     assert heavy == "[]"
     torch_free = {
         "",
-        ".bundled",
         ".outputs",
         ".checkpoint",
         ".config",
@@ -118,7 +117,7 @@ def test_mock_path_imports_neither_torch_nor_nixl() -> None:
         ".gguf",
         ".gguf_tokenizer",
     }
-    assert set(ast.literal_eval(engine)) <= {f"shared.engine{m}" for m in torch_free}
+    assert set(ast.literal_eval(engine)) <= {f"worker.engine{m}" for m in torch_free}
 
 
 async def test_eight_and_eight_mock_workers_serve_concurrent_load(cluster: Cluster) -> None:

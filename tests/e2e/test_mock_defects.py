@@ -14,7 +14,7 @@ import pytest
 from services.admin.launcher import Cluster
 from shared.client import build_request, generate
 from shared.discovery import discover
-from shared.engine.bundled import BUNDLED_MODEL_DIR
+from shared.models import BUNDLED_MODEL_DIR
 from shared.subjects import BILLING, INGRESS, PREFILL, ROUTER
 from tests.e2e.cluster_helpers import connect, run_cluster, usage_records
 

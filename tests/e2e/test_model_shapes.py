@@ -25,13 +25,13 @@ import transformers
 from services.admin.launcher import Cluster
 from shared.client import build_request, generate
 from shared.discovery import discover
-from shared.engine import Engine, ModelRunner, SamplingParams
-from shared.engine.bundled import BUNDLED_MODEL_DIR
-from shared.engine.config import ModelConfig
-from shared.engine.kv_cache import KVBlockLayout
-from shared.engine.weights import load_model
+from shared.models import BUNDLED_MODEL_DIR
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
 from tests.e2e.cluster_helpers import connect, run_cluster
+from worker.engine import Engine, ModelRunner, SamplingParams
+from worker.engine.config import ModelConfig
+from worker.engine.kv_cache import KVBlockLayout
+from worker.engine.weights import load_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -22,11 +22,11 @@ import pytest
 from tokenizers import Tokenizer
 
 from services.admin.launcher import Cluster
+from shared.blocks import RequestBlocks
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
 from shared.discovery import discover
-from shared.engine.bundled import BUNDLED_MODEL_DIR
-from shared.kvstore.blocks import RequestBlocks
+from shared.models import BUNDLED_MODEL_DIR
 from shared.schema import (
     BadRequest,
     DeadlineExceeded,

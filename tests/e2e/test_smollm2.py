@@ -17,10 +17,10 @@ import torch
 from services.admin.launcher import Cluster
 from shared.client import build_request, generate
 from shared.discovery import discover
-from shared.engine.checkpoint import Checkpoint
 from shared.models import model_path
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
 from tests.e2e.cluster_helpers import connect, run_cluster, usage_records
+from worker.engine.checkpoint import Checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ in flight settles (a heartbeat of every prefill worker after the last job): a wo
 still looked busy could rightly be passed over for an idle one that replays.
 
 The memcaches start ~2 s slower (NIXL) than a mock prefill worker, so a worker may find no
-memcache on its node at start-up; it looks again every second (`shared/serving/wiring.py`
+memcache on its node at start-up; it looks again every second (`worker/serving/wiring.py`
 `node_swa_client`), and the test starts once every worker names its own node's memcache.
 """
 
@@ -30,11 +30,11 @@ from collections.abc import Iterator
 import pytest
 
 from services.admin.launcher import Cluster
+from shared.blocks import RequestBlocks
 from shared.bus import Bus
 from shared.client import build_request, generate
 from shared.discovery import discover
-from shared.engine.bundled import BUNDLED_MODEL_DIR
-from shared.kvstore.blocks import RequestBlocks
+from shared.models import BUNDLED_MODEL_DIR
 from shared.schema import (
     LoadReport,
     SwaContains,

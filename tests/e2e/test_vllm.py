@@ -38,17 +38,17 @@ import pytest
 
 from services.admin.launcher import Cluster
 from services.billing.ledger import open_ledger
+from services.vllm_worker.vllm_env import SOURCE_ROOT, ensure_vllm
 from shared import kv_index_client as index_client
+from shared.blocks import RequestBlocks
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
 from shared.discovery import discover
-from shared.engine.checkpoint import Checkpoint
-from shared.kvstore.blocks import RequestBlocks
 from shared.models import model_path
 from shared.schema.control import InstanceState
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, VLLM_WORKER
-from shared.vllm_env import SOURCE_ROOT, ensure_vllm
 from tests.e2e.cluster_helpers import connect, run_cluster, usage_records
+from worker.engine.checkpoint import Checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -167,8 +167,8 @@ KERNEL_CHECK = """
 import json, torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-from shared.vllm_connector.layout import VllmBlockConverter, VllmLayoutError
-from shared.vllm_connector.layout import check_with_kernel
+from services.vllm_worker.connector.layout import VllmBlockConverter, VllmLayoutError
+from services.vllm_worker.connector.layout import check_with_kernel
 out = {}
 for dtype in (torch.float32, torch.bfloat16):
     isa = _get_attn_isa(dtype, 64, 64)
@@ -205,7 +205,7 @@ SPIN_CHECK = """
 import json, time, zmq
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 from vllm.utils.network_utils import get_open_zmq_ipc_path
-from shared.vllm_connector.spin import shorten_idle_spin
+from services.vllm_worker.connector.spin import shorten_idle_spin
 context = zmq.Context()
 address = get_open_zmq_ipc_path()
 writer = SpinCondition(is_reader=False, context=context, notify_address=address)

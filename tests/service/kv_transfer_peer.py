@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 from shared.bus import Bus
-from shared.transfer import ByteRange, KvTransferAgent
+from worker.transfer import ByteRange, KvTransferAgent
 
 SERVICE = "decode"
 

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from shared.block_hashing import BlockHasher
 from shared.bus import Context, now_ms
 from shared.client import build_request, generate
-from shared.kvstore.hashing import BlockHasher
 from shared.schema import (
     CancelRequest,
     GenerateRequest,

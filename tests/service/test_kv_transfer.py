@@ -20,8 +20,8 @@ from shared.natsd import NatsServer
 from shared.schema import ServiceError
 from shared.schema.transfer import NixlAgentInfo, NixlMetadataRequest
 from shared.testing.fixtures import BusFactory
-from shared.transfer import ByteRange, KvTransferAgent, TransferError, TransferTimeout
 from tests.service.kv_transfer_peer import pattern
+from worker.transfer import ByteRange, KvTransferAgent, TransferError, TransferTimeout
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 

@@ -18,8 +18,6 @@ from services.prefill.config import PrefillConfig
 from services.prefill.mock_worker import MockPrefillWorker
 from shared.bus import Endpoint
 from shared.client import build_request
-from shared.kvstore.writer import KvEventPublisher
-from shared.mock_engine import MockEngine, MockEngineConfig, MockModel, open_mock_store
 from shared.schema import (
     DecodeJob,
     InternalError,
@@ -34,6 +32,9 @@ from shared.streams import ChunkReader
 from shared.subjects import DECODE
 from shared.testing.fixtures import BusFactory
 from shared.usage import open_usage_outbox
+from worker.kvstore.writer import KvEventPublisher
+from worker.mock_engine import MockEngine, MockEngineConfig, MockModel
+from worker.serving.kv_io import open_mock_store
 
 pytestmark = pytest.mark.nats
 

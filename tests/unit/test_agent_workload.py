@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from loadtest.agent import AgentReport, RequestRecord, Workload, write_plots
 from loadtest.agent.report import hit_share, percentiles
 from loadtest.agent.runner import Target, error_class
-from shared.engine.bundled import BUNDLED_MODEL_DIR
+from shared.models import BUNDLED_MODEL_DIR
 
 WORKLOAD = Workload(
     num_sessions=6,

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.kvstore.hashing import BlockHasher
+from shared.block_hashing import BlockHasher
 from shared.schema import pack_token_ids
 
 TOKENS = list(range(1000, 1000 + 64 * 5 + 17))  # 5 complete blocks and a partial one

@@ -63,7 +63,9 @@ def substitute(expr: str, instance: str = ".*") -> str:
 def declared_metrics() -> dict[str, str]:
     """Every metric name the production code declares -> its kind."""
     declared: dict[str, str] = {}
-    for path in sorted([*(ROOT / "services").rglob("*.py"), *(ROOT / "shared").rglob("*.py")]):
+    for path in sorted(
+        p for top in ("services", "shared", "worker") for p in (ROOT / top).rglob("*.py")
+    ):
         if "testing" not in path.parts:
             declared |= _declared_in(ast.parse(path.read_text()))
     return declared

@@ -7,8 +7,8 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from shared.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from shared.engine.bundled import BUNDLED_MODEL_DIR
+from shared.models import BUNDLED_MODEL_DIR
+from worker.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

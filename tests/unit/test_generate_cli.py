@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 from services.admin.cli import app
 from services.admin.generate_cli import read_prompt, render_chat, result_json, summary_line
 from shared.client import GenerateResult
-from shared.engine.bundled import BUNDLED_MODEL_DIR
-from shared.engine.checkpoint import Checkpoint
+from shared.models import BUNDLED_MODEL_DIR
 from shared.schema import DecodeStats, PrefillTimings, RouteDecision, TokenUsage
+from worker.engine.checkpoint import Checkpoint
 
 runner = CliRunner()
 

@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from shared.cost_model import CostModel, CostModelError
-from shared.kvstore.blocks import RequestBlocks
-from shared.kvstore.hashing import BlockHasher
-from shared.mock_engine import (
+from shared.block_hashing import BlockHasher
+from shared.blocks import RequestBlocks
+from worker.cost_model import CostModel, CostModelError
+from worker.mock_engine import (
     FinishReason,
     MockEngine,
     MockEngineConfig,

@@ -1,4 +1,4 @@
-"""The model workers' OpenMP spin (shared/serving/wiring.py: limit_openmp_spin)."""
+"""The model workers' OpenMP spin (worker/serving/wiring.py: limit_openmp_spin)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from shared.serving.wiring import OPENMP_SPIN_COUNT, limit_openmp_spin
+from worker.serving.wiring import OPENMP_SPIN_COUNT, limit_openmp_spin
 
 
 def test_sets_a_short_spin_unless_the_operator_chose(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,7 +33,7 @@ def test_the_workers_set_it_before_torch_loads() -> None:
     code = (
         "import sys\n"
         "import services.decode.main, services.prefill.main\n"
-        "from shared.serving.wiring import limit_openmp_spin\n"
+        "from worker.serving.wiring import limit_openmp_spin\n"
         "limit_openmp_spin()\n"
         "print('torch' in sys.modules)"
     )

@@ -20,13 +20,12 @@ import torch
 from safetensors.numpy import load_file
 
 from loadtest.peers.vllm import leading_agreement
-from shared.engine import Checkpoint, ModelConfig, ModelRunner, load_model
-from shared.engine.bundled import BUNDLED_MODEL_DIR
-from shared.engine.gguf import config_from_gguf, engine_name, read_gguf, read_tensor
-from shared.models import model_path
+from services.vllm_worker.vllm_env import EXPORT_STAMP, VllmServer, export_checkpoint
+from shared.models import BUNDLED_MODEL_DIR, model_path
 from shared.venvs import VenvUnavailable
-from shared.vllm_env import EXPORT_STAMP, VllmServer, export_checkpoint
 from tests.unit.engine.engine_helpers import assert_logits_close, hf_logits
+from worker.engine import Checkpoint, ModelConfig, ModelRunner, load_model
+from worker.engine.gguf import config_from_gguf, engine_name, read_gguf, read_tensor
 
 SMOL = "SmolLM2-135M-Instruct"
 TEXTS = (

@@ -1,4 +1,4 @@
-"""`shared.plan` and `kvfabric plan`: the reference deployment's published figures
+"""`services.admin.plan` and `kvfabric plan`: the reference deployment's published figures
 (docs/design.md, 'The reference deployment'), how the plan moves with its inputs, the
 rounding, and the command's output and errors."""
 
@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from services.admin.cli import app
+from services.admin.plan import REFERENCE_OUTPUT_TOKENS_PER_REQUEST, PlanError, PlanInputs, plan
 from services.admin.plan_cli import OPTION_OF_FIELD
-from shared.plan import REFERENCE_OUTPUT_TOKENS_PER_REQUEST, PlanError, PlanInputs, plan
 
 runner = CliRunner()
 REFERENCE = plan()

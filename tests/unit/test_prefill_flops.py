@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from loadtest.bench_prefix_reuse import prefill_flops
-from shared.engine.config import FULL, SLIDING, ModelConfig
+from worker.engine.config import FULL, SLIDING, ModelConfig
 
 HYBRID = ModelConfig(
     model_type="qwen3",

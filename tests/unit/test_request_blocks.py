@@ -7,8 +7,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shared.kvstore.blocks import BlockLayoutError, RequestBlocks
-from shared.kvstore.hashing import BlockHasher
+from shared.block_hashing import BlockHasher
+from shared.blocks import BlockLayoutError, RequestBlocks
 from shared.schema import GenerateRequest, pack_block_hashes, pack_token_ids
 
 BLOCK = 16

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from shared.serving.staging import ALIGN, StagingSpace, StagingTooSmall
+from worker.serving.staging import ALIGN, StagingSpace, StagingTooSmall
 
 
 async def test_extents_are_aligned_disjoint_and_merge_back() -> None:

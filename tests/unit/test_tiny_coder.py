@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models.tiny_coder import tokenizer as tc_tokenizer
-from shared.engine import ModelConfig, ModelRunner, Sequence, load_model
+from worker.engine import ModelConfig, ModelRunner, Sequence, load_model
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-coder"
 REL_TOL = 2e-5

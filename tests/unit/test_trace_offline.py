@@ -19,7 +19,7 @@ from loadtest.trace.synth import (
     prompt_token_ids,
     upper_bound_hits,
 )
-from shared.kvstore.blocks import RequestBlocks
+from shared.blocks import RequestBlocks
 
 MODEL = "tiny-coder"
 VOCAB = 8192

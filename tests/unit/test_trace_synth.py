@@ -22,8 +22,8 @@ from loadtest.trace.synth import (
     load_trace,
     prompt_token_ids,
 )
+from shared.blocks import RequestBlocks
 from shared.client import build_request
-from shared.kvstore.blocks import RequestBlocks
 from shared.schema import unpack_block_hashes
 
 MODEL = "tiny-coder"

@@ -11,9 +11,14 @@ import typer
 
 from services.admin.cli import apply_engine
 from services.admin.launcher import START_ORDER, ClusterSpec
+from services.vllm_worker.vllm_env import (
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    SOURCE_ROOT,
+    connector_config,
+)
 from shared.models import DEFAULT_MODELS
 from shared.subjects import DECODE, PREFILL, VLLM_WORKER
-from shared.vllm_env import CONNECTOR_CLASS, CONNECTOR_MODULE, SOURCE_ROOT, connector_config
 
 SMOL = "SmolLM2-135M-Instruct"
 

@@ -5,7 +5,7 @@
 - `paged_attention.c` runs a prefill chunk's causal attention over the paged KV pool in
   place; only AVX-512F builds have it (`attention_simd()`), else the engine uses SDPA.
 - `fused_ops.c` does a decoder layer's elementwise steps (residual add + RMSNorm, RoPE,
-  SiLU * up) in one pass each, for float32 activations (shared/engine/fused_ops.py).
+  SiLU * up) in one pass each, for float32 activations (worker/engine/fused_ops.py).
 
 All go into one library, compiled for this CPU (`-march=native`) into `$KVF_KERNEL_CACHE`,
 else `~/.cache/kvfabric/kernels`, under a name that hashes the sources, the flags, the

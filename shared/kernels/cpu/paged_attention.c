@@ -6,7 +6,7 @@
  * per query head, no mask tensor, no merge of a prefix part and a causal part. A query at
  * position p sees keys 0 .. p; blocks wholly after a tile's last query are never read.
  *
- * Pool layout (shared.engine.kv_cache): float32 [num_blocks, full_layers, 2 (K, V),
+ * Pool layout (worker.engine.kv_cache): float32 [num_blocks, full_layers, 2 (K, V),
  * block_tokens, kv_heads, head_dim]. q and out: [num_q, heads, head_dim], query head
  * h * n_rep + r reading KV head h (transformers' repeat_kv grouping).
  *

@@ -15,8 +15,8 @@ from typing import IO
 import pytest
 
 from shared import kv_index_client as index_client
+from shared.block_hashing import BlockHasher
 from shared.bus import Bus
-from shared.kvstore.hashing import BlockHasher
 from shared.natsd import NatsServer
 from shared.schema import (
     BlocksRemoved,

@@ -12,10 +12,8 @@ from pathlib import Path
 import pytest
 
 from shared import kv_index_client as index_client
+from shared.block_hashing import BlockHasher
 from shared.bus import Bus
-from shared.kvstore import KvStore, KvStoreConfig, SlotRef
-from shared.kvstore.hashing import BlockHasher
-from shared.kvstore.writer import KvEventPublisher
 from shared.natsd import NatsServer
 from shared.schema.kv_index import CacheCommand, CacheStats
 from shared.testing.fixtures import BusFactory
@@ -27,6 +25,8 @@ from tests.service.kv_index.test_kv_index_service import (
     stop,
     wait_ready,
 )
+from worker.kvstore import KvStore, KvStoreConfig, SlotRef
+from worker.kvstore.writer import KvEventPublisher
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 PAYLOAD_NBYTES = 4096

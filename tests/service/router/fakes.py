@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable, Iterable
 import numpy as np
 
 from services.router.handler import Router
+from shared.blocks import RequestBlocks
 from shared.bus import Bus, Context, Endpoint
 from shared.kv_index_client import to_wire
-from shared.kvstore.blocks import RequestBlocks
 from shared.schema import (
     BlockLocations,
     CancelRequest,

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from services.router.policy import RequestFacts
-from shared.kvstore.blocks import RequestBlocks
+from shared.blocks import RequestBlocks
 from shared.schema import (
     BadRequest,
     DecodeJob,

@@ -18,8 +18,8 @@ import xxhash
 
 from shared.bus import Bus
 from shared.schema import NoResponders
-from shared.swa_client import SwaClient
-from shared.transfer import KvTransferAgent
+from worker.swa_client import SwaClient
+from worker.transfer import KvTransferAgent
 
 
 def pattern(nbytes: int) -> np.ndarray:

@@ -24,10 +24,10 @@ from shared.natsd import NatsServer
 from shared.schema import NoResponders
 from shared.schema.swa import SwaNixlRef, SwaPut, SwaPutReply
 from shared.schema.transfer import NixlAgentInfo, NixlMetadataRequest
-from shared.swa_client import SwaClient, SwaLease
 from shared.testing.fixtures import BusFactory, unique_root
-from shared.transfer import KvTransferAgent
 from tests.service.test_kv_transfer import read_line, stop
+from worker.swa_client import SwaClient, SwaLease
+from worker.transfer import KvTransferAgent
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[3]

@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-from shared.engine import ModelRunner, Sequence, load_model
-from shared.engine.attention import attend, attend_after_prefix, visible
-from shared.engine.worker import ModelThread, warm_up
 from tests.unit.engine.engine_helpers import SLIDING
+from worker.engine import ModelRunner, Sequence, load_model
+from worker.engine.attention import attend, attend_after_prefix, visible
+from worker.engine.worker import ModelThread, warm_up
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (9, 3), (2, 2)])

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from shared.config import ConfigError, EngineWorkerConfig
-from shared.engine import ModelRunner, Sequence, load_model
-from shared.engine.attention import attend, attend_after_prefix, visible
 from tests.unit.engine.engine_helpers import SLIDING, hf_logits, random_tokens
+from worker.engine import ModelRunner, Sequence, load_model
+from worker.engine.attention import attend, attend_after_prefix, visible
 
 BF16_REL_TOL = 8e-2
 
@@ -69,8 +69,8 @@ def test_bfloat16_smollm2_decodes_through_its_gguf_blocks() -> None:
     """The real model in bfloat16: prefill through its bfloat16 weights, decode rows through
     the GGUF's own Q4_1/Q8_0 blocks (widened to float32), both tracking the float32 model
     (measured: 3.3e-2 of the logits' scale; the top token leads the next by 0.8-1.2)."""
-    from shared.engine import quant
     from shared.models import model_path
+    from worker.engine import quant
 
     path = model_path("SmolLM2-135M-Instruct")
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 30, 2, 198] * 4

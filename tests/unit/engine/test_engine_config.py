@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shared.engine import CheckpointError, ModelConfig, UnsupportedModelError
+from worker.engine import CheckpointError, ModelConfig, UnsupportedModelError
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 BASE = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine import ModelRunner, Sequence, load_model
 from tests.unit.engine.engine_helpers import assert_logits_close, hf_logits, random_tokens
+from worker.engine import ModelRunner, Sequence, load_model
 
 SLIDING_QWEN3 = {  # the reference shape: the first layers slide, the rest are full
     "use_sliding_window": True,

@@ -28,7 +28,9 @@ import torch
 from tokenizers import Regex, Tokenizer, pre_tokenizers
 from tokenizers.models import BPE
 
-from shared.engine import (
+from shared.models import BUNDLED_MODEL_DIR, ModelError, model_path
+from tests.unit.engine.engine_helpers import assert_logits_close, hf_logits, random_tokens
+from worker.engine import (
     Checkpoint,
     CheckpointError,
     ModelConfig,
@@ -39,10 +41,7 @@ from shared.engine import (
     load_model,
     read_gguf,
 )
-from shared.engine.bundled import BUNDLED_MODEL_DIR
-from shared.engine.gguf_tokenizer import pre_tokenizer
-from shared.models import ModelError, model_path
-from tests.unit.engine.engine_helpers import assert_logits_close, hf_logits, random_tokens
+from worker.engine.gguf_tokenizer import pre_tokenizer
 
 Q = gguf.GGMLQuantizationType
 SMOL = "SmolLM2-135M-Instruct"
@@ -538,7 +537,7 @@ def test_checkpoint_eos_ids_fall_back_to_config_json(tmp_path) -> None:
 
 
 def test_checkpoint_module_does_not_import_torch() -> None:
-    code = "import sys, shared.engine.checkpoint; print('torch' in sys.modules)"
+    code = "import sys, worker.engine.checkpoint; print('torch' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
     )

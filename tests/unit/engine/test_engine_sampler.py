@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from shared.engine import SamplingParams, SamplingParamsError, make_generator, sample
-from shared.engine.sampler import is_stop, sample_one, target_probs
+from worker.engine import SamplingParams, SamplingParamsError, make_generator, sample
+from worker.engine.sampler import is_stop, sample_one, target_probs
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 

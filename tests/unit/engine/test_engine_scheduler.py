@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine import (
+from tests.unit.engine.engine_helpers import assert_logits_close, random_tokens
+from worker.engine import (
     Engine,
     FinishReason,
     ModelRunner,
@@ -21,7 +22,6 @@ from shared.engine import (
     Sequence,
     load_model,
 )
-from tests.unit.engine.engine_helpers import assert_logits_close, random_tokens
 
 QWEN3_SWA = {
     "use_sliding_window": True,

@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine import Engine, ModelRunner, SamplingParams, SchedulerConfig
-from shared.engine.drafter import SpecDecodeConfig
-from shared.engine.engine import FinishReason, RequestError
-from shared.engine.errors import SequenceStateError
-from shared.engine.sampler import generator_state, make_generator, sample_one
-from shared.engine.sequence import Sequence
 from tests.unit.engine.engine_helpers import random_tokens
 from tests.unit.engine.test_engine_scheduler import BLOCK, make_engine, model, solo  # noqa: F401
+from worker.engine import Engine, ModelRunner, SamplingParams, SchedulerConfig
+from worker.engine.drafter import SpecDecodeConfig
+from worker.engine.engine import FinishReason, RequestError
+from worker.engine.errors import SequenceStateError
+from worker.engine.sampler import generator_state, make_generator, sample_one
+from worker.engine.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=20)
 

@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 
-from shared.engine import (
+from tests.unit.engine.engine_helpers import FAMILIES, SMALL, random_tokens
+from worker.engine import (
     Engine,
     FinishReason,
     ModelRunner,
@@ -25,15 +26,14 @@ from shared.engine import (
     load_model,
     make_generator,
 )
-from shared.engine.drafter import (
+from worker.engine.drafter import (
     DraftLength,
     PromptLookup,
     SpecDecodeConfig,
     SpecDecodeConfigError,
     verify_lookup_draft,
 )
-from shared.engine.sampler import target_probs
-from tests.unit.engine.engine_helpers import FAMILIES, SMALL, random_tokens
+from worker.engine.sampler import target_probs
 
 # Every layer slides (window 8, 4 layers: a receptive field of 4 * 7 + 1 = 29 tokens) and
 # RoPE is relative, so the next token depends only on the last 29 tokens, not on where they

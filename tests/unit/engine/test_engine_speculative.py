@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine import ModelRunner, SamplingParams, Sequence, load_model, make_generator
-from shared.engine.speculative import verify_draft, verify_greedy, verify_sampled
 from tests.unit.engine.engine_helpers import assert_logits_close, random_tokens
+from worker.engine import ModelRunner, SamplingParams, Sequence, load_model, make_generator
+from worker.engine.speculative import verify_draft, verify_greedy, verify_sampled
 
 P = torch.tensor(
     [

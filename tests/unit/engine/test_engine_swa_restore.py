@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine import ModelRunner, Sequence, load_model
-from shared.engine.errors import SequenceStateError
-from shared.engine.swa_restore import (
+from tests.unit.engine.engine_helpers import assert_logits_close, random_tokens
+from worker.engine import ModelRunner, Sequence, load_model
+from worker.engine.errors import SequenceStateError
+from worker.engine.swa_restore import (
     exact_replay_tokens,
     replay_window,
     snapshot_from_bytes,
     snapshot_to_bytes,
 )
-from tests.unit.engine.engine_helpers import assert_logits_close, random_tokens
 
 BLOCK = 16
 W = 8

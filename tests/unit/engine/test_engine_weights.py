@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.engine import CheckpointError, ModelRunner, UnsupportedModelError, load_model
 from tests.unit.engine.engine_helpers import assert_logits_close, hf_logits, random_tokens
+from worker.engine import CheckpointError, ModelRunner, UnsupportedModelError, load_model
 
 TENSOR = "model.layers.1.self_attn.k_proj.weight"
 

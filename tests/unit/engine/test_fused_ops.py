@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from shared.engine import ModelRunner, Sequence, fused_ops, load_model
-from shared.engine.layers import SwiGLU
-from shared.engine.model import Attention
-from shared.engine.rope import apply_rotary
 from shared.kernels import cpu as cpu_kernels
+from worker.engine import ModelRunner, Sequence, fused_ops, load_model
+from worker.engine.layers import SwiGLU
+from worker.engine.model import Attention
+from worker.engine.rope import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler")
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, quants
 
-from shared.engine.gguf import Q, dequantize, dequantize_blocks, read_gguf
 from shared.models import model_path
+from worker.engine.gguf import Q, dequantize, dequantize_blocks, read_gguf
 
 FORMATS = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine import ModelRunner, Sequence, load_model
-from shared.engine.attention import (
+from shared.kernels import cpu as cpu_kernels
+from worker.engine import ModelRunner, Sequence, load_model
+from worker.engine.attention import (
     attend,
     paged_attention,
     paged_attention_scratch,
     paged_attention_serves,
     visible,
 )
-from shared.engine.kv_cache import KVBlockLayout, PagedKVPool
-from shared.kernels import cpu as cpu_kernels
+from worker.engine.kv_cache import KVBlockLayout, PagedKVPool
 
 pytestmark = pytest.mark.skipif(
     not (cpu_kernels.available() and cpu_kernels.attention_simd()),

@@ -1,4 +1,4 @@
-"""The block kernel (shared/kernels/cpu/quant_matmul.c through shared/engine/quant.py): the
+"""The block kernel (shared/kernels/cpu/quant_matmul.c through worker/engine/quant.py): the
 weights it expands are gguf.quants' bit for bit, its products are the float32 products within
 float32 rounding and do not depend on the batch, it builds once per machine into its cache, and
 no compiler means float32 weights, not a failure."""
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from shared.engine import quant
-from shared.engine.layers import Linear
-from shared.engine.quant import QuantWeight
-from shared.engine.weights import load_model
 from shared.kernels import cpu as cpu_kernels
+from worker.engine import quant
+from worker.engine.layers import Linear
+from worker.engine.quant import QuantWeight
+from worker.engine.weights import load_model
 
 Q = gguf.GGMLQuantizationType
 FORMATS = {"Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1, "Q8_0": Q.Q8_0}

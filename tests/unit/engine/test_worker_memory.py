@@ -20,9 +20,9 @@ SMOL = "SmolLM2-135M-Instruct"
 SCRIPT = """
 import json, resource, sys, threading
 import torch
-from shared.engine import ModelRunner, Sequence, load_model
-from shared.engine.worker import warm_up
-from shared.malloc import keep_freed_memory
+from worker.engine import ModelRunner, Sequence, load_model
+from worker.engine.worker import warm_up
+from worker.malloc import keep_freed_memory
 
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -15,7 +15,7 @@ import pytest
 from services.kv_index import native
 from services.kv_index.index import KvIndex
 from services.kv_index.table import TierTable
-from shared.kvstore.hashing import BlockHasher
+from shared.block_hashing import BlockHasher
 from shared.schema import (
     AllBlocksCleared,
     BlocksRemoved,

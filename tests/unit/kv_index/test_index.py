@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.kv_index.index import KvIndex
+from shared.block_hashing import BlockHasher
 from shared.kv_index_client import merge, to_wire
-from shared.kvstore.hashing import BlockHasher
 from shared.schema import (
     AllBlocksCleared,
     BlocksRemoved,

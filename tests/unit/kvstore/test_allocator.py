@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.kvstore.allocator import Allocation, SlotAllocator
+from worker.kvstore.allocator import Allocation, SlotAllocator
 
 
 def test_fills_files_in_order_then_reports_full():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from shared.kvstore.slots import (
+from shared.schema import BlockLocation
+from worker.kvstore.slots import (
     HEADER_NBYTES,
     MissReason,
     SlotGeometry,
@@ -16,7 +17,6 @@ from shared.kvstore.slots import (
     parse_header,
     slot_nbytes_for,
 )
-from shared.schema import BlockLocation
 
 PAYLOAD_NBYTES = 98_304
 

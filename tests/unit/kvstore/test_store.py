@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.kvstore import (
+from shared.schema import StoredBlock
+from worker.kvstore import (
     AIOFILES,
     BackendUnavailable,
     BlockIO,
@@ -25,9 +26,8 @@ from shared.kvstore import (
     SlotRef,
     make_backend,
 )
-from shared.kvstore.backends import io_error
-from shared.kvstore.slots import HEADER_NBYTES, file_path, slot_nbytes_for
-from shared.schema import StoredBlock
+from worker.kvstore.backends import io_error
+from worker.kvstore.slots import HEADER_NBYTES, file_path, slot_nbytes_for
 
 PAYLOAD_NBYTES = 98_304  # 64 tokens x 3 full layers x K,V x 2 kv heads x 64 dim x 2 bytes
 SLOT_NBYTES = slot_nbytes_for(PAYLOAD_NBYTES)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shared.cost_model import CostModel, CostModelError
 from shared.load_table import InflightDelta, LoadTable
 from shared.schema.control import InstanceState
 from shared.subjects import PREFILL
 from tests.unit.router.helpers import decoder, report, table_with
+from worker.cost_model import CostModel, CostModelError
 
 
 def ids(table: LoadTable, now_s: float, service: str = PREFILL) -> list[str]:

@@ -10,8 +10,7 @@ import math
 import pytest
 
 from services.router.policy import PolicyConfig, Rejection, RequestFacts, RoutePolicy
-from shared.cost_model import CostModel
-from shared.kvstore.blocks import RequestBlocks
+from shared.blocks import RequestBlocks
 from shared.load_table import InflightDelta
 from shared.schema import GenerateRequest, pack_token_ids
 from shared.schema.control import LoadReport
@@ -19,6 +18,7 @@ from shared.schema.errors import ErrorCode, Overloaded, Unavailable
 from shared.schema.inference import RouteDecision, SamplingParams
 from shared.subjects import VLLM_WORKER
 from tests.unit.router.helpers import decoder, facts, report, table_with
+from worker.cost_model import CostModel
 
 # Round numbers so a reader can follow them: a 128-token replay costs 1.28 s, more than the
 # 1 s of compute a 1,000-token queue costs, so the SWA snapshot can outweigh a longer queue.

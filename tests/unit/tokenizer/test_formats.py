@@ -18,7 +18,6 @@ from tokenizers import Tokenizer
 from tokenizers.models import BPE
 
 from models.tiny_coder.tokenizer import CHAT_TEMPLATE as TINY_CODER_TEMPLATE
-from shared.engine.checkpoint import ChatTemplate, Checkpoint
 from shared.models import model_path
 from shared.tokenizer import (
     Body,
@@ -40,6 +39,7 @@ from shared.tokenizer import (
     UnknownChatFormatError,
     format_for,
 )
+from worker.engine.checkpoint import ChatTemplate, Checkpoint
 
 SMOLLM2, TINY_CODER, DEEPSEEK_V3 = "SmolLM2-135M-Instruct", "tiny-coder", "deepseek-v3"
 MODEL_NAMES = (SMOLLM2, TINY_CODER, DEEPSEEK_V3)

@@ -19,7 +19,6 @@ import jiter  # the partial-JSON parser Anthropic's SDK uses (a dependency of an
 import pytest
 from tokenizers import Tokenizer
 
-from shared.engine.checkpoint import ChatTemplate, Checkpoint
 from shared.models import ModelError, model_path
 from shared.tokenizer.chat import ToolCall
 from shared.tokenizer.tool_parsers import (
@@ -34,6 +33,7 @@ from shared.tokenizer.tool_parsers import (
     parser_for,
 )
 from shared.tokenizer.tool_parsers.json_prefix import JsonPrefix
+from worker.engine.checkpoint import ChatTemplate, Checkpoint
 
 SEED = 20260902
 ID = re.compile(r"^[a-zA-Z0-9_-]+$")

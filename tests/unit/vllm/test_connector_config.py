@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from services.vllm_worker.connector.config import ConnectorConfig, ConnectorConfigError
 from services.vllm_worker.vllm_client import Delta, VllmError, _delta, completion_body, parse_load
 from shared.schema import SamplingParams
-from shared.vllm_connector.config import ConnectorConfig, ConnectorConfigError
 
 REQUIRED = {
     "nats_url": "nats://127.0.0.1:4222",

@@ -14,8 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.kv_cache import KVBlockLayout
-from shared.vllm_connector.layout import (
+from services.vllm_worker.connector.layout import (
     AMX_TILE,
     VllmBlockConverter,
     VllmLayoutError,
@@ -23,6 +22,7 @@ from shared.vllm_connector.layout import (
     check_with_kernel,
     layer_order,
 )
+from worker.engine.kv_cache import KVBlockLayout
 
 LAYERS, BLOCKS, HEADS, BLOCK, DIM = 3, 6, 2, 32, 16  # the amx kernels tile by 16
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.kvstore.slots import SlotRef
-from shared.kvstore.store import KvStore, KvStoreConfig
-from shared.vllm_connector.layout import VllmBlockConverter
-from shared.vllm_connector.loading import BlockLoader
-from shared.vllm_connector.loop import LoopThread
+from services.vllm_worker.connector.layout import VllmBlockConverter
+from services.vllm_worker.connector.loading import BlockLoader
+from services.vllm_worker.connector.loop import LoopThread
+from worker.kvstore.slots import SlotRef
+from worker.kvstore.store import KvStore, KvStoreConfig
 
 LAYERS, BLOCKS, HEADS, BLOCK, DIM = 2, 12, 2, 32, 8
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -16,11 +16,20 @@ import pytest
 
 from services.kv_index.index import KvIndex
 from services.router.handler import cached_prefix
+from services.vllm_worker.connector.config import ConnectorConfig
+from services.vllm_worker.connector.params import (
+    PARAMS_KEY,
+    RoutedPrefix,
+    RoutedPrefixError,
+    from_kv_transfer_params,
+    to_kv_transfer_params,
+)
+from services.vllm_worker.connector.scheduler_side import SaveJob, SchedulerSide
 from services.vllm_worker.vllm_client import completion_body
 from services.vllm_worker.worker import routed_prefix
+from shared.block_hashing import BlockHasher
+from shared.blocks import RequestBlocks
 from shared.kv_index_client import PrefixMatch, merge, to_wire
-from shared.kvstore.blocks import RequestBlocks
-from shared.kvstore.hashing import BlockHasher
 from shared.schema import (
     BlocksStored,
     DecodeJob,
@@ -34,15 +43,6 @@ from shared.schema import (
 )
 from shared.schema.inference import BlockLocations
 from shared.schema.kv_index import MatchReply
-from shared.vllm_connector.config import ConnectorConfig
-from shared.vllm_connector.params import (
-    PARAMS_KEY,
-    RoutedPrefix,
-    RoutedPrefixError,
-    from_kv_transfer_params,
-    to_kv_transfer_params,
-)
-from shared.vllm_connector.scheduler_side import SaveJob, SchedulerSide
 
 B = 4  # tokens a block
 MODEL = "SmolLM2-135M-Instruct"
