@@ -44,7 +44,6 @@ from shared.schema import (
     TokenChunk,
     TokenUsage,
     Unavailable,
-    UsageRecord,
     UsageStatus,
     num_packed_tokens,
     pack_token_ids,
@@ -53,7 +52,7 @@ from shared.schema import (
 from shared.streams import ChunkReader
 from shared.subjects import DECODE, INGRESS, VLLM_WORKER
 from shared.telemetry import REQUEST_ID
-from shared.usage import usage_publisher
+from shared.usage import usage_publisher, usage_record
 from shared.usage_outbox import UsageOutbox
 
 log = get_logger(__name__)
@@ -367,20 +366,16 @@ class _Generation:
 
     async def _bill_lost_stream(self, decision: RouteDecision) -> None:
         """Record the usage of what arrived, as the decode worker would have."""
-        record = UsageRecord(
-            request_id=self.request.request_id,
-            api_key_id=self.request.api_key_id,
-            account=self.request.account,
-            model=self.request.model,
-            num_cache_hit_tokens=decision.num_cached_tokens,
-            num_cache_miss_tokens=decision.num_prompt_tokens - decision.num_cached_tokens,
+        record = usage_record(
+            self.request,
+            num_prompt_tokens=decision.num_prompt_tokens,
+            num_cached_tokens=decision.num_cached_tokens,
             num_output_tokens=len(self.token_ids),
             status=UsageStatus.FAILED,
             finish_reason="error",
-            started_ms=self.request.arrival_ms or self.started_ms,
-            finished_ms=now_ms(),
             prefill_worker_id=decision.prefill_worker_id,
             decode_worker_id=decision.decode_worker_id,
+            started_ms=self.request.arrival_ms or self.started_ms,
         )
         telemetry.keep_context(record.request_id)  # billing's span continues this trace
         try:

@@ -17,14 +17,45 @@ from pathlib import Path
 from typing import Protocol
 
 from shared import telemetry
-from shared.bus import Bus, NoStream
+from shared.bus import Bus, NoStream, now_ms
 from shared.logging import get_logger
-from shared.schema import UsageRecord
+from shared.schema import GenerateRequest, UsageRecord, UsageStatus
 from shared.usage_outbox import OutboxLocked, UsageOutbox
 
 log = get_logger(__name__)
 
 USAGE_LOG_MAX_AGE_S = 7 * 24 * 3600.0
+
+
+def usage_record(
+    request: GenerateRequest,
+    *,
+    num_prompt_tokens: int,
+    num_cached_tokens: int,
+    num_output_tokens: int,
+    status: UsageStatus,
+    finish_reason: str | None,
+    prefill_worker_id: str,
+    decode_worker_id: str,
+    started_ms: int | None = None,
+) -> UsageRecord:
+    """The one record of a request, whoever writes it: its prompt split into the tokens a
+    cache hit served and the tokens computed, finished now."""
+    return UsageRecord(
+        request_id=request.request_id,
+        api_key_id=request.api_key_id,
+        account=request.account,
+        model=request.model,
+        num_cache_hit_tokens=num_cached_tokens,
+        num_cache_miss_tokens=num_prompt_tokens - num_cached_tokens,
+        num_output_tokens=num_output_tokens,
+        status=status,
+        finish_reason=finish_reason,
+        started_ms=request.arrival_ms if started_ms is None else started_ms,
+        finished_ms=now_ms(),
+        prefill_worker_id=prefill_worker_id,
+        decode_worker_id=decode_worker_id,
+    )
 
 
 class _Count(Protocol):

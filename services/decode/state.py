@@ -22,6 +22,7 @@ from shared.schema import (
     error_from_wire,
 )
 from shared.streams import StreamWriter
+from shared.usage import usage_record
 from worker.detokenizer import IncrementalDetokenizer
 from worker.engine.outputs import FinishReason
 
@@ -118,19 +119,13 @@ class DecodeRequest:
     def usage_record(
         self, status: UsageStatus, finish_reason: str | None, instance_id: str
     ) -> UsageRecord:
-        request = self.job.request
-        return UsageRecord(
-            request_id=request.request_id,
-            api_key_id=request.api_key_id,
-            account=request.account,
-            model=request.model,
-            num_cache_hit_tokens=self.num_cached_tokens,
-            num_cache_miss_tokens=self.num_prompt_tokens - self.num_cached_tokens,
+        return usage_record(
+            self.job.request,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
             num_output_tokens=len(self.output_ids),
             status=status,
             finish_reason=finish_reason,
-            started_ms=request.arrival_ms,
-            finished_ms=int(time.time() * 1000),
             prefill_worker_id=self.job.decision.prefill_worker_id,
             decode_worker_id=instance_id,
         )

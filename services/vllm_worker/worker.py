@@ -57,7 +57,7 @@ from shared.schema import (
     pack_token_ids,
 )
 from shared.streams import StreamWriter
-from shared.usage import keep_record
+from shared.usage import keep_record, usage_record
 from shared.usage_outbox import UsageOutbox
 from worker.detokenizer import IncrementalDetokenizer
 from worker.serving.checks import checked_prompt
@@ -118,19 +118,13 @@ class VllmRequest:
         )
 
     def usage_record(self, status: UsageStatus, reason: str, instance_id: str) -> UsageRecord:
-        request = self.job.request
-        return UsageRecord(
-            request_id=request.request_id,
-            api_key_id=request.api_key_id,
-            account=request.account,
-            model=request.model,
-            num_cache_hit_tokens=self.cached_tokens,
-            num_cache_miss_tokens=len(self.token_ids) - self.cached_tokens,
+        return usage_record(
+            self.job.request,
+            num_prompt_tokens=len(self.token_ids),
+            num_cached_tokens=self.cached_tokens,
             num_output_tokens=len(self.output_ids),
             status=status,
             finish_reason=reason,
-            started_ms=request.arrival_ms,
-            finished_ms=int(time.time() * 1000),
             prefill_worker_id=instance_id,
             decode_worker_id=instance_id,
         )
