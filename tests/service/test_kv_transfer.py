@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared import transfer
 from shared.bus import Context, Endpoint
 from shared.natsd import NatsServer
 from shared.schema import ServiceError
 from shared.schema.transfer import NixlAgentInfo, NixlMetadataRequest
 from shared.testing.fixtures import BusFactory
 from tests.service.kv_transfer_peer import pattern
+from worker import transfer
 from worker.transfer import ByteRange, KvTransferAgent, TransferError, TransferTimeout
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
