@@ -3,7 +3,7 @@ and usage over `worker.mock_engine.MockEngine` (docs/request-flow.md).
 
 `DecodeJob`: admit if the engine has the pages the request can grow to free (prompt +
 max_tokens: what MockEngine holds, so it never preempts), reserve them in the engine (its
-count of free pages is the one the heartbeats report), answer `JobAccepted`.
+allocator's count of free pages is the one the heartbeats report), answer `JobAccepted`.
 `SuffixReady`: nothing to pull (mock prefill stages no bytes, and leaves the last prompt
 token to decode: it samples no first token); the sequence joins the engine with the prompt's
 whole blocks up to token n - 1 counted as cached, so the engine charges their load and the
@@ -67,7 +67,7 @@ class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
         self.config = config
         self.model = model
         # request id -> pages reserved in the engine at admission, until the request joins it
-        self._reserved: dict[str, int] = {}
+        self._reserved: dict[str, list[int]] = {}
         self._payload = bytes(config.mock_block_nbytes)
         self.counts.metrics.gauge_from(
             "kvfabric_decode_mock_clock_seconds",
@@ -95,9 +95,10 @@ class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
     def _admit(self, state: DecodeRequest, num_pages: int) -> None:
         """Reserve the pages in the engine now, so its count (and our heartbeats) hold them
         while prefill runs. `handle_job` checked they are free; nothing ran in between."""
-        if not self.engine.reserve_pages(num_pages):
+        pages = self.engine.reserve_pages(num_pages)
+        if pages is None:
             raise RuntimeError(f"{num_pages} pages were free a moment ago")
-        self._reserved[state.request_id] = num_pages
+        self._reserved[state.request_id] = pages
 
     async def _join(self, state: DecodeRequest, ready: SuffixReady) -> int:
         """Nothing to pull: the prompt's whole blocks up to n - 1 count as cached."""
@@ -113,7 +114,7 @@ class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
                 num_cached_tokens=num_ready,
                 has_swa_snapshot=True,
                 blocks=state.blocks,
-                pages_reserved=True,
+                pages=self._reserved[state.request_id],
             )
         except MockRequestError as exc:
             raise BadRequest(str(exc)) from exc
@@ -125,9 +126,9 @@ class MockDecodeWorker(DecodeJobsBase[MockEngine, MockStepOutput]):
         self.engine.abort(seq_id)  # pure bookkeeping: no step runs meanwhile, no lock
 
     async def _release(self, state: DecodeRequest) -> None:
-        num_pages = self._reserved.pop(state.request_id, 0)
-        if num_pages:  # never joined: the reservation is ours to give back
-            self.engine.release_pages(num_pages)
+        pages = self._reserved.pop(state.request_id, None)
+        if pages is not None:  # never joined: the reservation is ours to give back
+            self.engine.release_pages(pages)
 
     async def _step(self) -> Sequence[MockStepOutput] | None:
         """Step, then sleep the step's simulated time, so its tokens leave when it ends."""

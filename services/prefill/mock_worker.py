@@ -11,15 +11,16 @@ bytes) -> write the new complete blocks (placeholder bytes) to the real store an
 kv-index, put a placeholder window snapshot at the last block boundary into swa-memcache (so
 the router sees it, as it would the real one) -> `PrefillDone`.
 
-The KV pool is only counted: a job holds ceil(n / block) pages from its first chunk until it
-is done, and jobs start first come, first served while pages last. No torch, no NIXL.
+The KV pool is only counted (the model's allocator, no bytes): a job holds ceil(n / block)
+pages from its first chunk until it is done, and jobs start first come, first served while
+pages last. No torch, no NIXL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.prefill.config import PrefillConfig
 from services.prefill.handoff import put_window, tell_decode
@@ -30,6 +31,7 @@ from shared.bus import Bus
 from shared.metrics import Metrics
 from shared.schema import PrefillJob, PrefillTimings
 from worker.cost_model import CostModel
+from worker.engine.block_allocator import BlockAllocator
 from worker.kvstore.writer import KvEventPublisher
 from worker.mock_engine import MockModel, sleep_simulated
 from worker.serving.kv_io import store_payloads
@@ -42,7 +44,7 @@ MOCK_SNAPSHOT_NBYTES = 1024
 @dataclass(eq=False)
 class MockJob(JobState):
     num_computed_tokens: int  # from the restored prefix on
-    num_pages: int = 0  # of the simulated pool, held from the first chunk on
+    pages: list[int] = field(default_factory=list)  # the pool's, held from the first chunk on
 
     @property
     def num_left(self) -> int:
@@ -74,12 +76,11 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         self.config = config
         self.model = model
         self.cost = cost or CostModel()
-        self.num_kv_pages = config.pool_pages(config.mock_block_nbytes)
-        self.num_kv_pages_free = self.num_kv_pages
+        self.allocator = BlockAllocator(config.pool_pages(config.mock_block_nbytes))
         self._payload = bytes(config.mock_block_nbytes)
 
     def kv_pages(self) -> tuple[int, int]:
-        return self.num_kv_pages, self.num_kv_pages_free
+        return self.allocator.num_blocks, self.allocator.num_free_blocks
 
     # -- jobs ----------------------------------------------------------------------------
     async def _admit(
@@ -135,19 +136,19 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         )
 
     def _release(self, entry: MockJob) -> None:
-        self.num_kv_pages_free += entry.num_pages
+        self.allocator.free(entry.pages)
+        entry.pages = []
         self._wake.set()  # the head of the queue may have waited for these pages
 
     # -- the simulated model -------------------------------------------------------------
     def _next_chunk(self, entry: MockJob, budget: int) -> int | None:
         """A job takes its pages at its first chunk; 0 tokens: a fully cached prompt, done
         after this pass."""
-        if entry.num_pages == 0:
+        if not entry.pages:
             num_pages = math.ceil(len(entry.token_ids) / self.block_size)
-            if num_pages > self.num_kv_pages_free:
+            if not self.allocator.can_allocate(num_pages):
                 return None
-            entry.num_pages = num_pages
-            self.num_kv_pages_free -= num_pages
+            entry.pages = self.allocator.allocate(num_pages)
         return min(entry.num_left, budget)
 
     async def _forward(self, batch: list[tuple[MockJob, int]]) -> float:

@@ -98,8 +98,8 @@ async def _indexed(bus: Bus, prompt: list[int]) -> None:
 
 def test_mock_path_imports_neither_torch_nor_nixl() -> None:
     """What keeps 16 mock workers cheap: none of them loads torch or NIXL (they use only the
-    engine's torch-free modules: its lazy package, FinishReason, and the model's metadata,
-    tokenizer and chat template through `Checkpoint`)."""
+    engine's torch-free modules: its lazy package, FinishReason, the page allocator, and the
+    model's metadata, tokenizer and chat template through `Checkpoint`)."""
     code = (
         "import sys, services.prefill.main, services.decode.main; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'nixl'))); "
@@ -111,6 +111,7 @@ def test_mock_path_imports_neither_torch_nor_nixl() -> None:
     torch_free = {
         "",
         ".outputs",
+        ".block_allocator",
         ".checkpoint",
         ".config",
         ".errors",

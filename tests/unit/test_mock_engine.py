@@ -184,21 +184,24 @@ def test_reserved_pages_are_counted_once_and_come_back_however_the_request_ends(
     e = engine(num_kv_pages=25)
     needed = e.pages_needed(len(PROMPT), 60)
     assert needed == 10
-    assert e.reserve_pages(needed) and e.reserve_pages(needed)
-    assert e.num_kv_pages_free == 5 and not e.reserve_pages(needed)  # nothing taken on refusal
-    done = e.add_request(PROMPT, MockSamplingParams(max_new_tokens=60), pages_reserved=True)
-    cut = e.add_request(PROMPT, MockSamplingParams(max_new_tokens=60), pages_reserved=True)
+    first, second = e.reserve_pages(needed), e.reserve_pages(needed)
+    assert len(first) == len(second) == needed and not set(first) & set(second)
+    assert e.num_kv_pages_free == 5 and e.reserve_pages(needed) is None  # nothing taken
+    with pytest.raises(MockRequestError, match="9 pages reserved, the request holds 10"):
+        e.add_request(PROMPT, MockSamplingParams(max_new_tokens=60), pages=first[:9])
+    assert e.num_kv_pages_free == 5  # a refused request leaves the reservation the caller's
+    done = e.add_request(PROMPT, MockSamplingParams(max_new_tokens=60), pages=first)
+    cut = e.add_request(PROMPT, MockSamplingParams(max_new_tokens=60), pages=second)
     e.step()  # both admitted on their reservations: nothing more taken
     assert (e.num_running(), e.num_kv_pages_free) == (2, 5)
     assert e.abort(cut)
     assert e.num_kv_pages_free == 15
     run(e)
     assert e.num_kv_pages_free == 25  # the finished one's came back in its last step
-    assert e.reserve_pages(needed)
-    e.release_pages(needed)  # a reservation whose request never reached the engine
+    e.release_pages(e.reserve_pages(needed))  # a reservation that never reached the engine
     assert e.num_kv_pages_free == 25
-    assert e.reserve_pages(e.pages_needed(len(PROMPT), 0))
-    e.add_request(PROMPT, MockSamplingParams(max_new_tokens=0), pages_reserved=True)
+    pages = e.reserve_pages(e.pages_needed(len(PROMPT), 0))
+    e.add_request(PROMPT, MockSamplingParams(max_new_tokens=0), pages=pages)
     assert e.num_kv_pages_free == 25  # ended at once: its reservation is back
     assert {o.seq_id for o in run(e) if o.finished} == {done + 2}
 

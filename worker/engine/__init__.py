@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "BlockAllocator": "worker.engine.block_manager",
+    "BlockAllocator": "worker.engine.block_allocator",
     "BlockManager": "worker.engine.block_manager",
     "CausalLM": "worker.engine.model",
     "ChatTemplate": "worker.engine.checkpoint",

@@ -21,7 +21,8 @@ from worker.engine.attention import (
     PrefillAttention,
     SeqInput,
 )
-from worker.engine.block_manager import BlockAllocator, BlockManager, block_table_tensor
+from worker.engine.block_allocator import BlockAllocator
+from worker.engine.block_manager import BlockManager, block_table_tensor
 from worker.engine.errors import DraftError, SequenceStateError
 from worker.engine.kv_cache import (
     DEFAULT_BLOCK_SIZE_TOKENS,

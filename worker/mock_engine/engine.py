@@ -17,11 +17,12 @@ abort, has_unfinished, with simulated timing and real KV bookkeeping.
   until the next step, as in the real engine), and its hash continues the request's chain
   (`RequestBlocks`, taken from the request, not hashed again), so `new_block_hashes` can go
   straight into real `BlocksStored` events.
-- Pages for prompt + max_new_tokens are taken when a request is admitted, so nothing is ever
-  preempted; a request that does not fit waits (first come, first served). A caller that
-  admits requests itself (the mock decode worker answers `DecodeJob` before the request
-  reaches the engine) reserves their pages first (`reserve_pages`): the engine's
-  `num_kv_pages_free` is then the one count of free pages, reservations included.
+- Pages for prompt + max_new_tokens are taken from the model engine's own allocator
+  (`BlockAllocator`: the one count of KV pages) when a request is admitted, so nothing is
+  ever preempted; a request that does not fit waits (first come, first served). A caller
+  that admits requests itself (the mock decode worker answers `DecodeJob` before the request
+  reaches the engine) reserves their pages first (`reserve_pages`) and hands them to
+  `add_request`: the allocator's free count then holds reservations too.
 
 Nothing here imports torch (2 s to import), so tests and load generators start fast.
 """
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 
 from shared.blocks import RequestBlocks
 from worker.cost_model import CostModel
+from worker.engine.block_allocator import BlockAllocator
 from worker.mock_engine.requests import (
     FinishReason,
     MockRequestError,
@@ -69,8 +71,8 @@ class _Seq:
     blocks: RequestBlocks
     num_cached_tokens: int
     num_replay_tokens: int
-    num_pages: int
-    holds_pages: bool  # its pages are taken: reserved by the caller, or at admission
+    num_pages: int  # what it holds from admission to its end
+    pages: list[int]  # held: reserved by the caller, or taken at admission ([]: not yet)
     num_prompt_tokens: int = field(init=False)
     digest: int = field(init=False)  # of the prompt: output token k hashes (digest, k)
     num_computed_tokens: int = 0
@@ -111,11 +113,15 @@ class MockEngine:
         self.cost = cost or CostModel()
         self.clock_s = 0.0  # simulated time: the sum of every step's duration
         self.last_step_duration_s = 0.0
-        self.num_kv_pages_free = self.config.num_kv_pages
+        self.allocator = BlockAllocator(self.config.num_kv_pages)
         self._waiting: deque[_Seq] = deque()
         self._running: dict[int, _Seq] = {}
         self._pending: list[MockStepOutput] = []
         self._next_seq_id = 0
+
+    @property
+    def num_kv_pages_free(self) -> int:
+        return self.allocator.num_free_blocks
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._pending)
@@ -125,17 +131,16 @@ class MockEngine:
         max_len = min(num_prompt_tokens + max_new_tokens, self.config.max_model_len)
         return math.ceil(max_len / self.config.block_size_tokens)
 
-    def reserve_pages(self, num_pages: int) -> bool:
+    def reserve_pages(self, num_pages: int) -> list[int] | None:
         """Set pages aside for a request the caller admitted and will add with
-        `pages_reserved=True`; False (nothing reserved) when fewer are free."""
-        if num_pages > self.num_kv_pages_free:
-            return False
-        self.num_kv_pages_free -= num_pages
-        return True
+        `pages=`; None (nothing reserved) when fewer are free."""
+        if not self.allocator.can_allocate(num_pages):
+            return None
+        return self.allocator.allocate(num_pages)
 
-    def release_pages(self, num_pages: int) -> None:
+    def release_pages(self, pages: list[int]) -> None:
         """Give back a reservation whose request never reached `add_request`."""
-        self.num_kv_pages_free += num_pages
+        self.allocator.free(pages)
 
     def add_request(
         self,
@@ -145,12 +150,13 @@ class MockEngine:
         num_cached_tokens: int = 0,
         has_swa_snapshot: bool = True,
         blocks: RequestBlocks | None = None,
-        pages_reserved: bool = False,
+        pages: Seq[int] | None = None,
     ) -> int:
         """Queue a request whose first `num_cached_tokens` (whole blocks) are loaded, not
         computed; without the SWA snapshot their window is rebuilt by bounded replay.
         `blocks`: the request's block layout (hashed here, in the engine's namespace, when a
-        caller has none); `pages_reserved`: its pages were reserved (`reserve_pages`)."""
+        caller has none); `pages`: its pages, reserved (`reserve_pages`); the engine owns them
+        from here, or they stay the caller's when this raises."""
         params = params or MockSamplingParams()
         block = self.config.block_size_tokens
         if not token_ids:
@@ -176,6 +182,8 @@ class MockEngine:
             )
         elif blocks.block_size != block:
             raise MockRequestError(f"blocks of {blocks.block_size} tokens, the engine's: {block}")
+        if pages is not None and len(pages) != num_pages:
+            raise MockRequestError(f"{len(pages)} pages reserved, the request holds {num_pages}")
         seq = _Seq(
             seq_id=self._next_seq_id,
             token_ids=list(token_ids),
@@ -185,7 +193,7 @@ class MockEngine:
             num_cached_tokens=num_cached_tokens,
             num_replay_tokens=self.cost.num_replay_tokens(num_cached_tokens, has_swa_snapshot),
             num_pages=num_pages,
-            holds_pages=pages_reserved,
+            pages=list(pages or ()),
             num_blocks_published=num_cached_tokens // block,  # stored before it came here
         )
         self._next_seq_id += 1
@@ -233,9 +241,8 @@ class MockEngine:
         for seq in plan.admit:
             self._waiting.popleft()
             self._running[seq.seq_id] = seq
-            if not seq.holds_pages:
-                self.num_kv_pages_free -= seq.num_pages
-            seq.holds_pages = True
+            if not seq.pages:
+                seq.pages = self.allocator.allocate(seq.num_pages)
         for seq in plan.decode:
             seq.num_computed_tokens += 1  # the token sampled last step is fed in now
             outputs.append(self._advance(seq, sample=True))
@@ -260,10 +267,10 @@ class MockEngine:
             if seq.is_prefilling and budget > 0:
                 budget -= self._plan_prefill(seq, budget, prefill)
         admit = []
-        free = self.num_kv_pages_free
+        free = self.allocator.num_free_blocks
         num_seqs = len(self._running)
         for seq in self._waiting:
-            needed = 0 if seq.holds_pages else seq.num_pages
+            needed = 0 if seq.pages else seq.num_pages
             if budget <= 0 or needed > free or num_seqs >= self.config.max_num_seqs:
                 break  # first come, first served: nobody overtakes the head
             admit.append(seq)
@@ -279,9 +286,9 @@ class MockEngine:
 
     def _free_pages(self, seq: _Seq) -> None:
         """Return what the sequence holds or had reserved (once)."""
-        if seq.holds_pages:
-            self.num_kv_pages_free += seq.num_pages
-            seq.holds_pages = False
+        if seq.pages:
+            self.allocator.free(seq.pages)
+            seq.pages = []
 
     @staticmethod
     def _plan_prefill(seq: _Seq, budget: int, prefill: list[tuple[_Seq, int]]) -> int:

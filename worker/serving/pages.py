@@ -14,7 +14,7 @@ import numpy as np
 from shared import telemetry
 from shared.blocks import RequestBlocks
 from shared.schema.inference import BlockLocations
-from worker.engine.block_manager import BlockAllocator
+from worker.engine.block_allocator import BlockAllocator
 from worker.engine.kv_cache import PagedKVPool
 from worker.kvstore.slots import SlotRef
 from worker.kvstore.store import KvStore
