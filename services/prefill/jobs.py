@@ -7,8 +7,9 @@ typed error). In between, both workers validate it the same way, cut the same ch
 bus stopping, a failed pass), hand it off the same way (handoff.py) and report the same load
 fields and metrics (metrics.py) -- one copy, so the mock's timings, errors and load reports
 cannot drift from the model's. What differs is what a worker overrides: what admitting a job
-costs (`_admit`: restoring the prefix), what a job holds (`_release`), how big its next chunk
-is (`_next_chunk`), what a forward pass is (`_forward`, `_advance`), what is staged for
+costs (`_admit`: restoring the prefix), what a job holds (`_release`), which chunks the next
+pass computes (`_schedule`: the model's engine scheduler, or the mock's count of pages), what
+a forward pass is (`_forward`, `_advance`), what is staged for
 decode (`_send_suffix`), what is written to the store (`_persist`) and the KV pool
 (`kv_pages`).
 
@@ -228,30 +229,20 @@ class PrefillJobsBase(ABC, Generic[JobT]):
 
     # -- the compute loop ----------------------------------------------------------------
     def _plan(self) -> list[tuple[JobT, int]]:
-        """The next forward pass: (job, tokens) in arrival order, `max_batch_tokens` at most;
-        jobs found past their deadline on the way are dropped."""
-        budget, batch = self.max_batch_tokens, []
+        """The next forward pass, after dropping the jobs past their deadline."""
         now_ms = time.time() * 1000
         for entry in list(self._jobs.values()):
-            if budget == 0:
-                break
-            if entry.finishing:
-                continue
             deadline_ms = entry.job.request.deadline_ms
-            if deadline_ms is not None and now_ms > deadline_ms:
-                self.counts.expired.inc()
-                self._drop(entry, DeadlineExceeded("deadline passed while queued for prefill"))
+            if entry.finishing or deadline_ms is None or now_ms <= deadline_ms:
                 continue
-            num_tokens = self._next_chunk(entry, budget)
-            if num_tokens is None:
-                break  # first come, first served: nobody overtakes a job that must wait
-            batch.append((entry, num_tokens))
-            budget -= num_tokens
-        return batch
+            self.counts.expired.inc()
+            self._drop(entry, DeadlineExceeded("deadline passed while queued for prefill"))
+        return self._schedule()
 
     @abstractmethod
-    def _next_chunk(self, entry: JobT, budget: int) -> int | None:
-        """Tokens of `entry` to compute in the next pass (<= budget); None: it must wait."""
+    def _schedule(self) -> list[tuple[JobT, int]]:
+        """The next forward pass over the jobs still computing: (job, tokens), at most
+        `max_batch_tokens` in all; [] when none can run."""
 
     @abstractmethod
     async def _forward(self, batch: list[tuple[JobT, int]]) -> float:

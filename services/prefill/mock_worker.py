@@ -141,15 +141,25 @@ class MockPrefillWorker(PrefillJobsBase[MockJob]):
         self._wake.set()  # the head of the queue may have waited for these pages
 
     # -- the simulated model -------------------------------------------------------------
-    def _next_chunk(self, entry: MockJob, budget: int) -> int | None:
-        """A job takes its pages at its first chunk; 0 tokens: a fully cached prompt, done
-        after this pass."""
-        if not entry.pages:
-            num_pages = math.ceil(len(entry.token_ids) / self.block_size)
-            if not self.allocator.can_allocate(num_pages):
-                return None
-            entry.pages = self.allocator.allocate(num_pages)
-        return min(entry.num_left, budget)
+    def _schedule(self) -> list[tuple[MockJob, int]]:
+        """Jobs in arrival order, each taking its pages at its first chunk, while the budget
+        lasts; first come, first served: nobody overtakes a job that waits for pages. 0
+        tokens: a fully cached prompt, done after this pass."""
+        budget, batch = self.max_batch_tokens, []
+        for entry in self._jobs.values():
+            if budget == 0:
+                break
+            if entry.finishing:
+                continue
+            if not entry.pages:
+                num_pages = math.ceil(len(entry.token_ids) / self.block_size)
+                if not self.allocator.can_allocate(num_pages):
+                    break
+                entry.pages = self.allocator.allocate(num_pages)
+            num_tokens = min(entry.num_left, budget)
+            batch.append((entry, num_tokens))
+            budget -= num_tokens
+        return batch
 
     async def _forward(self, batch: list[tuple[MockJob, int]]) -> float:
         num_tokens = sum(n for _, n in batch)

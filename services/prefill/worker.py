@@ -1,7 +1,8 @@
 """The prefill worker: jobs in, suffix KV out to decode (docs/request-flow.md).
 
 One job: restore the cached prefix (restore.py) -> compute every prompt token, in chunks
-batched with other jobs under `max_batch_tokens` per forward pass, and sample the first output
+batched with other jobs under `max_batch_tokens` per forward pass (planned by the engine's
+scheduler, which reserves each chunk's pages first), and sample the first output
 token from the last one's logits -> stage the computed pages and the window at `n` in the NIXL
 buffer and tell decode, with that token (`SuffixReady`; decode pulls, then answers and streams
 the token before its next step) -> write the new complete blocks to the store (BlocksStored)
@@ -32,11 +33,13 @@ from services.prefill.restore import PrefixRestorer
 from shared import telemetry
 from shared.blocks import RequestBlocks
 from shared.bus import Bus
+from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.schema import BadRequest, PrefillJob, PrefillTimings
 from worker.engine.runner import ModelRunner
 from worker.engine.sampler import SamplingParams as EngineSampling
 from worker.engine.sampler import generator_state, make_generator, sample_one
+from worker.engine.scheduler import Scheduler, SchedulerConfig
 from worker.engine.sequence import Sequence
 from worker.engine.swa_restore import snapshot_to_bytes
 from worker.engine.worker import ModelThread
@@ -46,6 +49,11 @@ from worker.serving.sampling import engine_sampling
 from worker.serving.staging import StagingSpace, StagingTooSmall
 from worker.swa_client import SwaClient
 from worker.transfer import KvTransferAgent
+
+log = get_logger(__name__)
+
+# Jobs computing at once: the pool's pages bound them long before this does.
+MAX_JOBS = 1 << 16
 
 
 @dataclass(eq=False)
@@ -98,6 +106,13 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         self.compute_lock = compute_lock
         self.model_thread = model_thread
         self._seq_ids = itertools.count()
+        # The engine's own planner: chunks under `max_batch_tokens` per pass, oldest job
+        # first, pages reserved before the pass (a job waits for them, or the youngest running
+        # job is preempted and recomputed), never more jobs than the pool holds.
+        self.scheduler = Scheduler(
+            runner.block_manager,
+            SchedulerConfig(max_num_batched_tokens=max_batch_tokens, max_num_seqs=MAX_JOBS),
+        )
 
     def kv_pages(self) -> tuple[int, int]:
         return self.runner.allocator.num_blocks, self.runner.allocator.num_free_blocks
@@ -119,6 +134,7 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         if restored.window is not None:
             self.runner.block_manager.attach_prefix(seq, restored.pages, restored.window)
             self.runner.allocator.free(restored.pages)  # the sequence owns them now
+        self.scheduler.add(seq)
         timings = PrefillTimings(
             load_ms=restored.load_ms,
             restore_ms=restored.restore_ms,
@@ -139,11 +155,19 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         )
 
     def _release(self, entry: ModelJob) -> None:
-        self.runner.release(entry.seq)
+        self.scheduler.remove(entry.seq)  # its pages are free
+        self._wake.set()  # a job may have waited for them
 
     # -- the model -----------------------------------------------------------------------
-    def _next_chunk(self, entry: ModelJob, budget: int) -> int:
-        return min(entry.target - entry.seq.num_computed_tokens, budget)
+    def _schedule(self) -> list[tuple[ModelJob, int]]:
+        batch = self.scheduler.schedule()
+        by_seq = {entry.seq.seq_id: entry for entry in self._jobs.values()}
+        for seq in batch.preempted_seqs:
+            log.info("prefill job preempted: pool full", request_id=by_seq[seq.seq_id].request_id)
+        # A job with one prompt token left is "decoding" to the scheduler: a 1-token chunk.
+        chunks = [(seq, 1) for seq in batch.decode_seqs]
+        chunks += zip(batch.prefill_seqs, batch.prefill_num_tokens, strict=True)
+        return [(by_seq[seq.seq_id], num_tokens) for seq, num_tokens in chunks]
 
     async def _forward(self, batch: list[tuple[ModelJob, int]]) -> float:
         started = time.perf_counter()
@@ -167,7 +191,10 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
                 entry.sampler_state = generator_state(generator)
 
     def _advance(self, entry: ModelJob, num_tokens: int) -> None:
-        """Nothing to count: the runner advanced the sequence (and kept its boundary window)."""
+        """The runner advanced the sequence (and kept its boundary window); a computed one
+        leaves the scheduler with its pages, to be staged and stored before they are freed."""
+        if entry.num_left == 0:
+            self.scheduler.detach(entry.seq)
 
     # -- handoff -------------------------------------------------------------------------
     async def _send_suffix(self, entry: ModelJob) -> tuple[PrefillTimings, float]:

@@ -56,6 +56,9 @@ WORKER_ARGS = [
     "--max-model-len",
     str(MAX_MODEL_LEN),
 ]
+# Prefill's pool holds 1536 tokens: prompts that each fit it, but not together, wait for pages.
+PREFILL_POOL_BLOCKS = 96
+PREFILL_ARGS = [*WORKER_ARGS[:2], "--num-kv-blocks", str(PREFILL_POOL_BLOCKS), *WORKER_ARGS[4:]]
 # A request that runs for seconds: sampled (drafts rarely match), never stopping at EOS.
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 1.0, "seed": 1}
 KVFABRIC = str(Path(sys.executable).parent / "kvfabric")
@@ -82,7 +85,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         tmp_path_factory.mktemp("serving"),
         replicas={PREFILL: 2, DECODE: 2},
         extra_args={
-            PREFILL: WORKER_ARGS,
+            PREFILL: PREFILL_ARGS,
             DECODE: WORKER_ARGS,
             ROUTER: ["--heartbeat-timeout-s", "3", "--decode-page-size-tokens", str(BLOCK)],
         },
@@ -272,6 +275,25 @@ async def test_two_prefill_and_two_decode_workers_share_load(cluster: Cluster) -
         seen = {i: (r.state, r.num_queued_tokens, r.seq) for i, r in reports.items()}
         assert {p for p, _ in routes} == {"prefill-0", "prefill-1"}, (routes, seen)
         assert {d for _, d in routes} == {"decode-0", "decode-1"}, routes
+    finally:
+        await bus.close()
+
+
+async def test_prompts_beyond_the_prefill_pool_together_wait_for_pages(cluster: Cluster) -> None:
+    """Each prompt fits a prefill worker's pool alone, no two of them at once: the engine's
+    scheduler holds a job back (or preempts and recomputes the youngest) until pages are
+    free, and every request is served."""
+    bus = await connect(cluster)
+    try:
+        prompts = [_tokens(f"# module {i}\n" + CODE * 9) for i in range(4)]
+        blocks = [-(-len(p) // BLOCK) for p in prompts]
+        assert all(n <= PREFILL_POOL_BLOCKS < 2 * n for n in blocks), blocks
+        results = await asyncio.gather(*(generate(bus, _request(p, max_tokens=4)) for p in prompts))
+        assert all(r.finish_reason in ("stop", "length") for r in results)
+        assert all(
+            r.usage is not None and r.usage.num_prompt_tokens == len(p)
+            for r, p in zip(results, prompts, strict=True)
+        )
     finally:
         await bus.close()
 

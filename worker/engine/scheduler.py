@@ -99,6 +99,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def detach(self, seq: Sequence) -> None:
+        """Take a running `seq` out of the queues with its blocks: a prefill worker's computed
+        job, whose pages are handed off and stored before it frees them."""
+        self.running.remove(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out of the queues and free its blocks (finished or aborted)."""
         if seq in self.running:
