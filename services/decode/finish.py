@@ -12,7 +12,6 @@ Each ending runs as its own task so the batch loop keeps stepping the other sequ
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 
 from opentelemetry.trace import StatusCode
@@ -23,13 +22,13 @@ from shared import telemetry
 from shared.bus import Bus
 from shared.logging import get_logger
 from shared.metrics import Metrics, tier_label
-from shared.schema import ServiceError, TokenChunk, UsageStatus, pack_token_ids
+from shared.schema import ServiceError
 from shared.subjects import DECODE
-from shared.usage import keep_record
 from shared.usage_outbox import UsageOutbox
 from worker.kvstore.store import KvStore
 from worker.kvstore.writer import KvEventPublisher
 from worker.serving.kv_io import store_payloads
+from worker.serving.lifecycle import end_request
 from worker.swa_client import SwaClient
 
 log = get_logger(__name__)
@@ -60,15 +59,6 @@ class Finisher:
         self.counts = DecodeMetrics(metrics or Metrics(DECODE, bus.instance_id))
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def send(self, state: DecodeRequest, token_ids: list[int], text: str) -> None:
-        chunk = TokenChunk(
-            request_id=state.request_id,
-            seq=state.stream.num_sent,
-            token_ids=pack_token_ids(token_ids),
-            text=text,
-        )
-        await state.stream.send(chunk)
-
     async def end(
         self,
         state: DecodeRequest,
@@ -92,15 +82,15 @@ class Finisher:
         token_ids: list[int],
         text: str,
     ) -> None:
+        state.error = error  # what the stream ends with (None: its reason)
         _end_generate_span(state, finished, error)
         with telemetry.span("decode finish", parent=state.span):
-            await self._finish(state, finished, error, token_ids, text)
+            await self._finish(state, finished, token_ids, text)
 
     async def _finish(
         self,
         state: DecodeRequest,
         finished: Finished | None,
-        error: ServiceError | None,
         token_ids: list[int],
         text: str,
     ) -> None:
@@ -109,38 +99,27 @@ class Finisher:
                 await self._persist(state, finished)
             except Exception:  # the answer still goes out; only the next turn's hit suffers
                 log.exception("writing finished blocks failed", request_id=state.request_id)
-        reason = finished.reason if finished is not None else "cancelled"
         if self.report_load is not None:
             try:
                 await self.report_load()
             except Exception:  # a late heartbeat costs a retry, never the answer
                 log.exception("load report before the final chunk failed")
-        try:
-            if error is not None:
-                await state.stream.fail(error)
-            else:
-                chunk = TokenChunk(
-                    request_id=state.request_id,
-                    seq=state.stream.num_sent,
-                    token_ids=pack_token_ids(token_ids),
-                    text=text + state.detokenizer.flush(),
-                    final=True,
-                    finish_reason=reason,
-                    usage=state.usage(),
-                    stats=state.stats(),
-                    stop_sequence=state.detokenizer.matched_stop,
-                )
-                await state.stream.send(chunk, final=True)
-        except Exception:
-            log.exception("ending the stream failed", request_id=state.request_id)
-        self._count(state, "error" if error is not None else reason)
-        if error is not None:
-            status, reason = UsageStatus.FAILED, "error"
-        elif reason == "cancelled":
-            status = UsageStatus.CANCELLED
-        else:
-            status = UsageStatus.COMPLETED
-        await self._publish_usage(state, status, reason)
+        status, reason = await end_request(
+            state,
+            finished.reason if finished is not None else None,
+            outbox=self.outbox,
+            counts=self.counts,
+            hit_tokens={tier_label(state.job.cached_blocks.tier): state.num_cached_tokens},
+            decode_worker_id=self.bus.instance_id,
+            prefill_worker_id=state.job.decision.prefill_worker_id,
+            last_token_ids=token_ids,
+            last_text=text,
+        )
+        span = telemetry.current_span()  # decode finish
+        if span.is_recording():
+            span.set_attributes(
+                {"kvfabric.usage_status": str(status), "kvfabric.finish_reason": reason}
+            )
 
     async def _persist(self, state: DecodeRequest, finished: Finished) -> None:
         if not finished.blocks:
@@ -164,28 +143,6 @@ class Finisher:
                 self.counts.snapshots_put.inc()
         except ServiceError as exc:
             log.warning("sliding-window snapshot not kept", error=str(exc))
-
-    async def _publish_usage(self, state: DecodeRequest, status: UsageStatus, reason: str) -> None:
-        record = state.usage_record(status, reason, self.bus.instance_id)
-        span = telemetry.current_span()  # decode finish
-        if span.is_recording():
-            span.set_attributes(
-                {"kvfabric.usage_status": str(status), "kvfabric.finish_reason": reason}
-            )
-        await keep_record(
-            self.outbox, record, kept=self.counts.usage_kept, lost=self.counts.usage_lost
-        )
-
-    def _count(self, state: DecodeRequest, outcome: str) -> None:
-        """The request's end, once its stream has ended: how, how long, its tokens."""
-        counts = self.counts
-        counts.ended[outcome].inc()
-        counts.request_seconds.observe(time.perf_counter() - state.accepted_s)
-        counts.prompt_tokens.inc(state.num_prompt_tokens)
-        counts.output_tokens.inc(len(state.output_ids))
-        if state.num_cached_tokens:
-            tier = tier_label(state.job.cached_blocks.tier)
-            counts.hit_tokens.labels(tier).inc(state.num_cached_tokens)
 
 
 def _end_generate_span(

@@ -34,7 +34,6 @@ from shared.logging import get_logger
 from shared.schema import (
     BadRequest,
     CancelRequest,
-    DeadlineExceeded,
     DecodeJob,
     InternalError,
     JobAccepted,
@@ -49,6 +48,7 @@ from shared.streams import StreamWriter
 from shared.tasks import cancel_and_wait
 from worker.detokenizer import IncrementalDetokenizer
 from worker.serving.checks import checked_prompt
+from worker.serving.lifecycle import send_tokens
 
 log = get_logger(__name__)
 
@@ -158,10 +158,10 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
         state = DecodeRequest(
             job,
             token_ids,
-            blocks,
             StreamWriter(self.bus, request.stream_inbox, request_id=request.request_id),
             IncrementalDetokenizer(self.tokenizer, stop=sampling.stop),
             params,
+            blocks,
         )
         state.span = telemetry.current_span()
         self._admit(state, num_pages)
@@ -218,15 +218,12 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
 
     async def expire(self) -> None:
         """Periodic: fail jobs whose suffix never came, and requests past their deadline."""
-        now_ms = time.time() * 1000
         for state in list(self.requests.values()):
-            deadline_ms = state.job.request.deadline_ms
             waited_s = time.perf_counter() - state.accepted_s
             if not state.joined and waited_s > self.suffix_timeout_s:
                 await self._fail(state, Unavailable(f"no prefill result in {waited_s:.0f}s"))
-            elif deadline_ms is not None and now_ms > deadline_ms:
-                state.cancel_reason = "deadline"
-                state.error = DeadlineExceeded("deadline passed while decoding")
+            elif state.seconds_left() == 0:
+                state.expire("decoding")
                 await self._abort(state, state.error)
 
     async def _abort(self, state: DecodeRequest, error: ServiceError | None) -> None:
@@ -289,7 +286,7 @@ class DecodeJobsBase(ABC, Generic[EngineT, OutputT]):
         stopped_by_string = state.detokenizer.stopped and not out.finished
         if not out.finished and not stopped_by_string:
             if token_ids:
-                await self.finisher.send(state, token_ids, text)
+                await send_tokens(state, token_ids, text)
             return
         if stopped_by_string:  # a stop string ended it: leave the batch now
             await self._abort_seq(out.seq_id)

@@ -15,17 +15,17 @@ usage vLLM reports (cached tokens: its own prefix cache plus what the connector 
 the store); a request that ends without vLLM's usage (cancelled, failed) is billed with the
 prompt tokens the router found cached. Every request accepted leaves one usage record,
 published as decode's (`usage.decode`): billing takes the engine's own count over the
-caller's estimate.
+caller's estimate. The request's state, its cancel and deadline, the final chunk and the usage
+record are decode's own (worker/serving/lifecycle.py): one life for every streamed request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
-from opentelemetry.trace import INVALID_SPAN, Span, StatusCode
+from opentelemetry.trace import StatusCode
 from tokenizers import Tokenizer
 
 from services.vllm_worker.config import VllmWorkerConfig
@@ -39,28 +39,17 @@ from shared.metrics import tier_label
 from shared.schema import (
     BadRequest,
     CancelRequest,
-    DeadlineExceeded,
     DecodeJob,
-    DecodeStats,
-    ErrorCode,
-    ErrorReply,
     InternalError,
     JobAccepted,
     Overloaded,
-    ServiceError,
-    TokenChunk,
-    TokenUsage,
     Unavailable,
-    UsageRecord,
-    UsageStatus,
-    error_from_wire,
-    pack_token_ids,
 )
 from shared.streams import StreamWriter
-from shared.usage import keep_record, usage_record
 from shared.usage_outbox import UsageOutbox
 from worker.detokenizer import IncrementalDetokenizer
 from worker.serving.checks import checked_prompt
+from worker.serving.lifecycle import StreamedRequest, end_request, send_tokens
 
 log = get_logger(__name__)
 
@@ -73,61 +62,19 @@ def routed_prefix(job: DecodeJob) -> dict[str, str]:
 
 
 @dataclass(eq=False)
-class VllmRequest:
-    job: DecodeJob
-    token_ids: list[int]
-    stream: StreamWriter
-    detokenizer: IncrementalDetokenizer
-    accepted_s: float = field(default_factory=time.perf_counter)
-    output_ids: list[int] = field(default_factory=list)
-    first_token_s: float | None = None
-    num_cached_tokens: int | None = None  # vLLM's count, from its usage
+class VllmRequest(StreamedRequest):
+    num_vllm_cached_tokens: int | None = None  # vLLM's count, from its usage
     finish_reason: str | None = None
     # The ids and text of the step a stop string ended: they go in the final chunk.
     held: tuple[list[int], str] = ([], "")
-    error: ServiceError | None = None  # set: the stream ends with it
-    cancel_reason: str | None = None
     task: asyncio.Task[None] | None = None
-    span: Span = INVALID_SPAN
-
-    @property
-    def request_id(self) -> str:
-        return self.job.request.request_id
 
     @property
     def cached_tokens(self) -> int:
         """vLLM's count when it gave one, else what the router found on the store."""
-        if self.num_cached_tokens is not None:
-            return self.num_cached_tokens
+        if self.num_vllm_cached_tokens is not None:
+            return self.num_vllm_cached_tokens
         return self.job.decision.num_cached_tokens
-
-    def usage(self) -> TokenUsage:
-        return TokenUsage(
-            num_prompt_tokens=len(self.token_ids),
-            num_cached_tokens=self.cached_tokens,
-            num_output_tokens=len(self.output_ids),
-        )
-
-    def stats(self) -> DecodeStats:
-        now = time.perf_counter()
-        first = self.first_token_s
-        return DecodeStats(
-            ttft_ms=((first or now) - self.accepted_s) * 1000,
-            decode_ms=(now - first) * 1000 if first is not None else 0.0,
-            num_forward_passes=len(self.output_ids),
-        )
-
-    def usage_record(self, status: UsageStatus, reason: str, instance_id: str) -> UsageRecord:
-        return usage_record(
-            self.job.request,
-            num_prompt_tokens=len(self.token_ids),
-            num_cached_tokens=self.cached_tokens,
-            num_output_tokens=len(self.output_ids),
-            status=status,
-            finish_reason=reason,
-            prefill_worker_id=instance_id,
-            decode_worker_id=instance_id,
-        )
 
 
 class VllmWorker:
@@ -211,10 +158,7 @@ class VllmWorker:
         state = self.requests.get(cancel.request_id)
         if state is None or state.task is None:
             return
-        if cancel.error_code:
-            reply = ErrorReply(code=ErrorCode(cancel.error_code), message=cancel.error_message)
-            state.error = error_from_wire(None, cancel.error_message, reply)
-        state.cancel_reason = cancel.reason
+        state.note_cancel(cancel)
         state.task.cancel()
 
     async def stop(self) -> None:
@@ -228,17 +172,12 @@ class VllmWorker:
 
     # -- one request ---------------------------------------------------------------------
     async def _run(self, state: VllmRequest) -> None:
-        request = state.job.request
         generate = telemetry.child_span(state.span, "vllm generate")
         try:
-            deadline_s = None
-            if request.deadline_ms is not None:
-                deadline_s = max(request.deadline_ms / 1000 - time.time(), 0.0)
-            async with asyncio.timeout(deadline_s):
+            async with asyncio.timeout(state.seconds_left()):
                 await self._stream(state)
         except TimeoutError:
-            state.cancel_reason = "deadline"
-            state.error = DeadlineExceeded("deadline passed while generating")
+            state.expire("generating")
         except asyncio.CancelledError:  # cancelled or stopping: the state says why
             log.debug(
                 "vllm request cancelled",
@@ -285,29 +224,21 @@ class VllmWorker:
         )
         async for delta in self.client.generate(body):
             if delta.num_cached_tokens is not None:
-                state.num_cached_tokens = delta.num_cached_tokens
+                state.num_vllm_cached_tokens = delta.num_cached_tokens
             if delta.finish_reason is not None:
                 state.finish_reason = delta.finish_reason
             if not delta.token_ids:
                 continue
-            if state.first_token_s is None:
-                state.first_token_s = time.perf_counter()
-                self.counts.ttft_seconds.observe(state.first_token_s - state.accepted_s)
             ids = list(delta.token_ids)
-            state.output_ids += ids
-            text = state.detokenizer.push(ids)
+            first = state.first_token_s is None
+            text = state.record_output(ids)
+            if first:
+                self.counts.ttft_seconds.observe(state.first_token_s - state.accepted_s)
             if state.detokenizer.stopped:
                 state.finish_reason = "stop"
                 state.held = (ids, text)
                 return  # leaving the `async with` closes the stream: vLLM aborts it
-            await state.stream.send(
-                TokenChunk(
-                    request_id=state.request_id,
-                    seq=state.stream.num_sent,
-                    token_ids=pack_token_ids(ids),
-                    text=text,
-                )
-            )
+            await send_tokens(state, ids, text)
 
     async def _finish(self, state: VllmRequest) -> None:
         with telemetry.span("vllm finish", parent=state.span):
@@ -315,51 +246,21 @@ class VllmWorker:
 
     async def _end(self, state: VllmRequest) -> None:
         last_ids, last_text = state.held
-        error = state.error
-        if error is None and state.finish_reason is None:
-            reason = "cancelled"
-        else:
-            reason = state.finish_reason or "cancelled"
-        try:
-            if error is not None:
-                await state.stream.fail(error)
-            else:
-                chunk = TokenChunk(
-                    request_id=state.request_id,
-                    seq=state.stream.num_sent,
-                    token_ids=pack_token_ids(last_ids),
-                    text=last_text + state.detokenizer.flush(),
-                    final=True,
-                    finish_reason=reason,
-                    usage=state.usage(),
-                    stats=state.stats(),
-                    stop_sequence=state.detokenizer.matched_stop,
-                )
-                await state.stream.send(chunk, final=True)
-        except Exception:
-            log.exception("ending the stream failed", request_id=state.request_id)
-        if error is not None:
-            status, outcome = UsageStatus.FAILED, "error"
-        elif reason == "cancelled":
-            status, outcome = UsageStatus.CANCELLED, "cancelled"
-        else:
-            status, outcome = UsageStatus.COMPLETED, reason
-        self._count(state, outcome)
-        record = state.usage_record(status, "error" if error else reason, self.bus.instance_id)
-        await keep_record(
-            self.outbox, record, kept=self.counts.usage_kept, lost=self.counts.usage_lost
-        )
-
-    def _count(self, state: VllmRequest, outcome: str) -> None:
-        counts = self.counts
-        counts.ended[outcome].inc()
-        counts.request_seconds.observe(time.perf_counter() - state.accepted_s)
-        counts.prompt_tokens.inc(len(state.token_ids))
-        counts.output_tokens.inc(len(state.output_ids))
         # Up to what the router found on the store, the store's tier; beyond it, vLLM's own
         # prefix cache (device memory).
         stored = min(state.cached_tokens, state.job.decision.num_cached_tokens)
-        if stored:
-            counts.hit_tokens.labels(tier_label(state.job.cached_blocks.tier)).inc(stored)
-        if state.cached_tokens > stored:
-            counts.hit_tokens.labels("device").inc(state.cached_tokens - stored)
+        hits = {
+            tier_label(state.job.cached_blocks.tier): stored,
+            "device": state.cached_tokens - stored,
+        }
+        await end_request(
+            state,
+            state.finish_reason,
+            outbox=self.outbox,
+            counts=self.counts,
+            hit_tokens=hits,
+            decode_worker_id=self.bus.instance_id,
+            prefill_worker_id=self.bus.instance_id,
+            last_token_ids=last_ids,
+            last_text=last_text,
+        )
