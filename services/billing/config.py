@@ -19,6 +19,9 @@ class BillingConfig(ServiceConfig):
     pricing_file: Path | None = None  # TOML (services/billing/pricing.py); default prices without
     batch_size: int = 500  # usage records per fetch and per ledger transaction
     fetch_timeout_s: float = 1.0
+    # A record a replica took but never acknowledged (killed mid-batch) goes to another after
+    # this long; longer than a batch's commit ever takes, or batches are delivered twice.
+    ack_wait_s: float = 30.0
 
     def validate(self) -> None:
         super().validate()
@@ -30,5 +33,7 @@ class BillingConfig(ServiceConfig):
             raise ConfigError(f"batch_size must be at least 1, got {self.batch_size}")
         if self.fetch_timeout_s <= 0:
             raise ConfigError(f"fetch_timeout_s must be positive, got {self.fetch_timeout_s}")
+        if self.ack_wait_s <= 0:
+            raise ConfigError(f"ack_wait_s must be positive, got {self.ack_wait_s}")
         if self.pricing_file is not None and not self.pricing_file.is_file():
             raise ConfigError(f"pricing_file {self.pricing_file}: no such file")

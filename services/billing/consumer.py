@@ -73,6 +73,7 @@ class UsageConsumer:
         *,
         batch_size: int = 500,
         fetch_timeout_s: float = 1.0,
+        ack_wait_s: float = 30.0,
         retry_delay_s: float = 2.0,
     ) -> None:
         self.bus = bus
@@ -80,6 +81,7 @@ class UsageConsumer:
         self.prices = prices
         self.batch_size = batch_size
         self.fetch_timeout_s = fetch_timeout_s
+        self.ack_wait_s = ack_wait_s
         self.retry_delay_s = retry_delay_s
         self.counts = Counts()
         self._stopping = asyncio.Event()
@@ -89,7 +91,9 @@ class UsageConsumer:
         await self.bus.js.ensure_stream(
             s.usage_dead_stream, [s.usage_dead], max_age_s=DEAD_LETTER_MAX_AGE_S
         )
-        self._consumer = await self.bus.js.pull(s.usage_stream, s.usage_all, DURABLE)
+        self._consumer = await self.bus.js.pull(
+            s.usage_stream, s.usage_all, DURABLE, ack_wait_s=self.ack_wait_s
+        )
 
     async def run(self) -> None:
         """Until stop(): fetch, price, commit, acknowledge. The next batch is fetched and

@@ -44,6 +44,7 @@ async def setup(runtime: ServiceRuntime) -> None:
         prices,
         batch_size=config.batch_size,
         fetch_timeout_s=config.fetch_timeout_s,
+        ack_wait_s=config.ack_wait_s,
     )
     await consumer.start()
     task = asyncio.create_task(consumer.run())

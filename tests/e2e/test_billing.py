@@ -60,7 +60,8 @@ def cluster(
             PREFILL: MOCK,
             DECODE: MOCK,
             INGRESS: ["--dev-api-key", KEY],
-            BILLING: ["--batch-size", "200", "--ledger-url", url],
+            # What the killed replica held comes back after 3 s, not JetStream's default 30.
+            BILLING: ["--batch-size", "200", "--ack-wait-s", "3", "--ledger-url", url],
         },
         ready_timeout_s=120,
     ):
