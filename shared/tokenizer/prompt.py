@@ -64,9 +64,12 @@ class PromptTokenizer:
         chat_format: ChatFormat,
         *,
         cache_tokens: int = DEFAULT_CACHE_TOKENS,
+        content: ContentTokenizer | None = None,
     ) -> None:
+        """`content`: the tokenizer's `ContentTokenizer`, where one is built already (building
+        one copies the vocabulary: over a second for DeepSeek-V3's)."""
         self._tokenizer = tokenizer
-        self.content = ContentTokenizer(tokenizer)
+        self.content = content or ContentTokenizer(tokenizer)
         self.chat_format = chat_format
         self.cache_tokens = cache_tokens
         self._cache: OrderedDict[int, tuple[int, ...]] = OrderedDict()

@@ -12,6 +12,7 @@ import pytest
 
 from shared.tokenizer import (
     Chat,
+    ContentTokenizer,
     Control,
     InvalidTextError,
     Message,
@@ -39,9 +40,15 @@ def model(request: pytest.FixtureRequest) -> Model:
     return load(request.param)
 
 
+@pytest.fixture(scope="module")
+def content(model: Model) -> ContentTokenizer:
+    return ContentTokenizer(model.tokenizer)
+
+
 @pytest.fixture
-def prompt(model: Model) -> PromptTokenizer:
-    return PromptTokenizer(model.tokenizer, model.fmt)
+def prompt(model: Model, content: ContentTokenizer) -> PromptTokenizer:
+    """A fresh one per test (its segment cache and counters), over the module's vocabulary."""
+    return PromptTokenizer(model.tokenizer, model.fmt, content=content)
 
 
 def controls(prompt: PromptTokenizer, ids: list[int]) -> list[int]:
@@ -156,10 +163,12 @@ def generated_ids(prompt: PromptTokenizer, steps: list[tuple[str, int | str]]) -
     return ids
 
 
-def test_generated_ids_are_spliced_back(model: Model, prompt: PromptTokenizer) -> None:
+def test_generated_ids_are_spliced_back(
+    model: Model, content: ContentTokenizer, prompt: PromptTokenizer
+) -> None:
     """PC-01 / PC-06: generation prompt ids + generated ids prefix the next turn's ids."""
     messages = conversation()
-    canonical = PromptTokenizer(model.tokenizer, model.fmt)
+    canonical = PromptTokenizer(model.tokenizer, model.fmt, content=content)
     stop = list(model.fmt.stop_token_ids)
     for k in [i for i, m in enumerate(messages) if m.role == "assistant"]:
         before = Chat(messages[:k], tools=TOOLS)
@@ -256,18 +265,18 @@ def test_second_request_tokenizes_only_the_new_segments(
     assert len(batches) == 2  # all cached: no tokenizer call at all
 
 
-def test_cache_stays_within_its_token_budget(model: Model) -> None:
-    small = PromptTokenizer(model.tokenizer, model.fmt, cache_tokens=40)
+def test_cache_stays_within_its_token_budget(model: Model, content: ContentTokenizer) -> None:
+    small = PromptTokenizer(model.tokenizer, model.fmt, cache_tokens=40, content=content)
     for chat in plain_chats():
         assert small.encode(chat) == model.jinja_ids(chat)
         assert 0 < small.num_cached_tokens <= 40
 
 
-def test_concurrent_encodes_agree_with_serial_ones(model: Model) -> None:
+def test_concurrent_encodes_agree_with_serial_ones(model: Model, content: ContentTokenizer) -> None:
     chats = [*plain_chats(), Chat(conversation(), tools=TOOLS)]
-    serial = PromptTokenizer(model.tokenizer, model.fmt, cache_tokens=0)
+    serial = PromptTokenizer(model.tokenizer, model.fmt, cache_tokens=0, content=content)
     expected = [serial.encode(chat) for chat in chats]
-    shared = PromptTokenizer(model.tokenizer, model.fmt, cache_tokens=2_000)
+    shared = PromptTokenizer(model.tokenizer, model.fmt, cache_tokens=2_000, content=content)
     results: dict[int, list[list[int]]] = {}
 
     def work(worker: int) -> None:
