@@ -54,15 +54,18 @@ demo: models
 up: models
 	$(VENV)/bin/kvfabric up
 
+# Two test processes, a test file each at a time (module-scoped clusters stay whole); then
+# the tests marked serial, alone.
 test: models vllm prometheus
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 # No NATS, no cluster, no vLLM: what a change must pass before the whole suite.
 check: lint models
-	$(PY) -m pytest -q tests/unit tests/contract
+	$(PY) -m pytest -q -n 2 tests/unit tests/contract
 
 bench-bus: $(STAMP)
 	$(PY) -m loadtest.bench_bus

@@ -50,7 +50,15 @@ from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, VLLM_WORKER
 from tests.e2e.cluster_helpers import connect, run_cluster, usage_records
 from worker.engine.checkpoint import Checkpoint
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
+# serial: two vLLM servers starting beside another test's cluster starve the kvfabric
+# workers' heartbeats on 2 cores.
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.serial,
+    pytest.mark.timeout(1500),
+]
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "kvf-test-vllm-key-0123"
