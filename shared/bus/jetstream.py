@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -41,6 +42,34 @@ class StreamRefused(Unavailable):
     """The server would not create (or update) a stream: its message says why."""
 
 
+# How long a stream or consumer set up at start-up waits for JetStream to answer: a server
+# restarting, or busy recovering its streams, answers late or not at all for a while, and a
+# service that died on the first timeout (a billing replica started beside a NATS restart
+# did) would serve nothing.
+SETUP_RETRY_S = 60.0
+_NOT_ANSWERED = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.js.errors.ServiceUnavailableError,
+)
+
+
+async def until_answered(what: str, call: Callable[[], Awaitable[T]]) -> T:
+    """`call()`, again while JetStream does not answer, for `SETUP_RETRY_S` at most."""
+    deadline = time.monotonic() + SETUP_RETRY_S
+    delay_s = 0.25
+    while True:
+        try:
+            return await call()
+        except _NOT_ANSWERED as exc:
+            if time.monotonic() + delay_s > deadline:
+                raise
+            log.warning("JetStream did not answer: trying again", what=what, error=repr(exc))
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 4.0)
+
+
 # (the message as it came, its stream sequence, what went wrong decoding or handling it)
 OnStreamError = Callable[[RawMessage, int, Exception], Awaitable[None]]
 
@@ -68,11 +97,15 @@ class JetStream:
             duplicate_window=duplicate_window_s,
         )
         js = self._nc.jetstream()
-        try:
+
+        async def create_or_update() -> None:
             try:
                 await js.add_stream(config)
             except nats.js.errors.BadRequestError:
                 await js.update_stream(config)
+
+        try:
+            await until_answered(f"stream {name}", create_or_update)
         except nats.js.errors.APIError as exc:
             # e.g. 10047 "insufficient storage resources available": a stream's max_bytes is
             # reserved from the server's max_file_store when it is created.
@@ -192,8 +225,9 @@ class JetStream:
             deliver_policy=DeliverPolicy.ALL,
         )
         js = self._nc.jetstream()
-        subscription = await js.pull_subscribe(
-            subject, durable=durable, stream=stream, config=config
+        subscription = await until_answered(
+            f"consumer {durable}",
+            lambda: js.pull_subscribe(subject, durable=durable, stream=stream, config=config),
         )  # creates (or checks) the durable consumer; batches come through PullConsumer
         await subscription.unsubscribe()
         return await PullConsumer.open(self._nc, js_pull_next(stream, durable))

@@ -5,12 +5,17 @@ and a batch returns what there is once its wait expires."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
+from shared.bus import Bus
+from shared.natsd import NatsServer
 from shared.schema import UsageRecord, decode
 from shared.subjects import DECODE
 from shared.testing.fixtures import BusFactory
+from shared.testing.waits import eventually
 from shared.usage import ensure_usage_stream
 
 pytestmark = pytest.mark.nats
@@ -55,3 +60,27 @@ async def test_replicas_share_a_durable_and_unacked_messages_come_back(
     assert await a.fetch(10, 0.3) == []  # everything acknowledged: nothing comes back
     await a.close()
     await b.close()
+
+
+async def test_streams_and_consumers_set_up_while_the_server_restarts_wait_for_it(
+    tmp_path: Path,
+) -> None:
+    """A service starting beside a NATS restart (its JetStream calls unanswered for a while)
+    sets up its stream and consumer once the server is back, instead of dying."""
+    server = NatsServer(tmp_path / "nats").start()
+    bus = await Bus.connect(server.url, service="billing", root="restart")
+    try:
+        server.stop()
+        with capture_logs() as events:
+            setup = asyncio.create_task(ensure_usage_stream(bus))
+            await eventually(lambda: any("did not answer" in str(e["event"]) for e in events))
+            server.start()  # the same port and store
+            await asyncio.wait_for(setup, 60)
+        s = bus.subjects
+        consumer = await bus.js.pull(s.usage_stream, s.usage_all, "billing")
+        await bus.js.publish(s.usage(DECODE), record(1), msg_id="r-1")
+        (msg,) = await consumer.fetch(1, 5.0)
+        assert decode(msg.data, UsageRecord).request_id == "r-1"
+    finally:
+        await bus.close()
+        server.stop()
