@@ -324,6 +324,17 @@ class PrefillAttention(_Backend):
             for s, q in zip(seqs, self.q_pos, strict=True)
         ]
 
+    def store(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the chunk's K/V (the pool's pages, the window's new tokens) and attend to
+        nothing: the simulated model's path (worker/mock_engine/), whose K/V is real bytes but
+        whose attention output nobody reads."""
+        self.record_sliding(layer_id, k, v)
+        if self.layer_kind[layer_id] == FULL:
+            f = self.full_index[layer_id]
+            for i in range(len(self.seqs)):
+                lo, hi = self.offsets[i], self.offsets[i + 1]
+                self.pool.write(f, self.new_slots[i], k[lo:hi], v[lo:hi])
+
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         self.record_sliding(layer_id, k, v)
         outs = []
@@ -441,6 +452,12 @@ class DecodeAttention(_Backend):
         self.win_valid = (self.win_k_pos >= 0) & visible(
             self.q_pos, self.win_k_pos, config.sliding_window
         ).squeeze(1)
+
+    def store(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the step's K/V and attend to nothing (see `PrefillAttention.store`)."""
+        self.record_sliding(layer_id, k, v)
+        if self.layer_kind[layer_id] == FULL:
+            self.pool.write(self.full_index[layer_id], self.new_slots, k, v)
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         self.record_sliding(layer_id, k, v)

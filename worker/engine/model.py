@@ -26,6 +26,26 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+class LanguageModel(Protocol):
+    """What the runner calls: `CausalLM`, or the mock's simulated model
+    (worker/mock_engine/simulated.py) with no weights."""
+
+    config: ModelConfig
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def __call__(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor: ...
+
+    def replay(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> None: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -119,6 +139,10 @@ class CausalLM(nn.Module):
         # The output projection as GGUF blocks (the embedding's when tied), set by weights.py.
         self.logits_quant: quant.QuantWeight | None = None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
     @torch.no_grad()
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
@@ -130,6 +154,18 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x, pending = layer(x, pending, cos, sin, backend)
         return self.model.norm.add_and_norm(x, pending)[1]
+
+    @torch.no_grad()
+    def replay(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> None:
+        """Run the layers up to the last sliding one, for the sliding K/V `backend` records
+        (swa_restore.replay_window): layers after it cannot change any."""
+        x = self.model.embed_tokens(token_ids)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        pending = None
+        for layer in self.model.layers[: self.config.sliding_layer_ids[-1] + 1]:
+            x, pending = layer(x, pending, cos, sin, backend)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

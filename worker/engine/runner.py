@@ -30,7 +30,7 @@ from worker.engine.kv_cache import (
     PagedKVPool,
     SlidingWindowState,
 )
-from worker.engine.model import CausalLM
+from worker.engine.model import LanguageModel
 from worker.engine.sequence import Sequence
 
 
@@ -46,7 +46,7 @@ class DraftScore:
 class ModelRunner:
     def __init__(
         self,
-        model: CausalLM,
+        model: LanguageModel,
         num_blocks: int,
         block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS,
         kv_dtype: torch.dtype | None = None,
@@ -57,7 +57,7 @@ class ModelRunner:
         self.model = model
         self.paged_kernel = paged_kernel
         self.config = model.config
-        self.dtype = kv_dtype or model.model.embed_tokens.weight.dtype
+        self.dtype = kv_dtype or model.dtype
         self.layout = KVBlockLayout.for_model(self.config, block_size_tokens, self.dtype)
         self.pool = PagedKVPool(self.layout, num_blocks)
         self.allocator = BlockAllocator(num_blocks)

@@ -27,7 +27,7 @@ from worker.engine.attention import _Backend, attend, visible
 from worker.engine.config import FULL, ModelConfig
 from worker.engine.errors import SequenceStateError
 from worker.engine.kv_cache import PagedKVPool, SlidingWindowState, slots_for
-from worker.engine.model import CausalLM
+from worker.engine.model import LanguageModel
 
 SNAPSHOT_MAGIC = b"KVFSWA1\0"
 SNAPSHOT_HEADER_NBYTES = len(SNAPSHOT_MAGIC) + 24 + 16  # magic, 3 u64 fields, dtype name
@@ -69,6 +69,10 @@ class ReplayAttention(_Backend):
         self.k_pos_full = torch.arange(end)
         self.full_slots = slots_for(block_table, self.k_pos_full, pool.layout.block_size_tokens)
 
+    def store(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Record the sliding K/V only: the pages hold the prefix already (read only)."""
+        self.record_sliding(layer_id, k, v)
+
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         self.record_sliding(layer_id, k, v)
         if self.layer_kind[layer_id] == FULL:
@@ -81,7 +85,7 @@ class ReplayAttention(_Backend):
 
 @torch.no_grad()
 def replay_window(
-    model: CausalLM,
+    model: LanguageModel,
     pool: PagedKVPool,
     block_table: list[int],
     token_ids: list[int],
@@ -110,12 +114,7 @@ def replay_window(
     if start == boundary or not config.sliding_layer_ids:
         return SlidingWindowState.empty(config, boundary, dtype)
     backend = ReplayAttention(config, pool, torch.tensor(block_table), start, boundary)
-    x = model.model.embed_tokens(torch.tensor(token_ids[start:boundary]))
-    cos, sin = model.model.rotary_emb(torch.arange(start, boundary), x.dtype)
-    # Layers after the last sliding one cannot change any sliding K/V: skip them.
-    pending = None
-    for layer in model.model.layers[: config.sliding_layer_ids[-1] + 1]:
-        x, pending = layer(x, pending, cos, sin, backend)
+    model.replay(torch.tensor(token_ids[start:boundary]), torch.arange(start, boundary), backend)
     return empty.appended(backend.new_window_kv(0))
 
 
