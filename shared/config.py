@@ -236,13 +236,11 @@ class EngineWorkerConfig(ServiceConfig):
     # NIXL-registered host memory for the prefill -> decode KV handoff; 0: room for one
     # prompt of the longest length served (its pages and window), whatever the model.
     handoff_staging_bytes: int = 0
-    # `mock`: the same endpoints and messages over worker.mock_engine's MockEngine -- timing from
-    # CostModel, deterministic fake tokens, but real KV events, store writes and usage.
-    # No torch, no NIXL (the store uses aiofiles whatever store_backend says), so one host
-    # runs dozens of workers for e2e tests and the simulator.
+    # `mock`: the same worker and engine over a simulated model (worker/mock_engine/): the
+    # checkpoint's geometry without its weights, deterministic tokens, each pass sleeping the
+    # CostModel's time; its KV pages, windows, handoffs, store writes and usage are real.
     engine: str = "model"
     mock_speedup: float = 1.0  # simulated seconds per wall-clock second
-    mock_block_nbytes: int = 4096  # bytes written to the store per mock KV block
 
     def validate(self) -> None:
         super().validate()
@@ -260,7 +258,6 @@ class EngineWorkerConfig(ServiceConfig):
             "kv_block_size_tokens",
             "store_capacity_bytes",
             "store_file_nbytes",
-            "mock_block_nbytes",
             "kv_pool_bytes",
         ):
             if getattr(self, name) <= 0:

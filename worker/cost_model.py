@@ -1,6 +1,7 @@
 """What serving a request costs in time, in one place: the router estimates a request's time
-to first token with it, and the mock engine sleeps what it says, so a router driven against
-mock workers is judged against its own assumptions, not another model's.
+to first token with it, and the mock's simulated model sleeps what it says for each pass
+(its store loads are real reads), so a router driven against mock workers is judged against
+its own assumptions, not another model's.
 
     prefill = compute of the uncached tokens + load of the hit tokens + replay of the window
     decode step = a fixed part + a part per sequence + a part per context token attended

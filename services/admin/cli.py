@@ -218,7 +218,7 @@ def status(
 
 
 def _models(text: str, engine: str = "model") -> tuple[str, ...]:
-    """The --models list, each a known model (fetched: a mock worker reads its metadata too)
+    """The --models list, each a known model (fetched: a mock worker reads its config too)
     or an existing path; BadParameter naming what is wrong."""
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     if not names:

@@ -9,20 +9,16 @@ per request to JetStream. Speculative decoding with prompt-lookup drafts is on b
 (`--spec-decode false` turns it off); its drafts proposed and accepted and tokens per step are
 in the metrics (metrics.py: /metrics, `kvfabric status --json`).
 
-`--engine mock` serves the same subjects from `mock_worker.py` over worker.mock_engine's
-MockEngine: simulated step times, fake tokens, real streams, store writes, KV events and
-usage, no torch and no NIXL.
+`--engine mock` runs the same worker and engine over a simulated model (worker/mock_engine/):
+the served model's geometry without its weights, deterministic tokens, each step sleeping the
+cost model's time, and everything else -- the pull, streams, store writes, KV events, window
+snapshots, usage -- real.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from services.decode.config import DecodeConfig
 from services.decode.finish import Finisher
-from services.decode.jobs import DecodeJobsBase
-from services.decode.mock_worker import MockDecodeWorker
 from shared.bus import Endpoint
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, DecodeJob, SuffixReady
@@ -30,12 +26,9 @@ from shared.subjects import DECODE
 from shared.usage import adopt_orphans, ensure_usage_stream, open_usage_outbox
 from shared.usage_outbox import UsageOutbox
 from worker.engine.checkpoint import Checkpoint
-from worker.kvstore.store import KvStore
-from worker.mock_engine import MockEngine, MockEngineConfig
 from worker.serving.metrics import observe_outbox
 from worker.serving.wiring import (
     limit_openmp_spin,
-    open_mock_kv,
     open_model_kv,
     start_model_thread,
     start_worker,
@@ -50,11 +43,9 @@ async def setup(runtime: ServiceRuntime) -> None:
     config = runtime.config
     assert isinstance(config, DecodeConfig)  # service_main built it from DecodeConfig
     runtime.metadata["engine"] = config.engine
-    if config.engine == "mock":
-        await setup_mock(runtime, config)
-        return
     limit_openmp_spin()
-    # Imported here: they import torch (2-10 s), which `--engine mock` never needs.
+    # Imported here: they import torch, which must load after the spin is set (libgomp
+    # reads its environment once).
     from services.decode.worker import DecodeWorker
     from worker.engine.drafter import SpecDecodeConfig
     from worker.engine.engine import Engine
@@ -106,36 +97,12 @@ async def setup(runtime: ServiceRuntime) -> None:
         suffix_timeout_s=config.suffix_timeout_s,
         model_thread=model_thread,
     )
-    await serve(runtime, worker, kv.store, kv.agent.close)
-
-
-async def setup_mock(runtime: ServiceRuntime, config: DecodeConfig) -> None:
-    bus = runtime.bus
-    outbox = await open_outbox(runtime, config)
-    model, store, publisher = await open_mock_kv(runtime, config)
-    tokenizer = Checkpoint(config.model_path).tokenizer()
-    engine = MockEngine(
-        MockEngineConfig(
-            model_id=model.name,
-            block_size_tokens=config.kv_block_size_tokens,
-            vocab_size=model.vocab_size,
-            max_model_len=model.max_model_len,
-            max_num_batched_tokens=config.max_batch_tokens,
-            max_num_seqs=config.max_num_seqs,
-            num_kv_pages=config.pool_pages(config.mock_block_nbytes),
-        )
-    )
-    # Mock sequences have no window: no swa-memcache.
-    finisher = Finisher(
-        bus,
-        store,
-        publisher,
-        None,
-        outbox,
-        report_load=runtime.publish_load_report,
-        metrics=runtime.metrics,
-    )
-    await serve(runtime, MockDecodeWorker(bus, engine, tokenizer, finisher, config, model), store)
+    subjects = bus.subjects
+    start_worker(runtime, worker, kv.store, kv.agent.close)
+    await bus.serve(Endpoint("run", subjects.decode_run, DecodeJob, worker.handle_job))
+    await bus.serve(Endpoint("suffix", subjects.decode_suffix, SuffixReady, worker.handle_suffix))
+    await bus.subscribe(subjects.cancel, CancelRequest, worker.on_cancel)
+    runtime.every(1.0, worker.expire)
 
 
 async def open_outbox(runtime: ServiceRuntime, config: DecodeConfig) -> UsageOutbox:
@@ -157,21 +124,6 @@ async def open_outbox(runtime: ServiceRuntime, config: DecodeConfig) -> UsageOut
 
     runtime.every(ORPHAN_SWEEP_S, adopt)
     return outbox
-
-
-async def serve(
-    runtime: ServiceRuntime,
-    worker: DecodeJobsBase[Any, Any],
-    store: KvStore,
-    *closers: Callable[[], None],
-) -> None:
-    """What either engine serves, and its shutdown: the worker, then what it used."""
-    bus, subjects = runtime.bus, runtime.bus.subjects
-    start_worker(runtime, worker, store, *closers)
-    await bus.serve(Endpoint("run", subjects.decode_run, DecodeJob, worker.handle_job))
-    await bus.serve(Endpoint("suffix", subjects.decode_suffix, SuffixReady, worker.handle_suffix))
-    await bus.subscribe(subjects.cancel, CancelRequest, worker.on_cancel)
-    runtime.every(1.0, worker.expire)
 
 
 def main(argv: list[str] | None = None) -> int:

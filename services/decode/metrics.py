@@ -1,4 +1,4 @@
-"""What a decode worker measures, model or mock alike (jobs.py and finish.py count it).
+"""What a decode worker measures (worker.py and finish.py count it).
 
 Its load (queue depth, sequences, KV pages), store and usage outbox are the worker
 lifecycle's (worker/serving/metrics.py); these are the requests': latency as the worker
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from shared.metrics import CACHE_TIERS, Metrics
 
-if TYPE_CHECKING:  # the model's engine imports torch; the mock worker never does
+if TYPE_CHECKING:  # the engine imports torch: not at import time
     from worker.engine.engine import Engine
 
 OUTCOMES = ("stop", "length", "cancelled", "error")  # TokenChunk.finish_reason, or an error

@@ -1,16 +1,17 @@
 """The decode worker: jobs in, token streams out (docs/request-flow.md).
 
-`DecodeJob` (from the router): admit if the pool can hold the prompt, start reading the
-cached prefix from the store at once, answer `JobAccepted`. `SuffixReady` (from prefill):
-pull the staged suffix pages and window over NIXL, join the sequence to the running batch;
-the first output token, which prefill sampled, leaves before the batch's next forward.
-The batch loop (`Engine.step` in a thread, one step at a time) streams each step's tokens as
-seq-numbered `TokenChunk`s with incrementally detokenized text; a finished sequence's complete
-blocks (output included) go to the store and its window at the last block boundary to
-swa-memcache, before the final chunk, so the agent's next turn hits its own answer. Every
-accepted request ends with a `UsageRecord` on JetStream: completed, cancelled or failed.
-Admission, cancellation, deadlines and the stream's path are in jobs.py, shared with the mock
-worker; this module is what runs on the model: the prefix load, the NIXL pull, the engine.
+`DecodeJob` (from the router): admit if the pool can hold the prompt (`Overloaded`
+otherwise), start reading the cached prefix from the store at once, answer `JobAccepted`.
+`SuffixReady` (from prefill): pull the staged suffix pages and window over NIXL, join the
+sequence to the running batch; the first output token, which prefill sampled, leaves before
+the batch's next forward. The batch loop (`Engine.step` in a thread, one step at a time)
+streams each step's tokens as seq-numbered `TokenChunk`s with incrementally detokenized text;
+a finished sequence's complete blocks (output included) go to the store and its window at
+the last block boundary to swa-memcache, before the final chunk (finish.py), so the agent's
+next turn hits its own answer. A request also ends when it is cancelled, waits too long for
+its suffix, passes its deadline or its step fails. Every accepted request ends with a
+`UsageRecord` on JetStream: completed, cancelled or failed. The engine's model is the
+checkpoint's, or the mock's simulated one (`--engine mock`): the same code runs either way.
 """
 
 from __future__ import annotations
@@ -23,25 +24,42 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from services.decode.finish import Finisher
-from services.decode.jobs import DecodeJobsBase
 from services.decode.state import STREAM_FINISH_REASONS, DecodeRequest, Finished
 from shared import telemetry
-from shared.bus import Bus
-from shared.schema import BadRequest, SamplingParams, SuffixReady, Unavailable
+from shared.bus import Bus, Context
+from shared.logging import get_logger
+from shared.schema import (
+    BadRequest,
+    CancelRequest,
+    DecodeJob,
+    InternalError,
+    JobAccepted,
+    NotFound,
+    Overloaded,
+    ServiceError,
+    SuffixReady,
+    Unavailable,
+)
+from shared.streams import StreamWriter
 from shared.subjects import PREFILL
+from shared.tasks import cancel_and_wait
+from worker.detokenizer import IncrementalDetokenizer
 from worker.engine.engine import Engine, FinishReason, RequestError, StepOutput
 from worker.engine.kv_cache import SlidingWindowState
-from worker.engine.sampler import SamplingParams as EngineSampling
 from worker.engine.sequence import Sequence
 from worker.engine.swa_restore import snapshot_from_bytes, snapshot_to_bytes
 from worker.engine.worker import ModelThread
+from worker.serving.checks import checked_prompt
+from worker.serving.lifecycle import send_tokens
 from worker.serving.pages import LoadedPrefix, tag_blocks, take_prefix, unstage_pages
 from worker.serving.sampling import engine_sampling
 from worker.serving.staging import StagingSpace
 from worker.transfer import ByteRange, KvTransferAgent
 
+log = get_logger(__name__)
 
-class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
+
+class DecodeWorker:
     def __init__(
         self,
         bus: Bus,
@@ -57,23 +75,26 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         suffix_timeout_s: float,
         model_thread: ModelThread,
     ) -> None:
-        super().__init__(
-            bus,
-            engine,
-            tokenizer,
-            finisher,
-            model_name=model_name,
-            max_model_len=engine.max_model_len,
-            block_size_tokens=engine.runner.layout.block_size_tokens,
-            retry_after_s=retry_after_s,
-            suffix_timeout_s=suffix_timeout_s,
-        )
+        self.bus = bus
+        self.engine = engine
         self.runner = engine.runner
+        self.tokenizer = tokenizer
+        self.finisher = finisher
+        self.counts = finisher.counts  # the worker's metrics, its endings' among them
+        self.model_name = model_name
+        self.max_model_len = engine.max_model_len
+        self.block_size = engine.runner.layout.block_size_tokens
+        self.retry_after_s = retry_after_s
+        self.suffix_timeout_s = suffix_timeout_s
         self.agent = agent
         self.buffer = agent.buffer.reshape(-1).view(np.uint8)
         self.staging = staging
         self.pull_timeout_s = pull_timeout_s
         self.model_thread = model_thread
+        self.requests: dict[str, DecodeRequest] = {}
+        self._by_seq: dict[int, DecodeRequest] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
         self._finished: dict[int, Finished] = {}
         # request id -> the read of its cached prefix, started at admission, awaited at join
         self._prefix_loads: dict[str, asyncio.Task[LoadedPrefix]] = {}
@@ -84,18 +105,65 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         self.engine.on_finish = self._on_finish
         self.counts.observe_engine(engine)
 
-    def kv_pages(self) -> tuple[int, int]:
-        return self.runner.allocator.num_blocks, self.runner.allocator.num_free_blocks
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        for state in list(self.requests.values()):
+            await self._fail(state, Unavailable("decode worker stopping"))
+        await cancel_and_wait(self._loop_task)
+        await self.finisher.drain()
+
+    def load_fields(self) -> dict[str, int | str]:
+        joined = sum(r.joined for r in self.requests.values())
+        allocator = self.runner.allocator
+        return {
+            "num_queued": len(self.requests) - joined,
+            "num_running": joined,
+            "num_kv_pages_total": allocator.num_blocks,
+            "num_kv_pages_free": allocator.num_free_blocks,
+            "model": self.model_name,
+            "num_devices": 1,
+        }
 
     # -- DecodeJob -----------------------------------------------------------------------
-    def _pages_to_admit(self, num_prompt_tokens: int, sampling: SamplingParams) -> int:
-        """The prompt and the first token; later ones may preempt, as the engine schedules."""
-        return self.runner.block_manager.num_blocks_for(num_prompt_tokens + 1)
+    async def handle_job(self, job: DecodeJob, ctx: Context) -> JobAccepted:
+        request = job.request
+        token_ids, blocks = checked_prompt(
+            request,
+            model_name=self.model_name,
+            block_size_tokens=self.block_size,
+            max_model_len=self.max_model_len,
+        )
+        if not request.stream_inbox:
+            raise BadRequest("stream_inbox is required")
+        if request.request_id in self.requests:
+            raise BadRequest(f"request {request.request_id} is already decoding here")
+        sampling = request.sampling
+        params = engine_sampling(sampling)  # BadRequest for what the sampler cannot do
+        # The prompt and the first token; later ones may preempt, as the engine schedules.
+        num_pages = self.runner.block_manager.num_blocks_for(len(token_ids) + 1)
+        num_pages_free = self.runner.allocator.num_free_blocks
+        if num_pages > num_pages_free:
+            raise Overloaded(
+                f"{num_pages} KV pages needed, {num_pages_free} free",
+                retry_after_s=self.retry_after_s,
+            )
+        state = DecodeRequest(
+            job,
+            token_ids,
+            StreamWriter(self.bus, request.stream_inbox, request_id=request.request_id),
+            IncrementalDetokenizer(self.tokenizer, stop=sampling.stop),
+            params,
+            blocks,
+        )
+        state.span = telemetry.current_span()
+        self._admit(state)
+        self.requests[request.request_id] = state
+        return JobAccepted(request_id=request.request_id, instance_id=self.bus.instance_id)
 
-    def _sampling_params(self, sampling: SamplingParams) -> EngineSampling:
-        return engine_sampling(sampling)
-
-    def _admit(self, state: DecodeRequest, num_pages: int) -> None:
+    def _admit(self, state: DecodeRequest) -> None:
         """Start reading the cached prefix now, and connect to the prefill worker if this is
         our first job from it: both overlap prefill's compute."""
         prefill_worker_id = state.job.decision.prefill_worker_id
@@ -123,7 +191,32 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
         return prefix
 
     # -- SuffixReady ---------------------------------------------------------------------
+    async def handle_suffix(self, ready: SuffixReady, ctx: Context) -> JobAccepted:
+        state = self.requests.get(ready.request_id)
+        accepted = JobAccepted(request_id=ready.request_id, instance_id=self.bus.instance_id)
+        if state is None:
+            raise NotFound(f"no decode job {ready.request_id} here (cancelled or timed out)")
+        if state.joined:
+            return accepted  # a retried prefill's duplicate: the first suffix is in use
+        try:
+            seq_id = await self._join(state, ready)
+        except ServiceError as exc:
+            await self._fail(state, exc)
+            raise
+        except Exception:
+            # The caller's stream ends with a code and a safe message; the bus logs the
+            # trace (once) and answers prefill INTERNAL.
+            await self._fail(state, InternalError("joining the suffix failed"))
+            raise
+        state.seq_id, state.joined = seq_id, True
+        state.generate_span = telemetry.child_span(state.span, "decode generate")
+        self._by_seq[seq_id] = state
+        self._wake.set()
+        return accepted
+
     async def _join(self, state: DecodeRequest, ready: SuffixReady) -> int:
+        """Add the request's sequence to the engine, its prompt computed up to n - 1, or
+        all n with its first output token (`ready.first_token_id`); returns its seq id."""
         prefix = await self._prefix_loads.pop(state.request_id)
         allocator = self.runner.allocator
         if prefix.num_blocks < ready.first_block_index:
@@ -204,12 +297,49 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
             await self.staging.free(extent)
         return pages, window, pull_ms
 
-    # -- cancellation, the batch loop ---------------------------------------------------
+    # -- cancellation and failure -------------------------------------------------------
+    async def on_cancel(self, cancel: CancelRequest) -> None:
+        state = self.requests.get(cancel.request_id)
+        if state is None:
+            return
+        state.note_cancel(cancel)
+        await self._abort(state, state.error)
+
+    async def expire(self) -> None:
+        """Periodic: fail jobs whose suffix never came, and requests past their deadline."""
+        for state in list(self.requests.values()):
+            waited_s = time.perf_counter() - state.accepted_s
+            if not state.joined and waited_s > self.suffix_timeout_s:
+                await self._fail(state, Unavailable(f"no prefill result in {waited_s:.0f}s"))
+            elif state.seconds_left() == 0:
+                state.expire("decoding")
+                await self._abort(state, state.error)
+
+    async def _abort(self, state: DecodeRequest, error: ServiceError | None) -> None:
+        """In the batch: abort, and the loop ends it with what it produced; else end it now."""
+        if state.joined and state.seq_id is not None:
+            await self._abort_seq(state.seq_id)
+            self._wake.set()
+        else:
+            await self._fail(state, error)
+
+    async def _fail(self, state: DecodeRequest, error: ServiceError | None) -> None:
+        """End a request at once, in the batch or not (None: finish_reason cancelled)."""
+        if self.requests.pop(state.request_id, None) is None:
+            return
+        if state.seq_id is not None:
+            await self._abort_seq(state.seq_id)
+            self._by_seq.pop(state.seq_id, None)
+        await self._release(state)
+        await self.finisher.end(state, None, error)
+
     async def _abort_seq(self, seq_id: int) -> None:
+        """Take the sequence out of the engine's batch; its pages are freed at once."""
         async with self._engine_lock:
             self.engine.abort(seq_id)
 
     async def _release(self, state: DecodeRequest) -> None:
+        """Free what the request still holds once it has left the table and the batch."""
         load = self._prefix_loads.pop(state.request_id, None)
         if load is not None:  # never joined: the prefix read is ours to stop and free
             load.cancel()
@@ -239,15 +369,62 @@ class DecodeWorker(DecodeJobsBase[Engine, StepOutput]):
             STREAM_FINISH_REASONS[reason], list(seq.token_ids), blocks, snapshot
         )
 
+    # -- the batch loop ------------------------------------------------------------------
     async def _step(self) -> list[StepOutput]:
         async with self._engine_lock:
             # A joined request's first token (prefill sampled it) leaves before the next
             # forward, not after it.
             return self.engine.take_pending() or await self.model_thread.run(self.engine.step)
 
+    async def _loop(self) -> None:
+        while True:
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                outputs = await self._step()
+            except Exception:
+                log.exception("decode step failed", num_seqs=len(self._by_seq))
+                for state in list(self._by_seq.values()):
+                    await self._fail(state, InternalError("decode step failed"))
+                continue
+            for out in outputs:
+                state = self._by_seq.get(out.seq_id)
+                if state is not None:
+                    await self._emit(state, out)
+
+    async def _emit(self, state: DecodeRequest, out: StepOutput) -> None:
+        token_ids = list(out.new_token_ids)
+        if token_ids:
+            self._time_tokens(state, len(token_ids))
+        text = state.record_output(token_ids)
+        stopped_by_string = state.detokenizer.stopped and not out.finished
+        if not out.finished and not stopped_by_string:
+            if token_ids:
+                await send_tokens(state, token_ids, text)
+            return
+        if stopped_by_string:  # a stop string ended it: leave the batch now
+            await self._abort_seq(out.seq_id)
+        self._by_seq.pop(out.seq_id, None)
+        self.requests.pop(state.request_id, None)
+        finished = self._take_finished(state, out, stopped_by_string)
+        await self.finisher.end(state, finished, state.error, token_ids, text)
+
+    def _time_tokens(self, state: DecodeRequest, num_tokens: int) -> None:
+        """Time to first token, then the gap per token between the sequence's steps."""
+        now = time.perf_counter()
+        if state.last_token_s is None:
+            self.counts.ttft_seconds.observe(now - state.accepted_s)
+        else:
+            self.counts.itl_seconds.observe((now - state.last_token_s) / num_tokens)
+        state.last_token_s = now
+
     def _take_finished(
         self, state: DecodeRequest, out: StepOutput, stopped_by_string: bool
     ) -> Finished | None:
+        """What the ended sequence leaves for the store (None: nothing, e.g. after a failed
+        step); its reason is "stop" when a stop string ended it."""
         finished = self._finished.pop(out.seq_id, None)
         if out.spec_stats is not None:
             state.num_draft_tokens = out.spec_stats.num_draft_tokens

@@ -1,7 +1,6 @@
-"""A finished prefill job's two messages out, the same from the model's worker and the mock:
-`SuffixReady` to the job's decode worker, which answers once it pulled what was staged, and
-the window snapshot at the prompt's last block boundary into swa-memcache, where the next
-turn's restore looks first."""
+"""A finished prefill job's two messages out: `SuffixReady` to the job's decode worker,
+which answers once it pulled what was staged, and the window snapshot at the prompt's last
+block boundary into swa-memcache, where the next turn's restore looks first."""
 
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ async def tell_decode(
         request_id=request.request_id,
         attempt=entry.job.attempt,
         prefill_worker_id=bus.instance_id,
-        num_computed_tokens=entry.target,
+        num_computed_tokens=len(entry.token_ids),  # the whole prompt
         first_block_index=entry.num_cached_blocks,
         num_blocks=num_blocks,
         block_nbytes=block_nbytes,

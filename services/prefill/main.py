@@ -8,28 +8,22 @@ to the store (`--store-dir`, shared by every worker) and logs them for kv-index;
 window snapshot at each prompt's last block boundary into swa-memcache. Heartbeats report
 the tokens still to compute (`num_queued_tokens`) and the KV pool's pages.
 
-`--engine mock` serves the same subjects from `mock_worker.py`: simulated compute, real
-store writes, KV events and swa-memcache puts, no torch and no NIXL.
+`--engine mock` runs the same worker over a simulated model (worker/mock_engine/): the
+served model's geometry without its weights, each pass sleeping the cost model's time, and
+everything else -- restore, handoff, store writes, KV events, window snapshots -- real.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
 
 from services.prefill.config import PrefillConfig
-from services.prefill.jobs import PrefillJobsBase
-from services.prefill.mock_worker import MockPrefillWorker
 from shared.bus import Endpoint
 from shared.runtime import ServiceRuntime, service_main
 from shared.schema import CancelRequest, PrefillJob
 from shared.subjects import PREFILL
-from worker.kvstore.store import KvStore
 from worker.serving.wiring import (
     limit_openmp_spin,
-    node_swa_client,
-    open_mock_kv,
     open_model_kv,
     start_model_thread,
     start_worker,
@@ -40,11 +34,9 @@ async def setup(runtime: ServiceRuntime) -> None:
     config = runtime.config
     assert isinstance(config, PrefillConfig)  # service_main built it from PrefillConfig
     runtime.metadata["engine"] = config.engine
-    if config.engine == "mock":
-        await setup_mock(runtime, config)
-        return
     limit_openmp_spin()
-    # Imported here: they import torch (2-10 s), which `--engine mock` never needs.
+    # Imported here: they import torch, which must load after the spin is set (libgomp
+    # reads its environment once).
     from services.prefill.restore import PrefixRestorer, RestorePolicy
     from services.prefill.worker import PrefillWorker
     from worker.engine.worker import describe, handoff_staging_bytes, max_model_len
@@ -82,27 +74,7 @@ async def setup(runtime: ServiceRuntime) -> None:
         model_thread=model_thread,
         metrics=runtime.metrics,
     )
-    await serve(runtime, worker, kv.store, kv.agent.close)
-
-
-async def setup_mock(runtime: ServiceRuntime, config: PrefillConfig) -> None:
-    bus = runtime.bus
-    model, store, publisher = await open_mock_kv(runtime, config)
-    # Placeholder snapshots are small: inline, no NIXL.
-    swa = await node_swa_client(runtime, config, None)
-    worker = MockPrefillWorker(bus, publisher, swa, config, model, metrics=runtime.metrics)
-    await serve(runtime, worker, store)
-
-
-async def serve(
-    runtime: ServiceRuntime,
-    worker: PrefillJobsBase[Any],
-    store: KvStore,
-    *closers: Callable[[], None],
-) -> None:
-    """What either engine serves, and its shutdown: the worker, then what it used."""
-    bus = runtime.bus
-    start_worker(runtime, worker, store, *closers)
+    start_worker(runtime, worker, kv.store, kv.agent.close)
     await bus.serve(Endpoint("run", bus.subjects.prefill_run, PrefillJob, worker.handle_job))
     await bus.subscribe(bus.subjects.cancel, CancelRequest, worker.on_cancel)
 

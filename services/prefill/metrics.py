@@ -1,4 +1,4 @@
-"""What a prefill worker measures, model or mock alike (jobs.py counts it for both).
+"""What a prefill worker measures (worker.py counts it).
 
 Its load (queue depth, jobs, KV pages) and its store's reads and writes are the worker
 lifecycle's (worker/serving/metrics.py); these are the jobs': how each ended, the tokens

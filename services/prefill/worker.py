@@ -9,8 +9,11 @@ the token before its next step) -> write the new complete blocks to the store (B
 and put the window snapshot at the last block boundary into swa-memcache -> reply
 `PrefillDone`. Sampling here saves decode a forward over the whole prefix for one token: the
 time to first token no longer waits for decode's pull and step.
-The job table, cancellation, deadlines, batching and the handoff's messages are in jobs.py,
-shared with the mock worker; this module is what runs on the model.
+
+A `PrefillJob`'s handler waits on a future from its arrival until `PrefillDone` (or its typed
+error); a job is dropped when it is cancelled, passes its deadline, the bus stops or its pass
+fails. The model is the checkpoint's, or the mock's simulated one (`--engine mock`): the same
+code runs either way.
 
 The window at the last block boundary (what the next turn restores) is taken from the
 forward pass that crosses it (`keep_boundary_window`): no chunk has to stop there. Model
@@ -23,27 +26,41 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass
 
+import msgspec
 import numpy as np
+from opentelemetry.trace import StatusCode
 
 from services.prefill.handoff import put_window, tell_decode
-from services.prefill.jobs import JobState, PrefillJobsBase
+from services.prefill.jobs import JobState
+from services.prefill.metrics import PrefillMetrics
 from services.prefill.restore import PrefixRestorer
 from shared import telemetry
 from shared.blocks import RequestBlocks
-from shared.bus import Bus
+from shared.bus import Bus, Context
 from shared.logging import get_logger
 from shared.metrics import Metrics
-from shared.schema import BadRequest, PrefillJob, PrefillTimings
+from shared.schema import (
+    BadRequest,
+    Cancelled,
+    CancelRequest,
+    DeadlineExceeded,
+    InternalError,
+    PrefillDone,
+    PrefillJob,
+    PrefillTimings,
+    ServiceError,
+)
+from shared.subjects import PREFILL
+from shared.tasks import cancel_and_wait
 from worker.engine.runner import ModelRunner
-from worker.engine.sampler import SamplingParams as EngineSampling
 from worker.engine.sampler import generator_state, make_generator, sample_one
 from worker.engine.scheduler import Scheduler, SchedulerConfig
 from worker.engine.sequence import Sequence
 from worker.engine.swa_restore import snapshot_to_bytes
 from worker.engine.worker import ModelThread
 from worker.kvstore.writer import KvEventPublisher
+from worker.serving.checks import checked_prompt
 from worker.serving.pages import stage_pages, store_blocks, tag_blocks
 from worker.serving.sampling import engine_sampling
 from worker.serving.staging import StagingSpace, StagingTooSmall
@@ -56,19 +73,7 @@ log = get_logger(__name__)
 MAX_JOBS = 1 << 16
 
 
-@dataclass(eq=False)
-class ModelJob(JobState):
-    seq: Sequence
-    sampling: EngineSampling  # the request's, for its first output token
-
-    SAMPLES_FIRST_TOKEN = True
-
-    @property
-    def num_left(self) -> int:
-        return self.target - self.seq.num_computed_tokens
-
-
-class PrefillWorker(PrefillJobsBase[ModelJob]):
+class PrefillWorker:
     def __init__(
         self,
         bus: Bus,
@@ -85,24 +90,21 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         handoff_timeout_s: float,
         compute_lock: asyncio.Lock,
         model_thread: ModelThread,
-        metrics: Metrics | None = None,
+        metrics: Metrics | None = None,  # the process's (a test's own when None)
     ) -> None:
-        super().__init__(
-            bus,
-            publisher,
-            swa,
-            model_name=model_name,
-            max_model_len=max_model_len,
-            block_size_tokens=runner.layout.block_size_tokens,
-            max_batch_tokens=max_batch_tokens,
-            handoff_timeout_s=handoff_timeout_s,
-            metrics=metrics,
-        )
+        self.bus = bus
         self.runner = runner
         self.restorer = restorer
+        self.publisher = publisher
+        self.swa = swa
         self.agent = agent
         self.buffer = agent.buffer.reshape(-1).view(np.uint8)
         self.staging = staging
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.block_size = runner.layout.block_size_tokens
+        self.max_batch_tokens = max_batch_tokens
+        self.handoff_timeout_s = handoff_timeout_s
         self.compute_lock = compute_lock
         self.model_thread = model_thread
         self._seq_ids = itertools.count()
@@ -113,11 +115,70 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
             runner.block_manager,
             SchedulerConfig(max_num_batched_tokens=max_batch_tokens, max_num_seqs=MAX_JOBS),
         )
+        self._jobs: dict[str, JobState] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._finishing: set[asyncio.Task[None]] = set()
+        self.metrics = metrics or Metrics(PREFILL, bus.instance_id)
+        self.counts = PrefillMetrics(self.metrics)
 
-    def kv_pages(self) -> tuple[int, int]:
-        return self.runner.allocator.num_blocks, self.runner.allocator.num_free_blocks
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._compute_loop())
 
-    # -- jobs ----------------------------------------------------------------------------
+    async def stop(self) -> None:
+        await cancel_and_wait(self._loop_task)
+        await asyncio.gather(*self._finishing, return_exceptions=True)
+
+    def load_fields(self) -> dict[str, int | str]:
+        computing = [j for j in self._jobs.values() if not j.finishing]
+        allocator = self.runner.allocator
+        return {
+            "num_queued": len(computing),
+            "num_queued_tokens": sum(j.num_left for j in computing),
+            "num_running": len(self._jobs),
+            "num_kv_pages_total": allocator.num_blocks,
+            "num_kv_pages_free": allocator.num_free_blocks,
+            "model": self.model_name,
+            "num_devices": 1,
+        }
+
+    # -- requests ------------------------------------------------------------------------
+    async def handle_job(self, job: PrefillJob, ctx: Context) -> PrefillDone:
+        request = job.request
+        token_ids, blocks = self._validate(job)
+        if request.request_id in self._jobs:
+            raise BadRequest(f"request {request.request_id} is already being prefilled here")
+        accepted_s = time.perf_counter()
+        self.counts.jobs_received.inc()
+        num_cached_blocks = blocks.num_reusable_blocks(job.decision.num_cached_blocks)
+        entry = await self._admit(job, token_ids, blocks, num_cached_blocks, accepted_s)
+        entry.span = telemetry.current_span()
+        self.counts.cached_tokens.inc(entry.num_cached_blocks * self.block_size)
+        self.counts.restores.labels(entry.restored.swa_restore or "none").inc()
+        self.counts.replayed_tokens.inc(entry.restored.num_replay_tokens)
+        self._enqueue(entry)
+        try:
+            return await asyncio.shield(entry.done)
+        except asyncio.CancelledError:  # the bus is stopping: do not leave the job behind
+            self._drop(entry, Cancelled("prefill worker stopping"))
+            raise
+
+    def _validate(self, job: PrefillJob) -> tuple[list[int], RequestBlocks]:
+        token_ids, blocks = checked_prompt(
+            job.request,
+            model_name=self.model_name,
+            block_size_tokens=self.block_size,
+            max_model_len=self.max_model_len,
+        )
+        num_pages_total = self.runner.allocator.num_blocks
+        if -(-len(token_ids) // self.block_size) > num_pages_total:
+            raise BadRequest(
+                f"prompt of {len(token_ids)} tokens does not fit this worker's KV pool "
+                f"({num_pages_total} pages of {self.block_size} tokens)"
+            )
+        return token_ids, blocks
+
     async def _admit(
         self,
         job: PrefillJob,
@@ -125,7 +186,8 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         blocks: RequestBlocks,
         num_cached_blocks: int,
         accepted_s: float,
-    ) -> ModelJob:
+    ) -> JobState:
+        """Restore up to `num_cached_blocks` of the prefix; the job, not yet queued."""
         sampling = engine_sampling(job.request.sampling)  # BadRequest before any work
         restored = await self.restorer.restore(
             token_ids, blocks, job.cached_blocks, num_cached_blocks
@@ -142,7 +204,7 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
             num_replay_tokens=restored.num_replay_tokens,
             num_local_blocks=restored.num_local_blocks,
         )
-        return ModelJob(
+        return JobState(
             job,
             token_ids,
             blocks,
@@ -154,12 +216,42 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
             sampling,
         )
 
-    def _release(self, entry: ModelJob) -> None:
+    def _enqueue(self, entry: JobState) -> None:
+        self._jobs[entry.request_id] = entry
+        self._wake.set()
+
+    async def on_cancel(self, cancel: CancelRequest) -> None:
+        entry = self._jobs.get(cancel.request_id)
+        if entry is not None and not entry.finishing:
+            self.counts.cancelled.inc()
+            self._drop(entry, Cancelled(f"cancelled: {cancel.reason}"))
+
+    def _drop(self, entry: JobState, error: ServiceError | None) -> None:
+        """Forget the job and free what it holds; fail its handler with `error` (None: done)."""
+        if self._jobs.get(entry.request_id) is entry:
+            del self._jobs[entry.request_id]
+            self._release(entry)
+        if error is not None and not entry.done.done():
+            entry.done.set_exception(error)
+            entry.done.exception()  # retrieved: the handler may already be gone
+
+    def _release(self, entry: JobState) -> None:
+        """Free the KV pages the job holds (once: it has just left the table)."""
         self.scheduler.remove(entry.seq)  # its pages are free
         self._wake.set()  # a job may have waited for them
 
-    # -- the model -----------------------------------------------------------------------
-    def _schedule(self) -> list[tuple[ModelJob, int]]:
+    # -- the compute loop ----------------------------------------------------------------
+    def _plan(self) -> list[tuple[JobState, int]]:
+        """The next forward pass over the jobs still computing, after dropping those past
+        their deadline: (job, tokens), at most `max_batch_tokens` in all; [] when none can
+        run."""
+        now_ms = time.time() * 1000
+        for entry in list(self._jobs.values()):
+            deadline_ms = entry.job.request.deadline_ms
+            if entry.finishing or deadline_ms is None or now_ms <= deadline_ms:
+                continue
+            self.counts.expired.inc()
+            self._drop(entry, DeadlineExceeded("deadline passed while queued for prefill"))
         batch = self.scheduler.schedule()
         by_seq = {entry.seq.seq_id: entry for entry in self._jobs.values()}
         for seq in batch.preempted_seqs:
@@ -169,13 +261,13 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
         chunks += zip(batch.prefill_seqs, batch.prefill_num_tokens, strict=True)
         return [(by_seq[seq.seq_id], num_tokens) for seq, num_tokens in chunks]
 
-    async def _forward(self, batch: list[tuple[ModelJob, int]]) -> float:
+    async def _forward(self, batch: list[tuple[JobState, int]]) -> float:
         started = time.perf_counter()
         async with self.compute_lock:
             await self.model_thread.run(self._prefill, batch)
         return time.perf_counter() - started
 
-    def _prefill(self, batch: list[tuple[ModelJob, int]]) -> None:
+    def _prefill(self, batch: list[tuple[JobState, int]]) -> None:
         """One pass (model thread); a job whose prompt it completes samples its first token
         from the last token's logits, as decode's engine would have."""
         logits = self.runner.prefill(
@@ -190,14 +282,99 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
                 entry.first_token_id = sample_one(row, sampling, generator).token_id
                 entry.sampler_state = generator_state(generator)
 
-    def _advance(self, entry: ModelJob, num_tokens: int) -> None:
+    def _advance(self, entry: JobState, num_tokens: int) -> None:
         """The runner advanced the sequence (and kept its boundary window); a computed one
         leaves the scheduler with its pages, to be staged and stored before they are freed."""
         if entry.num_left == 0:
             self.scheduler.detach(entry.seq)
 
+    async def _compute_loop(self) -> None:
+        while True:
+            batch = self._plan()
+            if not batch:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = time.perf_counter()
+            try:
+                elapsed_s = await self._forward(batch)
+            except Exception:
+                log.exception("prefill forward pass failed", num_jobs=len(batch))
+                for entry, _ in batch:
+                    self.counts.failed.inc()
+                    self._drop(entry, InternalError("prefill forward pass failed"))
+                continue
+            for entry, num_tokens in batch:
+                if self._jobs.get(entry.request_id) is not entry:
+                    continue  # cancelled while the pass ran
+                entry.first_chunk_s = entry.first_chunk_s or started
+                entry.compute_s += elapsed_s
+                self.counts.computed_tokens.inc(num_tokens)
+                self._advance(entry, num_tokens)
+                if entry.num_left == 0:
+                    self._start_finish(entry)
+
     # -- handoff -------------------------------------------------------------------------
-    async def _send_suffix(self, entry: ModelJob) -> tuple[PrefillTimings, float]:
+    def _start_finish(self, entry: JobState) -> None:
+        entry.finishing = True
+        task = asyncio.create_task(self._finish(entry))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _finish(self, entry: JobState) -> None:
+        self._trace_compute(entry)
+        with telemetry.span("prefill transfer", parent=entry.span) as span:
+            try:
+                timings, transfer_ms = await self._send_suffix(entry)
+            except ServiceError as exc:  # decode gone, cancelled or timed out: a typed answer
+                self.counts.failed.inc()
+                log.warning("prefill handoff failed", request_id=entry.request_id, error=str(exc))
+                span.set_status(StatusCode.ERROR, str(exc))
+                self._drop(entry, exc)
+                return
+            except Exception:
+                self.counts.failed.inc()
+                log.exception("prefill handoff failed", request_id=entry.request_id)
+                span.set_status(StatusCode.ERROR, "prefill handoff failed")
+                self._drop(entry, InternalError("prefill handoff failed"))
+                return
+        # Decode holds the suffix and serves the request from here: what follows only
+        # decides whether the next turn finds these blocks, never whether this one ends.
+        started = time.perf_counter()
+        with telemetry.span("prefill store", parent=entry.span) as span:
+            try:
+                await self._persist(entry)
+            except Exception:
+                self.counts.store_failures.inc()
+                log.exception("prefill blocks not stored", request_id=entry.request_id)
+                span.set_status(StatusCode.ERROR, "prefill blocks not stored")
+        store_ms = (time.perf_counter() - started) * 1000
+        self._drop(entry, None)
+        self.counts.done.inc()
+        self.counts.handoff_seconds.observe(transfer_ms / 1000)
+        self.counts.job_seconds.observe(time.perf_counter() - entry.accepted_s)
+        if not entry.done.done():
+            timings = msgspec.structs.replace(timings, transfer_ms=transfer_ms, store_ms=store_ms)
+            entry.done.set_result(PrefillDone(request_id=entry.request_id, timings=timings))
+
+    def _trace_compute(self, entry: JobState) -> None:
+        """The job's compute, from its first pass to its last, as one span (its passes were
+        batched with other jobs' in the compute loop's task)."""
+        if entry.first_chunk_s is None:
+            return  # the restored prefix left nothing to compute
+        span = telemetry.child_span(
+            entry.span, "prefill compute", start_ns=telemetry.ns_ago(entry.first_chunk_s)
+        )
+        if span.is_recording():
+            num_computed = len(entry.token_ids) - entry.num_cached_blocks * self.block_size
+            compute_ms = round(entry.compute_s * 1000, 3)
+            span.set_attributes(
+                {"kvfabric.num_tokens": num_computed, "kvfabric.compute_ms": compute_ms}
+            )
+        span.end()
+
+    # -- handoff -------------------------------------------------------------------------
+    async def _send_suffix(self, entry: JobState) -> tuple[PrefillTimings, float]:
         """Stage the computed pages and the window at n, and hold them until decode
         answers that it pulled them."""
         seq = entry.seq
@@ -231,7 +408,10 @@ class PrefillWorker(PrefillJobsBase[ModelJob]):
             await self.staging.free(extent)
         return timings, transfer_ms
 
-    async def _persist(self, entry: ModelJob) -> None:
+    async def _persist(self, entry: JobState) -> None:
+        """New complete blocks to the store; the window at the last boundary to memcache.
+        Runs after decode took the suffix: a failure here is logged and counted, never the
+        request's."""
         seq, blocks = entry.seq, entry.blocks
         # The prompt's complete blocks stay in the pool, found by hash, until their pages are
         # handed out again: the next turn routed here takes them from there (restore.py).

@@ -8,7 +8,7 @@ function-level ones included, since a lazy import is a dependency all the same):
 - no import cycles among the project's modules (a cycle is two modules that are one), nor
   among its packages (two packages that import each other are one package in two places);
 - production code never imports `shared.testing` (fixtures);
-- `import worker.engine` does not import torch: the mock workers and the CLI stay light.
+- `import worker.engine` does not import torch: the CLI stays light.
 """
 
 from __future__ import annotations

@@ -1,21 +1,20 @@
 """`--engine mock` end to end: 8 prefill and 8 decode workers under concurrent load (the
 issue's "with the mock engine, 8 workers of each kind under concurrent load").
 
-Everything but the model is real: separate processes, NATS, the router's policy, kv-index
-fed by the workers' KV events, swa-memcache, store files, streams and usage on JetStream.
-The mock's tokens are deterministic (`fake_tokens`), so every answer is known in advance.
+Everything but the model's arithmetic is real: separate processes, the workers and engine of
+the model path over a simulated model (its K/V pages, windows and handoffs real bytes), NATS,
+the router's policy, kv-index fed by the workers' KV events, swa-memcache, store files,
+streams and usage on JetStream. The simulated model's tokens are deterministic
+(`simulated_output`), so every answer is known in advance.
 Blocks are 16 tokens so that short prompts have many blocks; billing and ingress are left
 out (nothing here needs them): 19 service processes share a 2-core host.
 """
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import json
 import random
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -30,7 +29,7 @@ from shared.discovery import discover
 from shared.models import BUNDLED_MODEL_DIR
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
 from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster, usage_records
-from worker.mock_engine import fake_tokens
+from worker.mock_engine.simulated import simulated_output
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -74,8 +73,8 @@ def _prompts() -> list[list[int]]:
 
 
 def _expected(prompt: list[int]) -> list[int]:
-    """The mock's answer: its fake tokens, through the first end-of-sequence id."""
-    tokens = fake_tokens(prompt, MAX_TOKENS, seed=0, vocab_size=HF_CONFIG["vocab_size"])
+    """The mock's answer: the simulated model's tokens, through the first end-of-sequence id."""
+    tokens = simulated_output(prompt, MAX_TOKENS, HF_CONFIG["vocab_size"])
     eos = HF_CONFIG["eos_token_id"]
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
@@ -94,31 +93,6 @@ async def _indexed(bus: Bus, prompt: list[int]) -> None:
     hashes = RequestBlocks.hash_prompt(prompt, model=MODEL, block_size_tokens=BLOCK).hashes
     num_blocks = await num_indexed_blocks(bus, hashes, timeout_s=10.0)
     assert num_blocks == len(hashes), "kv-index never learnt the prompt's blocks"
-
-
-def test_mock_path_imports_neither_torch_nor_nixl() -> None:
-    """What keeps 16 mock workers cheap: none of them loads torch or NIXL (they use only the
-    engine's torch-free modules: its lazy package, FinishReason, the page allocator, and the
-    model's metadata, tokenizer and chat template through `Checkpoint`)."""
-    code = (
-        "import sys, services.prefill.main, services.decode.main; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'nixl'))); "
-        "print(sorted(m for m in sys.modules if m.startswith('worker.engine')))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    heavy, engine = out.stdout.splitlines()
-    assert heavy == "[]"
-    torch_free = {
-        "",
-        ".outputs",
-        ".block_allocator",
-        ".checkpoint",
-        ".config",
-        ".errors",
-        ".gguf",
-        ".gguf_tokenizer",
-    }
-    assert set(ast.literal_eval(engine)) <= {f"worker.engine{m}" for m in torch_free}
 
 
 async def test_eight_and_eight_mock_workers_serve_concurrent_load(cluster: Cluster) -> None:

@@ -243,7 +243,9 @@ def test_one_request_is_one_connected_otlp_trace_across_every_service(
     assert route["kvfabric.decode_worker_id"] == "decode-0"
     assert by_name[("kv-index", "kv-index match")]["attributes"]["kvfabric.hit_blocks.ssd"] == 0
     compute = by_name[("prefill", "prefill compute")]["attributes"]
-    assert compute["kvfabric.num_tokens"] == usage["prompt_tokens"] - 1  # decode computes the last
+    assert compute["kvfabric.num_tokens"] == usage["prompt_tokens"]  # and samples the first
+    pulled = by_name[("decode", "decode pull")]["attributes"]  # the suffix's pages and window
+    assert pulled["kvfabric.num_blocks"] > 0 and pulled["kvfabric.bytes"] > 0
     stored = by_name[("prefill", "prefill store")]["attributes"]
     assert stored["kvfabric.num_blocks"] > 0 and stored["kvfabric.bytes"] > 0
     generated = by_name[("decode", "decode generate")]["attributes"]

@@ -1,21 +1,25 @@
 """A worker's unexpected failure reaches its caller as a code and a fixed message, never the
-exception's text, and the log holds its traceback exactly once. Mock workers in this process
-(their engine is the only thing replaced: a pass that raises), over a real nats-server."""
+exception's text, and the log holds its traceback exactly once. The real workers in this
+process over the mock's simulated model and a real nats-server; what fails is a forward
+pass that raises, or the join of a suffix."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 from structlog.testing import capture_logs
 from tokenizers import Tokenizer
 
 from services.decode.config import DecodeConfig
 from services.decode.finish import Finisher
-from services.decode.mock_worker import MockDecodeWorker
+from services.decode.worker import DecodeWorker
 from services.prefill.config import PrefillConfig
-from services.prefill.mock_worker import MockPrefillWorker
+from services.prefill.restore import PrefixRestorer, RestorePolicy
+from services.prefill.worker import PrefillWorker
 from shared.bus import Endpoint
 from shared.client import build_request
 from shared.schema import (
@@ -29,17 +33,34 @@ from shared.schema import (
     TokenChunk,
 )
 from shared.streams import ChunkReader
-from shared.subjects import DECODE
+from shared.subjects import DECODE, PREFILL
 from shared.testing.fixtures import BusFactory
 from shared.usage import open_usage_outbox
+from worker.engine.engine import Engine
+from worker.engine.runner import ModelRunner
+from worker.engine.worker import ModelThread, build_runner
+from worker.kvstore.backends import alloc_staging
 from worker.kvstore.writer import KvEventPublisher
-from worker.mock_engine import MockEngine, MockEngineConfig, MockModel
-from worker.serving.kv_io import open_mock_store
+from worker.mock_engine.simulated import SimulatedCausalLM, simulated_model
+from worker.serving.kv_io import open_store
+from worker.serving.staging import StagingSpace
+from worker.transfer import KvTransferAgent
 
 pytestmark = pytest.mark.nats
 
 SECRET = "secret token in /srv/keys/prod.pem"
 BLOCK = 16
+STAGING_NBYTES = 1 << 20
+
+
+class BrokenModel(SimulatedCausalLM):
+    def __call__(self, *args: object) -> torch.Tensor:
+        raise RuntimeError(SECRET)
+
+
+def broken_model(config: PrefillConfig, dtype: torch.dtype) -> SimulatedCausalLM:
+    model = simulated_model(config, dtype)
+    return BrokenModel(model.config, model.cost, model.speedup, dtype)
 
 
 def decision(request_id: str) -> RouteDecision:
@@ -65,14 +86,26 @@ async def test_a_failed_prefill_pass_answers_a_fixed_message(
 ) -> None:
     bus = await bus_factory("prefill", "prefill-0")
     config = PrefillConfig(engine="mock", store_dir=tmp_path, kv_block_size_tokens=BLOCK)
-    store = await open_mock_store(config, bus.instance_id)
+    runner = build_runner(config, broken_model)
+    store = await open_store(config, bus.instance_id, runner.layout.block_nbytes)
     publisher = KvEventPublisher(bus, store)
-    worker = MockPrefillWorker(bus, publisher, None, config, MockModel.from_config(config))
-
-    async def broken_pass(batch: object) -> float:
-        raise RuntimeError(SECRET)
-
-    worker._forward = broken_pass  # type: ignore[method-assign]
+    agent = KvTransferAgent(bus, alloc_staging(STAGING_NBYTES), service=PREFILL)
+    thread, lock = ModelThread(), asyncio.Lock()
+    worker = PrefillWorker(
+        bus,
+        runner,
+        PrefixRestorer(runner, store, None, RestorePolicy(), lock, thread),
+        publisher,
+        None,
+        agent,
+        StagingSpace(0, STAGING_NBYTES),
+        model_name=config.model_name,
+        max_batch_tokens=config.max_batch_tokens,
+        max_model_len=runner.config.max_position_embeddings,
+        handoff_timeout_s=config.handoff_timeout_s,
+        compute_lock=lock,
+        model_thread=thread,
+    )
     worker.start()
     await bus.serve(Endpoint("run", bus.subjects.prefill_run, PrefillJob, worker.handle_job))
     client = await bus_factory("router")
@@ -90,6 +123,8 @@ async def test_a_failed_prefill_pass_answers_a_fixed_message(
         one_traceback(events)
     finally:
         await worker.stop()
+        await thread.close()
+        agent.close()
         store.close()
 
 
@@ -98,13 +133,26 @@ async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
 ) -> None:
     bus = await bus_factory("decode", "decode-0")
     config = DecodeConfig(engine="mock", store_dir=tmp_path, kv_block_size_tokens=BLOCK)
-    model = MockModel.from_config(config)
-    store = await open_mock_store(config, bus.instance_id)
+    runner: ModelRunner = build_runner(config, simulated_model)
+    store = await open_store(config, bus.instance_id, runner.layout.block_nbytes)
     outbox = await open_usage_outbox(bus, DECODE, tmp_path / "outbox", bus.instance_id)
     finisher = Finisher(bus, store, KvEventPublisher(bus, store), None, outbox)
-    engine = MockEngine(MockEngineConfig(model_id=model.name, block_size_tokens=BLOCK))
+    agent = KvTransferAgent(bus, alloc_staging(STAGING_NBYTES), service=DECODE)
+    thread = ModelThread()
     tokenizer = Tokenizer.from_file(str(config.model_path / "tokenizer.json"))
-    worker = MockDecodeWorker(bus, engine, tokenizer, finisher, config, model)
+    worker = DecodeWorker(
+        bus,
+        Engine(runner),
+        tokenizer,
+        agent,
+        StagingSpace(0, STAGING_NBYTES),
+        finisher,
+        model_name=config.model_name,
+        retry_after_s=config.retry_after_s,
+        pull_timeout_s=config.pull_timeout_s,
+        suffix_timeout_s=config.suffix_timeout_s,
+        model_thread=thread,
+    )
 
     async def broken_join(state: object, ready: object) -> int:
         raise RuntimeError(SECRET)
@@ -116,7 +164,7 @@ async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
     await bus.serve(Endpoint("suffix", subjects.decode_suffix, SuffixReady, worker.handle_suffix))
     caller = await bus_factory("ingress")
     inbox = await caller.open_inbox()
-    request = build_request(list(range(3, 103)), model=model.name, block_size_tokens=BLOCK)
+    request = build_request(list(range(3, 103)), model=config.model_name, block_size_tokens=BLOCK)
     request = msgspec.structs.replace(request, stream_inbox=inbox.subject)
     try:
         await caller.request(
@@ -131,7 +179,7 @@ async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
             num_computed_tokens=99,
             first_block_index=0,
             num_blocks=0,
-            block_nbytes=4096,
+            block_nbytes=runner.layout.block_nbytes,
             region_offset=0,
             window_nbytes=0,
         )
@@ -148,5 +196,7 @@ async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
         one_traceback(events)
     finally:
         await worker.stop()
+        await thread.close()
+        agent.close()
         await outbox.close()
         store.close()

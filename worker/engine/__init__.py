@@ -2,8 +2,8 @@
 
 Re-exports, resolved on first use: `import worker.engine` (or a torch-free submodule such as
 `worker.engine.outputs`, `.config`, `.errors`, `.checkpoint`, `.gguf`,
-`.gguf_tokenizer`) does not import torch (2-10 s), so the mock workers, the CLI and every
-other process that does not run the model stay light.
+`.gguf_tokenizer`) does not import torch (2-10 s), so the CLI and every other process that
+does not run the model stay light.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The KV pool's page count: a ref-counted allocator of page ids, the one count of free
-pages every worker reports (the model's runner and the mock engine alike).
+pages every worker reports (the runner's, whatever its model).
 
 Ref counts let several sequences share the pages of a common prefix (prefix cache hit); a
 page returns to the free list when its last owner frees it. The pool is also the first KV
@@ -9,7 +9,7 @@ until it is handed out again, and free pages are handed out oldest first, so a w
 recent prefixes stay in its pool. `revive` takes the pages of a prompt's leading blocks
 back from there instead of reading them from the store.
 
-No torch here: the mock engine counts its pages with this without importing it.
+No torch here: it counts page ids, never touches their bytes.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ Sliding layers never enter the pool: their state is the last W tokens per sequen
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,7 +60,15 @@ class PagedKVPool:
     def __init__(self, layout: KVBlockLayout, num_blocks: int, device: str = "cpu") -> None:
         self.layout = layout
         self.num_blocks = num_blocks
-        self.kv = torch.zeros((num_blocks, *layout.block_shape), dtype=layout.dtype, device=device)
+        shape = (num_blocks, *layout.block_shape)
+        nbytes = math.prod(shape) * torch.empty((), dtype=layout.dtype).element_size()
+        if device == "cpu" and nbytes > 0:
+            # calloc: fresh zero pages from the OS, resident only once written (torch.zeros
+            # writes every byte: a 1 GiB pool was 1 GiB resident before its first request).
+            zeros = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
+            self.kv = zeros.view(layout.dtype).view(shape)
+        else:  # a device pool, or none (a model without full-attention layers)
+            self.kv = torch.zeros(shape, dtype=layout.dtype, device=device)
 
     def write(
         self,

@@ -8,7 +8,7 @@ Module and parameter names equal the HF checkpoint names (`model.layers.3.self_a
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -28,7 +28,8 @@ class AttentionBackend(Protocol):
 
 class LanguageModel(Protocol):
     """What the runner calls: `CausalLM`, or the mock's simulated model
-    (worker/mock_engine/simulated.py) with no weights."""
+    (worker/mock_engine/simulated.py) with no weights. `backend` is one of attention.py's:
+    `CausalLM` attends through it, the simulated model only stores K/V through it."""
 
     config: ModelConfig
 
@@ -36,12 +37,10 @@ class LanguageModel(Protocol):
     def dtype(self) -> torch.dtype: ...
 
     def __call__(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+        self, token_ids: torch.Tensor, positions: torch.Tensor, backend: Any
     ) -> torch.Tensor: ...
 
-    def replay(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
-    ) -> None: ...
+    def replay(self, token_ids: torch.Tensor, positions: torch.Tensor, backend: Any) -> None: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 

@@ -1,5 +1,4 @@
-"""Why a sequence ended: the model engine's and the mock engine's one enum (torch-free, so
-the mock workers import it without the model)."""
+"""Why a sequence ended (torch-free: the engine's callers name it without loading torch)."""
 
 from __future__ import annotations
 

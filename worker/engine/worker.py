@@ -15,6 +15,7 @@ from shared.config import EngineWorkerConfig
 from worker.engine import quant
 from worker.engine.config import FULL
 from worker.engine.kv_cache import KVBlockLayout
+from worker.engine.model import LanguageModel
 from worker.engine.runner import ModelRunner
 from worker.engine.sequence import Sequence
 from worker.engine.swa_restore import SNAPSHOT_HEADER_NBYTES
@@ -25,17 +26,26 @@ from worker.malloc import keep_freed_memory
 T = TypeVar("T")
 
 
-def build_runner(config: EngineWorkerConfig) -> ModelRunner:
-    """Blocking (seconds): call it in the thread that will run the model (`ModelThread`)."""
+def build_runner(
+    config: EngineWorkerConfig,
+    simulate: Callable[[EngineWorkerConfig, torch.dtype], LanguageModel] | None = None,
+) -> ModelRunner:
+    """The runner over the checkpoint's model, or over `simulate`'s (`--engine mock`: its
+    geometry, none of its weights). Blocking (seconds): call it in the thread that will run
+    the model (`ModelThread`)."""
     keep_freed_memory()
     torch.set_num_threads(config.torch_threads)
     dtype = getattr(torch, config.dtype)
-    model = load_model(config.model_path, dtype)
+    if simulate is not None:
+        model = simulate(config, dtype)
+    else:
+        model = load_model(config.model_path, dtype)
     layout = KVBlockLayout.for_model(model.config, config.kv_block_size_tokens, dtype)
     return ModelRunner(
         model,
         num_blocks=config.pool_pages(layout.block_nbytes),
         block_size_tokens=config.kv_block_size_tokens,
+        kv_dtype=dtype,
     )
 
 
@@ -117,10 +127,12 @@ def handoff_staging_bytes(runner: ModelRunner, config: EngineWorkerConfig) -> in
 def describe(runner: ModelRunner, config: EngineWorkerConfig) -> dict[str, str]:
     """Discovery metadata: which model, and the KV block layout the SSD tier stores."""
     model_config = runner.config
-    return {
+    weights = runner.model if isinstance(runner.model, torch.nn.Module) else None  # mock: none
+    mock = {"mock_speedup": str(config.mock_speedup)} if weights is None else {}
+    return mock | {
         "model": config.model_name,
         "model_path": str(config.model_path),
-        "num_params": str(sum(p.numel() for p in runner.model.parameters())),
+        "num_params": str(0 if weights is None else sum(p.numel() for p in weights.parameters())),
         "num_threads": str(torch.get_num_threads()),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "max_model_len": str(max_model_len(runner, config)),
@@ -129,6 +141,6 @@ def describe(runner: ModelRunner, config: EngineWorkerConfig) -> dict[str, str]:
         "num_kv_pages": str(runner.allocator.num_blocks),
         "layer_types": "".join("f" if t == FULL else "s" for t in model_config.layer_types),
         # GGUF block formats decode multiplies by directly (quant.py); "-": float32 only.
-        "weight_blocks": ",".join(quant.block_formats(runner.model)) or "-",
+        "weight_blocks": ",".join(quant.block_formats(weights) if weights else []) or "-",
         "sliding_window": str(model_config.sliding_window or 0),
     }

@@ -23,8 +23,10 @@ from typing import Protocol
 
 import torch
 
+from shared.config import EngineWorkerConfig
 from worker.cost_model import CostModel
 from worker.engine.attention import DecodeAttention
+from worker.engine.checkpoint import Checkpoint
 from worker.engine.config import ModelConfig
 
 # Multiplicative hashing constants (Knuth; MurmurHash3's finalizer): cheap, vectorized and
@@ -120,3 +122,10 @@ class SimulatedCausalLM:
     def _sleep(self, simulated_s: float) -> None:
         self.simulated_s += simulated_s
         time.sleep(simulated_s / self.speedup)
+
+
+def simulated_model(config: EngineWorkerConfig, dtype: torch.dtype) -> SimulatedCausalLM:
+    """`--engine mock`'s model for the worker `config` describes: the checkpoint's config
+    only (no weights read), the router's cost model, the configured speed-up."""
+    model = Checkpoint(config.model_path).config()
+    return SimulatedCausalLM(model, CostModel(), config.mock_speedup, dtype)

@@ -1,16 +1,14 @@
-"""A worker's KV writes to the SSD store, the same from the model's workers and the mock's:
-the store itself, and blocks written under the request's chain and logged for kv-index.
+"""A worker's KV writes to the SSD store: the store itself, and blocks written under the
+request's chain and logged for kv-index.
 Moving pages between the model's pool, the store and NIXL staging is `pages.py`."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Sequence
 
 from shared.blocks import RequestBlocks
 from shared.config import EngineWorkerConfig
-from worker.kvstore.backends import AIOFILES
 from worker.kvstore.store import KvStore, KvStoreConfig
 from worker.kvstore.writer import KvEventPublisher
 
@@ -24,8 +22,7 @@ async def store_payloads(
 ) -> int:
     """Write `payloads` as blocks first_block, first_block + 1, ... of `token_ids` (the
     prompt, and the answer after it) and log them for kv-index; returns how many were
-    written. (The mock engine's blocks have no pool pages: their payloads are placeholder
-    bytes.)"""
+    written."""
     if not payloads:
         return 0
     end_block = first_block + len(payloads)
@@ -48,11 +45,3 @@ async def open_store(config: EngineWorkerConfig, writer_id: str, payload_nbytes:
     )
     config.store_dir.mkdir(parents=True, exist_ok=True)
     return await asyncio.to_thread(KvStore.open, store_config)
-
-
-async def open_mock_store(config: EngineWorkerConfig, writer_id: str) -> KvStore:
-    """The mock engine's store: the real one, through aiofiles whatever `store_backend` says
-    (no NIXL in mock mode), with `mock_block_nbytes` of placeholder bytes per block."""
-    return await open_store(
-        dataclasses.replace(config, store_backend=AIOFILES), writer_id, config.mock_block_nbytes
-    )

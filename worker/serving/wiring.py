@@ -1,12 +1,13 @@
 """The wiring prefill's and decode's main.py share, for either engine: what a worker writes
 KV through, and the worker's place in the service's lifecycle.
 
-A model worker's KV goes through the store (its blocks, logged for kv-index), one NIXL buffer
+A worker's KV goes through the store (its blocks, logged for kv-index), one NIXL buffer
 (its head for large swa-memcache puts, the rest staging the handoff between prefill and
-decode) and swa-memcache. A mock worker (`--engine mock`) has the store and its log only.
-Either way the worker's loop starts before its endpoints are served, its load goes into the
-heartbeats and, with its store's figures, into the process's metrics (serving/metrics.py),
-and at shutdown it stops before what it used is closed (STYLE.md: shutdown).
+decode) and swa-memcache, whether its model is the checkpoint's or the mock's simulated one
+(`--engine mock`: the one difference, made in `start_model_thread`). The worker's loop
+starts before its endpoints are served, its load goes into the heartbeats and, with its
+store's figures, into the process's metrics (serving/metrics.py), and at shutdown it stops
+before what it used is closed (STYLE.md: shutdown).
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from shared.subjects import SWA_MEMCACHE
 from worker.kvstore.backends import alloc_staging
 from worker.kvstore.store import KvStore
 from worker.kvstore.writer import KvEventPublisher
-from worker.mock_engine import MockModel
-from worker.serving.kv_io import open_mock_store, open_store
+from worker.serving.kv_io import open_store
 from worker.serving.metrics import observe_load, observe_store
 from worker.serving.staging import StagingSpace
 from worker.swa_client import SwaClient
@@ -45,7 +45,7 @@ MEMCACHE_LOOKUP_S = 1.0  # a worker that started before its node's memcache look
 
 
 class ServedWorker(Protocol):
-    """What the lifecycle needs of a prefill or decode worker, model or mock."""
+    """What the lifecycle needs of a prefill or decode worker."""
 
     def start(self) -> None: ...
 
@@ -56,7 +56,7 @@ class ServedWorker(Protocol):
 
 @dataclass(frozen=True)
 class ModelKv:
-    """A model worker's ways out for KV."""
+    """A worker's ways out for KV."""
 
     store: KvStore
     publisher: KvEventPublisher  # BlocksStored / BlocksRemoved for kv-index
@@ -145,18 +145,6 @@ async def node_memcache(bus: Bus, node_id: str) -> str | None:
     return local[0] if local else None
 
 
-async def open_mock_kv(
-    runtime: ServiceRuntime, config: EngineWorkerConfig
-) -> tuple[MockModel, KvStore, KvEventPublisher]:
-    """The served model's facts (also into discovery metadata), the store and its log."""
-    model = MockModel.from_config(config)
-    runtime.metadata |= model.describe(config)
-    store = await open_mock_store(config, runtime.bus.instance_id)
-    publisher = KvEventPublisher(runtime.bus, store)
-    await publisher.start()
-    return model, store, publisher
-
-
 def start_worker(
     runtime: ServiceRuntime,
     worker: ServedWorker,
@@ -201,13 +189,17 @@ def limit_openmp_spin() -> None:
 async def start_model_thread(
     runtime: ServiceRuntime, config: EngineWorkerConfig
 ) -> tuple[ModelRunner, ModelThread]:
-    """The thread a model worker computes in, with the model built in it and warmed up on
+    """The thread a worker computes in, with the model built in it (the checkpoint's, or
+    the simulated one for `--engine mock`) and the checkpoint's warmed up on
     `config.warmup_tokens` dummy tokens before the worker joins discovery
     (worker/engine/worker.py: why one thread does all of it); closed last."""
     from worker.engine.worker import ModelThread, build_runner, warm_up
+    from worker.mock_engine.simulated import simulated_model
 
     model_thread = ModelThread()
     runtime.on_stop(model_thread.close)  # registered before the worker's: runs after it
+    if config.engine == "mock":  # nothing to warm: its passes only sleep
+        return await model_thread.run(build_runner, config, simulated_model), model_thread
     runner = await model_thread.run(build_runner, config)
     warmup_s = await model_thread.run(warm_up, runner, config.warmup_tokens)
     log.info("model warmed up", num_tokens=config.warmup_tokens, s=round(warmup_s, 2))
