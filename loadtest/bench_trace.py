@@ -52,7 +52,7 @@ DEFAULTS: dict[str, object] = {
     "jobs": min(os.cpu_count() or 1, 4),
     "model": "tiny-coder",
     "live_requests": 200,
-    "live_speed": 5.0,
+    "live_speed": 2.0,  # LiveConfig.speed: why not faster
     "live_workers": 2,
     "mock_speedup": 10.0,
 }

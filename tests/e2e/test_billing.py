@@ -268,6 +268,14 @@ def test_through_kill_restarts_and_duplicates_each_request_is_one_row(cluster: C
         assert row.account == "acme" and row.source == "decode"
 
 
+def _device_ms(url: str) -> int:
+    ledger = open_ledger(url)
+    try:
+        return ledger.device_ms()
+    finally:
+        ledger.close()
+
+
 def test_reports_from_the_cli(cluster: Cluster) -> None:
     """`kvfabric billing report|usage` over the same ledger: JSON sums equal the rows'."""
     import json
@@ -276,6 +284,12 @@ def test_reports_from_the_cli(cluster: Cluster) -> None:
 
     kvfabric = str(Path(sys.executable).parent / "kvfabric")
     url = ledger_url(cluster)
+    # Billing writes the workers' heartbeat spans every few seconds: until a flush spans two
+    # heartbeats of one worker, the ledger holds no device time.
+    deadline = time.monotonic() + 30
+    while not _device_ms(url):
+        assert time.monotonic() < deadline, "no device time reached the ledger"
+        time.sleep(0.5)
     out = subprocess.run(
         [kvfabric, "billing", "report", "--by", "account", "--ledger-url", url, "--format", "json"],
         capture_output=True,

@@ -120,6 +120,7 @@ def serve(engine: str, state_dir: Path) -> tuple[list[GenerateResult], list[Suff
         f"source = {', '.join(str(REPO / t) for t in TRACED)}\n"
     )
     args = ["--engine", engine, "--kv-block-size-tokens", str(BLOCK)]
+    outer = os.environ.get("COVERAGE_PROCESS_START")  # a coverage run of the suite's own
     os.environ["COVERAGE_PROCESS_START"] = str(rc)
     try:
         fixture = run_cluster(
@@ -133,8 +134,11 @@ def serve(engine: str, state_dir: Path) -> tuple[list[GenerateResult], list[Suff
             ready_timeout_s=120,
         )
         cluster = next(fixture)
-    finally:
-        del os.environ["COVERAGE_PROCESS_START"]  # this process and later clusters: none
+    finally:  # later clusters: as before
+        if outer is None:
+            del os.environ["COVERAGE_PROCESS_START"]
+        else:
+            os.environ["COVERAGE_PROCESS_START"] = outer
     try:
 
         async def run() -> tuple[list[GenerateResult], list[SuffixReady]]:

@@ -1,13 +1,13 @@
 """The production trace replayed live (loadtest/trace/live.py): its first 200 requests (72 s
 of trace, 7 of them reusing more than the first block) through a mock-engine cluster of real
 processes (kv-index, swa-memcache, router, 2 prefill and 2 decode workers, started and
-stopped by the replay), at 10x the trace's pace.
+stopped by the replay), at 2x the trace's pace (LiveConfig.speed says why not faster).
 
 Every request is answered, with usage for exactly the prompt sent, and the hit share the
 cluster reports is the offline replay's prediction for the same requests. Tolerance: the
 two can differ only where timing does, a request routed within the cluster's own overhead
 (NATS hops, kv-index applying the event: milliseconds) of the end of the prefill storing
-its prefix. The longer hits here come 27 s of trace or more after that (2.7 s at 10x); the
+its prefix. The longer hits here come 27 s of trace or more after that (13.5 s at 2x); the
 first block (512 tokens) is everyone's, and only the 10 requests of the trace's first
 instant race the first prefill for it: at most 10 requests may differ, by 512 tokens each,
 0.0023 of the 2.27M prompt tokens, so the shares must agree within 0.005.
@@ -27,7 +27,7 @@ NUM_REQUESTS = 200
 
 @pytest.mark.timeout(180)
 def test_live_replay_answers_every_request_with_the_predicted_hits() -> None:
-    config = LiveConfig(num_requests=NUM_REQUESTS, speed=10.0)
+    config = LiveConfig(num_requests=NUM_REQUESTS)
     result = run_live(load_trace(limit=NUM_REQUESTS), config)
     assert not result.errors, result.errors
     assert len(result.answered) == NUM_REQUESTS
