@@ -9,7 +9,6 @@ Sliding layers never enter the pool: their state is the last W tokens per sequen
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,7 +60,7 @@ class PagedKVPool:
         self.layout = layout
         self.num_blocks = num_blocks
         shape = (num_blocks, *layout.block_shape)
-        nbytes = math.prod(shape) * torch.empty((), dtype=layout.dtype).element_size()
+        nbytes = num_blocks * layout.block_nbytes
         if device == "cpu" and nbytes > 0:
             # calloc: fresh zero pages from the OS, resident only once written (torch.zeros
             # writes every byte: a 1 GiB pool was 1 GiB resident before its first request).
