@@ -46,7 +46,10 @@ class ServiceConfig:
 
     env_prefix: ClassVar[str] = SHARED_ENV_PREFIX
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = "nats://127.0.0.1:4222"  # a cluster's servers: comma-separated
+    # Copies JetStream keeps of every stream, key-value bucket and object store this process
+    # creates: 3 on a three-server NATS cluster (one server may be lost), 1 on a single one.
+    js_replicas: int = 1
     root: str = DEFAULT_ROOT
     instance_id: str | None = None  # generated as <service>-<8 hex> when unset
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
@@ -71,9 +74,18 @@ class ServiceConfig:
     metrics_host: str = "127.0.0.1"
 
     def validate(self) -> None:
-        if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
+        # A cluster's servers come comma-separated: a client given all of them rides out the
+        # loss of any one.
+        urls = self.nats_url.split(",")
+        if not all(u.strip().startswith(("nats://", "tls://", "ws://", "wss://")) for u in urls):
             raise ConfigError(
-                f"nats_url {self.nats_url!r} must start with nats://, tls://, ws:// or wss://"
+                f"nats_url {self.nats_url!r} must start with nats://, tls://, ws:// or wss:// "
+                "(a cluster's: each of its comma-separated URLs)"
+            )
+        if not 1 <= self.js_replicas <= 5:
+            raise ConfigError(
+                f"js_replicas must be 1-5 (JetStream's limit; at most the NATS cluster's "
+                f"size), got {self.js_replicas}"
             )
         try:
             Subjects(self.root)

@@ -22,12 +22,22 @@ NATS_URL = typer.Option(
     "nats://127.0.0.1:4222", help="NATS server of the cluster", envvar="KVF_NATS_URL"
 )
 ROOT = typer.Option(DEFAULT_ROOT, help="subject root of the cluster", envvar="KVF_ROOT")
+JS_REPLICAS = typer.Option(
+    1,
+    min=1,
+    max=5,
+    help="copies JetStream keeps of the keys bucket: 3 on a three-server NATS cluster",
+    envvar="KVF_JS_REPLICAS",
+)
 T = TypeVar("T")
 
 
-def _run(nats_url: str, root: str, action: Callable[[KeyStore], Awaitable[T]]) -> T:
+def _run(
+    nats_url: str, root: str, js_replicas: int, action: Callable[[KeyStore], Awaitable[T]]
+) -> T:
     async def run() -> T:
         bus = await Bus.connect(nats_url, service="admin", root=root, connect_timeout_s=3.0)
+        bus.js.replicas = js_replicas
         try:
             store = KeyStore(bus)
             await store.start()
@@ -48,10 +58,11 @@ def create(
     name: str = typer.Option("", help="a label to tell keys apart"),
     nats_url: str = NATS_URL,
     root: str = ROOT,
+    js_replicas: int = JS_REPLICAS,
 ) -> None:
     """Create a key; it is printed once (only its hash is stored)."""
     try:
-        key, record = _run(nats_url, root, lambda store: store.create(account, name))
+        key, record = _run(nats_url, root, js_replicas, lambda store: store.create(account, name))
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--account") from exc
     typer.echo(f"{record.key_id} for account {record.account}: {key}")
@@ -61,10 +72,11 @@ def create(
 def list_keys(
     nats_url: str = NATS_URL,
     root: str = ROOT,
+    js_replicas: int = JS_REPLICAS,
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
     """Every key's id, account, label, creation time and state (never the key)."""
-    records = _run(nats_url, root, lambda store: store.list())
+    records = _run(nats_url, root, js_replicas, lambda store: store.list())
     if as_json:
         typer.echo(json.dumps([r.__dict__ for r in records], indent=2))
         return
@@ -83,9 +95,10 @@ def revoke(
     key_id: str = typer.Argument(..., help="the key's id, as `keys list` shows it"),
     nats_url: str = NATS_URL,
     root: str = ROOT,
+    js_replicas: int = JS_REPLICAS,
 ) -> None:
     """Revoke a key: ingress refuses it within seconds (it caches lookups for 5 s)."""
-    if not _run(nats_url, root, lambda store: store.revoke(key_id)):
+    if not _run(nats_url, root, js_replicas, lambda store: store.revoke(key_id)):
         typer.echo(f"no key {key_id!r}", err=True)
         raise typer.Exit(1)
     typer.echo(f"revoked {key_id}")

@@ -20,7 +20,9 @@ log = get_logger(__name__)
 async def connect_nats(
     url: str, *, name: str, connect_timeout_s: float, reconnect_wait_s: float
 ) -> Client:
-    """Connect, retrying until `connect_timeout_s` (`Unavailable` past it)."""
+    """Connect, retrying until `connect_timeout_s` (`Unavailable` past it). `url` may list
+    a cluster's servers, comma-separated: the client tries each and reconnects to any."""
+    servers = split_urls(url)
     deadline = time.monotonic() + connect_timeout_s
     connected: list[Client] = []
     while True:
@@ -30,7 +32,7 @@ async def connect_nats(
             remaining_s = max(deadline - time.monotonic(), 0.1)
             nc = await asyncio.wait_for(
                 nats.connect(
-                    servers=[url],
+                    servers=servers,
                     name=name,
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
@@ -48,6 +50,11 @@ async def connect_nats(
             if time.monotonic() >= deadline:
                 raise Unavailable(f"cannot connect to NATS at {url}: {exc}") from exc
             await asyncio.sleep(reconnect_wait_s)
+
+
+def split_urls(url: str) -> list[str]:
+    """`nats://a:4222,nats://b:4222` -> one URL per server (the seed list of a cluster)."""
+    return [part.strip() for part in url.split(",") if part.strip()]
 
 
 def abandon_pings(nc: Client) -> None:

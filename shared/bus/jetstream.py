@@ -8,17 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    ObjectStoreConfig,
+    StreamConfig,
+)
 
 from shared.bus.wire import RawMessage, raw_message
 from shared.logging import get_logger
@@ -28,6 +36,7 @@ from shared.subjects import js_pull_next
 log = get_logger(__name__)
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 STATUS_HEADER = "Status"  # nats-py puts a status line's code under this header
@@ -53,11 +62,18 @@ _NOT_ANSWERED = (
     nats.errors.ConnectionReconnectingError,
     nats.js.errors.ServiceUnavailableError,
 )
+# How long an acknowledged publish or a key-value operation tries again while its stream
+# has no leader: an election after a server of a three-server cluster was SIGKILLed took
+# 2-8 s here (tests/service/test_nats_cluster.py).
+LEADER_RETRY_S = 15.0
+CONSUMER_HEARTBEAT_S = 1.0
 
 
-async def until_answered(what: str, call: Callable[[], Awaitable[T]]) -> T:
-    """`call()`, again while JetStream does not answer, for `SETUP_RETRY_S` at most."""
-    deadline = time.monotonic() + SETUP_RETRY_S
+async def until_answered(
+    what: str, call: Callable[[], Awaitable[T]], *, retry_s: float = SETUP_RETRY_S
+) -> T:
+    """`call()`, again while JetStream does not answer, for `retry_s` at most."""
+    deadline = time.monotonic() + retry_s
     delay_s = 0.25
     while True:
         try:
@@ -70,6 +86,19 @@ async def until_answered(what: str, call: Callable[[], Awaitable[T]]) -> T:
             delay_s = min(delay_s * 2, 4.0)
 
 
+def _through_elections(
+    method: Callable[Concatenate[JetStream, str, P], Awaitable[T]],
+) -> Callable[Concatenate[JetStream, str, P], Awaitable[T]]:
+    """A key-value operation (idempotent), again while its bucket has no leader."""
+
+    @functools.wraps(method)
+    async def retrying(self: JetStream, bucket: str, *args: P.args, **kwargs: P.kwargs) -> T:
+        call = functools.partial(method, self, bucket, *args, **kwargs)
+        return await until_answered(f"bucket {bucket}", call, retry_s=LEADER_RETRY_S)
+
+    return retrying
+
+
 # (the message as it came, its stream sequence, what went wrong decoding or handling it)
 OnStreamError = Callable[[RawMessage, int, Exception], Awaitable[None]]
 
@@ -78,6 +107,10 @@ class JetStream:
     def __init__(self, nc: Client, subscriptions: list[Subscription]) -> None:
         self._nc = nc
         self._subscriptions = subscriptions  # the bus's: drained with the connection
+        # Copies of each stream, bucket and object store this client creates (ServiceConfig's
+        # js_replicas): 3 on a three-server cluster, 1 on a single server (more is refused).
+        self.replicas = 1
+        self._checked_buckets: set[str] = set()
 
     async def ensure_stream(
         self,
@@ -95,14 +128,23 @@ class JetStream:
             max_age=max_age_s,
             max_bytes=max_bytes,
             duplicate_window=duplicate_window_s,
+            num_replicas=self.replicas,
         )
         js = self._nc.jetstream()
 
         async def create_or_update() -> None:
             try:
                 await js.add_stream(config)
-            except nats.js.errors.BadRequestError:
-                await js.update_stream(config)
+            except nats.js.errors.BadRequestError as refused:
+                try:
+                    current = (await js.stream_info(name)).config.num_replicas or 1
+                except nats.js.errors.NotFoundError:
+                    raise refused from None  # not a config change: e.g. R3 on one server
+                if current > self.replicas:
+                    # Never fewer copies: a process started without js_replicas (1) must not
+                    # take a cluster's R3 streams down to one server's.
+                    log.info("stream keeps its replicas", stream=name, replicas=current)
+                await js.update_stream(config.evolve(num_replicas=max(current, self.replicas)))
 
         try:
             await until_answered(f"stream {name}", create_or_update)
@@ -127,6 +169,15 @@ class JetStream:
         info = await self._nc.jetstream().stream_info(name)
         return info.state.first_seq, info.state.last_seq
 
+    async def stream_peers(self, name: str) -> dict[str, bool]:
+        """Each server holding a copy of the stream -> whether it is current, the leader
+        first (its name in a cluster; a single server's id)."""
+        cluster = (await self._nc.jetstream().stream_info(name)).cluster
+        if cluster is None or cluster.leader is None:
+            return {}
+        followers = {peer.name: bool(peer.current) for peer in cluster.replicas or []}
+        return {cluster.leader: True} | followers
+
     async def consumer_backlog(self, stream: str, durable: str) -> int:
         """Messages a durable consumer has not had acknowledged yet: those not delivered
         and those delivered but not acknowledged (0 once it has worked through its stream)."""
@@ -145,21 +196,54 @@ class JetStream:
         """Publish a struct (or raw bytes) with a storage acknowledgement; `msg_id`
         deduplicates (Nats-Msg-Id); `headers` travel with the message (a request's trace
         context). `NoStream` when no stream stores the subject, `Unavailable` when no
-        acknowledgement comes."""
+        acknowledgement comes.
+
+        While the stream has no leader (a NATS server of the cluster lost) it tries again,
+        for `LEADER_RETRY_S` at most; after a missing acknowledgement only with a `msg_id`,
+        since the message may have been stored."""
         if msg_id:
             headers = {**(headers or {}), "Nats-Msg-Id": msg_id}
         data = message if isinstance(message, bytes) else encode(message)
+        js = self._nc.jetstream()
+        deadline = time.monotonic() + LEADER_RETRY_S
+        delay_s = 0.1
+        while True:
+            try:
+                ack = await js.publish(subject, data, timeout=timeout_s, headers=headers)
+                return ack.seq
+            except nats.js.errors.NoStreamResponseError as exc:
+                # No responder: no stream stores the subject, or its stream has no leader.
+                if not await self._stream_stores(subject):
+                    raise NoStream(f"no JetStream stream stores {subject}") from exc
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"the stream storing {subject} has no leader") from exc
+                error = "stream has no leader"
+            except (
+                nats.errors.TimeoutError,
+                nats.errors.ConnectionReconnectingError,
+                nats.js.errors.ServiceUnavailableError,
+            ) as exc:
+                stored_maybe = isinstance(exc, nats.errors.TimeoutError)
+                if (stored_maybe and not msg_id) or time.monotonic() > deadline:
+                    raise Unavailable(
+                        f"JetStream did not acknowledge {subject} in {timeout_s}s"
+                    ) from exc
+                error = str(exc) or type(exc).__name__
+            except nats.errors.ConnectionClosedError as exc:
+                raise Unavailable(f"connection closed before {subject} was stored") from exc
+            log.warning("JetStream publish not acknowledged: trying again", error=error)
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 1.0)
+
+    async def _stream_stores(self, subject: str) -> bool:
+        """Whether some stream stores `subject` (True when JetStream cannot say now)."""
         try:
-            ack = await self._nc.jetstream().publish(
-                subject, data, timeout=timeout_s, headers=headers
-            )
-        except nats.js.errors.NoStreamResponseError as exc:
-            raise NoStream(f"no JetStream stream stores {subject}") from exc
-        except nats.errors.TimeoutError as exc:
-            raise Unavailable(f"JetStream did not acknowledge {subject} in {timeout_s}s") from exc
-        except nats.errors.ConnectionClosedError as exc:
-            raise Unavailable(f"connection closed before {subject} was stored") from exc
-        return ack.seq
+            await self._nc.jetstream().find_stream_name_by_subject(subject)
+        except nats.js.errors.NotFoundError:
+            return False
+        except (*_NOT_ANSWERED, nats.errors.ConnectionClosedError):
+            return True
+        return True
 
     async def consume(
         self,
@@ -177,11 +261,16 @@ class JetStream:
         A message that does not decode, or whose handler raises, goes to `on_error` (the
         consumer decides what losing it means: kv-index resyncs the writer); without one it
         is logged as an error and skipped."""
+        # An ordered consumer lives on one server; nats-py recreates it after two missed
+        # heartbeats (its default 5 s: a consumer on a lost server came back after ~20 s).
+        heartbeat_s = CONSUMER_HEARTBEAT_S
         if start_seq is None:
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, idle_heartbeat=heartbeat_s)
         else:
             config = ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=start_seq,
+                idle_heartbeat=heartbeat_s,
             )
 
         async def on_message(msg: Msg) -> None:
@@ -199,9 +288,15 @@ class JetStream:
                 except Exception:
                     log.exception("stream error handler crashed", subject=msg.subject)
 
-        subscription = await self._nc.jetstream().subscribe(
-            subject, stream=stream, cb=on_message, ordered_consumer=True, config=config
-        )
+        def subscribe() -> Awaitable[Subscription]:
+            # A fresh config (and so a fresh delivery inbox) for each try: nats-py fills it
+            # in, and a consumer created by a try that timed out must not deliver here too.
+            return self._nc.jetstream().subscribe(
+                subject, stream=stream, cb=on_message, ordered_consumer=True, config=config.evolve()
+            )
+
+        # Creating the consumer needs the meta leader: elected anew when a server is lost.
+        subscription = await until_answered(f"consumer of {stream}", subscribe)
         self._subscriptions.append(subscription)
         return subscription
 
@@ -237,7 +332,10 @@ class JetStream:
         try:
             store = await js.object_store(bucket)
         except nats.js.errors.BucketNotFoundError:
-            store = await js.create_object_store(bucket)
+            config = ObjectStoreConfig(bucket=bucket, replicas=self.replicas)
+            store = await js.create_object_store(bucket, config)
+        else:
+            await self._raise_replicas(f"OBJ_{bucket}")
         await store.put(name, data)
 
     async def get_object(self, bucket: str, name: str) -> bytes | None:
@@ -257,12 +355,34 @@ class JetStream:
         try:
             await js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
-            await js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1))
+            config = KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1, replicas=self.replicas)
+            try:
+                await js.create_key_value(config)
+            except nats.js.errors.APIError as exc:  # e.g. R3 on a single server
+                raise StreamRefused(
+                    f"JetStream refused bucket {bucket}: {exc.description or exc!r}"
+                ) from None
+        else:
+            await self._raise_replicas(f"KV_{bucket}")
 
+    async def _raise_replicas(self, stream: str) -> None:
+        """Bring an existing bucket's stream up to `replicas` copies (JetStream scales a
+        stream in place), once per process; never down, as `ensure_stream`."""
+        if self.replicas == 1 or stream in self._checked_buckets:
+            return
+        js = self._nc.jetstream()
+        info = await js.stream_info(stream)
+        if (info.config.num_replicas or 1) < self.replicas:
+            log.info("bucket scaled up", stream=stream, replicas=self.replicas)
+            await js.update_stream(info.config.evolve(num_replicas=self.replicas))
+        self._checked_buckets.add(stream)
+
+    @_through_elections
     async def kv_put(self, bucket: str, key: str, value: bytes) -> None:
         kv = await self._nc.jetstream().key_value(bucket)
         await kv.put(key, value)
 
+    @_through_elections
     async def kv_get(self, bucket: str, key: str) -> bytes | None:
         """The value, or None when the key (or the bucket) is absent, deleted or expired."""
         js = self._nc.jetstream()
@@ -277,6 +397,7 @@ class JetStream:
             return None
         return entry.value
 
+    @_through_elections
     async def kv_delete(self, bucket: str, key: str) -> None:
         js = self._nc.jetstream()
         try:
@@ -285,6 +406,7 @@ class JetStream:
             return
         await kv.delete(key)
 
+    @_through_elections
     async def kv_keys(self, bucket: str) -> list[str]:
         js = self._nc.jetstream()
         try:
