@@ -13,6 +13,11 @@ through its durable outbox, under a message id of its own: if the worker did pub
 record as well, billing's ledger keeps the worker's count) and raises `Unavailable`, well
 before the idle timeout.
 
+The router is watched the same way until it has answered, when the caller names the router
+instance it sends to (`router_id`: ingress picks one of those it hears beating): a router
+killed while routing is known within `liveness_timeout_s`, not at the route timeout. A
+router named but gone already (no responders) passes the request to any router.
+
 Whenever the caller stops waiting before the stream ended (cancelled, deadline, stall, lost
 worker) it broadcasts `CancelRequest`, so every hop stops work it no longer owes.
 """
@@ -37,6 +42,7 @@ from shared.schema import (
     DecodeStats,
     GenerateRequest,
     LoadReport,
+    NoResponders,
     Overloaded,
     RouteDecision,
     SamplingParams,
@@ -50,7 +56,7 @@ from shared.schema import (
     unpack_token_ids,
 )
 from shared.streams import ChunkReader
-from shared.subjects import DECODE, INGRESS, VLLM_WORKER
+from shared.subjects import DECODE, INGRESS, ROUTER, VLLM_WORKER
 from shared.telemetry import REQUEST_ID
 from shared.usage import usage_publisher, usage_record
 from shared.usage_outbox import UsageOutbox
@@ -131,11 +137,15 @@ async def generate(
     route_timeout_s: float = 30.0,
     overload_wait_s: float = 30.0,
     outbox: UsageOutbox | None = None,
+    router_id: str | None = None,
 ) -> GenerateResult:
     """Run one request through the cluster; `on_chunk(chunk)` sees every chunk as it comes,
     `on_decision(decision)` the router's answer once it has come (a caller that must answer
     its own client before the first token, as ingress does, waits for it: from then on a
     failure is the stream's, not the router's refusal).
+
+    `router_id`: send to that router instance and watch its heartbeats until it answers
+    (None: any router, through the queue group, unwatched).
 
     `outbox` keeps the usage record of a stream whose decode worker died until JetStream has
     it (ingress and `kvfabric generate` pass theirs); without one it is published once.
@@ -170,6 +180,7 @@ async def generate(
             route_timeout_s,
             overload_wait_s,
             outbox,
+            router_id,
         )
         if span.is_recording():
             decision = result.decision
@@ -198,6 +209,7 @@ async def _generate(
     route_timeout_s: float,
     overload_wait_s: float,
     outbox: UsageOutbox | None,
+    router_id: str | None,
 ) -> GenerateResult:
     """`generate`: sends until the router takes the request or the overload wait is spent."""
     waited_s = 0.0
@@ -222,6 +234,7 @@ async def _generate(
                 liveness_timeout_s,
                 route_timeout_s,
                 outbox,
+                router_id,
             )
             return await call.run()
         except Overloaded as exc:
@@ -262,8 +275,10 @@ class _Generation:
         liveness_timeout_s: float,
         route_timeout_s: float,
         outbox: UsageOutbox | None,
+        router_id: str | None = None,
     ) -> None:
         self.bus = bus
+        self.router_id = router_id
         self.outbox = outbox
         self.request = request
         self.reader = reader
@@ -280,23 +295,67 @@ class _Generation:
         self.refused_by_router = False  # the router answered an error: nothing was started
         self.on_decision = on_decision
 
-    async def run(self) -> GenerateResult:
+    async def _route(self) -> RouteDecision:
         bus, request = self.bus, self.request
-        route = asyncio.create_task(
-            bus.request(
-                bus.subjects.router_generate,
+        pooled = bus.subjects.router_generate
+
+        async def send(subject: str) -> RouteDecision:
+            return await bus.request(
+                subject,
                 request,
                 RouteDecision,
                 timeout_s=self.route_timeout_s,
                 request_id=request.request_id,
                 deadline_ms=request.deadline_ms,
             )
+
+        if self.router_id is None:
+            return await send(pooled)
+        try:
+            return await send(bus.subjects.instance(pooled, self.router_id))
+        except NoResponders:  # it went away since its last heartbeat: nothing reached it
+            self.router_id = None
+            return await send(pooled)
+
+    async def _watch_router(self, route: asyncio.Task[RouteDecision]) -> None:
+        """Returns once the router we sent to has been silent for `liveness_timeout_s`
+        before answering (killed while routing); runs for as long as `route` does."""
+        beats: dict[str, float] = {"last": time.monotonic()}
+
+        async def on_beat(_: LoadReport) -> None:
+            beats["last"] = time.monotonic()
+
+        subscription = await self.bus.subscribe(
+            self.bus.subjects.load(ROUTER, self.router_id or ""), LoadReport, on_beat
         )
+        try:
+            while not route.done() and self.router_id is not None:
+                silent_s = time.monotonic() - beats["last"]
+                if silent_s >= self.liveness_timeout_s:
+                    return
+                await asyncio.sleep(min(self.liveness_timeout_s - silent_s, 0.25))
+            await asyncio.Event().wait()  # answered (or sent on to any router): never fires
+        finally:
+            await self.bus.unsubscribe(subscription)
+
+    async def run(self) -> GenerateResult:
+        bus, request = self.bus, self.request
+        route = asyncio.create_task(self._route())
         read = asyncio.create_task(self._read())
+        router_watch = (
+            asyncio.create_task(self._watch_router(route)) if self.router_id is not None else None
+        )
         watch: asyncio.Task[None] | None = None
         heartbeats = None
         try:
-            await asyncio.wait({route, read}, return_when=asyncio.FIRST_COMPLETED)
+            waits = {route, read} | ({router_watch} if router_watch else set())
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if router_watch is not None and router_watch.done() and not route.done():
+                raise Unavailable(
+                    f"router {self.router_id} stopped responding (no heartbeat for "
+                    f"{self.liveness_timeout_s:.1f}s) before it routed the request",
+                    retry_after_s=1.0,
+                )
             if not route.done():  # the stream ended first: an error, or a very short answer
                 read.result()
             decision = await route
@@ -338,10 +397,11 @@ class _Generation:
                 )
             raise
         finally:
-            for task in (route, read, watch):
-                if task is not None and not task.done():
+            tasks = [t for t in (route, read, watch, router_watch) if t is not None]
+            for task in tasks:
+                if not task.done():
                     task.cancel()
-            await asyncio.gather(route, read, *([watch] if watch else []), return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             if heartbeats is not None:
                 await self.bus.unsubscribe(heartbeats)
 

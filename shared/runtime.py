@@ -7,6 +7,12 @@ stop: heartbeat says draining -> stop announcing (heartbeats, discovery) -> stop
 and finish in-flight requests within `shutdown_grace_s` -> the service's cleanup hooks ->
 drain the connection. Every step is safe to repeat.
 
+drain (`DrainRequest` on the instance's drain subject, `kvfabric drain`): planned
+maintenance. The instance reports DRAINING while it keeps heartbeating and serving what it
+has (routers send it nothing new; callers watching its heartbeats see it alive), waits until
+`in_flight()` is 0 or the request's grace passes, then stops as above and exits 0 (its
+launcher starts it again at once).
+
 Ready: an instance is SERVING once set up, unless its setup said it is not ready yet
 (`hold_ready(reason)`: kv-index still replaying its event log); it then reports STARTING, in
 its heartbeats, in discovery (with the reason) and on `/health` (503), until `mark_ready()`.
@@ -24,15 +30,25 @@ import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from shared import telemetry
 from shared.bus import Bus, now_ms
+from shared.bus.wire import RawMessage
 from shared.config import ServiceConfig
 from shared.discovery import DiscoveryResponder
 from shared.logging import configure_logging, get_logger
 from shared.metrics import CONTENT_TYPE, Metrics
-from shared.schema import ErrorCode, InstanceState, LoadReport, ServiceError
+from shared.schema import (
+    DrainAccepted,
+    DrainRequest,
+    ErrorCode,
+    InstanceState,
+    LoadReport,
+    ServiceError,
+    decode,
+)
 from shared.tasks import cancel_and_wait
 
 VERSION = "0.1.0"
@@ -49,6 +65,9 @@ class ServiceRuntime:
         self.state = InstanceState.STARTING
         # A service sets this to report its own queue and KV figures in heartbeats.
         self.load_fields: Callable[[], dict[str, Any]] = dict
+        # Work a drain waits for besides handlers in flight (a worker's running streams).
+        self.in_flight: Callable[[], int] = lambda: 0
+        self._draining: asyncio.Task[None] | None = None
         self.metrics = Metrics(service, self.instance_id)
         self._bus: Bus | None = None
         self._discovery: DiscoveryResponder | None = None
@@ -141,6 +160,17 @@ class ServiceRuntime:
         bus's own counts, read when scraped); and the requests in flight."""
         bus = self.bus
         self.metrics.gauge_from(
+            "kvfabric_nats_connected",
+            "1 while the connection to NATS is up, 0 while it reconnects.",
+            lambda: int(bus.is_connected),
+        )
+        self.metrics.gauge_from(
+            "kvfabric_instance_serving",
+            "1 while the instance takes new work (SERVING); 0 starting (kv-index replaying "
+            "its log) or draining.",
+            lambda: int(self.state is InstanceState.SERVING),
+        )
+        self.metrics.gauge_from(
             "kvfabric_inflight_requests",
             "Requests being handled now, every endpoint's.",
             lambda: bus.num_inflight,
@@ -210,6 +240,7 @@ class ServiceRuntime:
                 root=self.config.root,
                 connect_timeout_s=self.config.connect_timeout_s,
             )
+            self._bus.js.replicas = self.config.js_replicas
             if self.config.metrics_port is not None:
                 await self._serve_http(self.config.metrics_host, self.config.metrics_port)
             await setup(self)
@@ -224,6 +255,9 @@ class ServiceRuntime:
                 not_ready=lambda: self.not_ready_reason,
             )
             await self._discovery.start()
+            await self._bus.subscribe_raw(
+                self._bus.subjects.drain(self.instance_id), self._on_drain
+            )
             self._is_set_up = True
             if self.not_ready_reason is None:
                 self.state = InstanceState.SERVING
@@ -234,6 +268,33 @@ class ServiceRuntime:
             log.info("stopping")
         finally:
             await self.shutdown()
+
+    def num_in_flight(self) -> int:
+        return (self._bus.num_inflight if self._bus else 0) + self.in_flight()
+
+    async def _on_drain(self, msg: RawMessage) -> None:
+        try:
+            request = decode(msg.data, DrainRequest)
+        except msgspec.DecodeError as exc:
+            log.warning("malformed drain request", error=str(exc))
+            return
+        if msg.reply:
+            accepted = DrainAccepted(
+                instance_id=self.instance_id, num_in_flight=self.num_in_flight()
+            )
+            await self.bus.publish(msg.reply, accepted)
+        if self._draining is None and not self._stop.is_set():
+            self._draining = asyncio.create_task(self._drain(request.grace_s))
+
+    async def _drain(self, grace_s: float) -> None:
+        log.info("draining", num_in_flight=self.num_in_flight(), grace_s=grace_s)
+        self.state = InstanceState.DRAINING
+        await self.publish_load_report()  # routers stop choosing it now, not at the next beat
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while self.num_in_flight() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        log.info("drained", num_left=self.num_in_flight())
+        self.request_stop()
 
     async def publish_load_report(self) -> None:
         """A heartbeat now, between the periodic ones: a worker whose load just dropped (a
@@ -256,6 +317,8 @@ class ServiceRuntime:
         self.state = InstanceState.DRAINING
         await cancel_and_wait(self._heartbeat)
         await self.publish_load_report()  # draining: routers stop sending work at once
+        if self._draining is not None and self._draining is not asyncio.current_task():
+            await cancel_and_wait(self._draining)
         if self._discovery is not None:
             await self._discovery.stop()
         if self._bus is not None:

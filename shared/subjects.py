@@ -186,6 +186,10 @@ class Subjects:
         peer addresses one worker with `instance(nixl_metadata(service), instance_id)`."""
         return self.endpoint(service, "nixl-metadata")
 
+    def drain(self, instance_id: str) -> str:
+        """`DrainRequest` to one instance (any service): `kvfabric drain`."""
+        return f"{self.root}.control.drain.{check_token(instance_id, 'instance id')}"
+
     # -- events --------------------------------------------------------------------------
     def load(self, service: str, instance_id: str) -> str:
         """`LoadReport` heartbeats of one instance."""

@@ -44,6 +44,11 @@ and 0.12-0.42x. `UCX_TLS=shm,self` or `cma,self` fail at backend creation
 (NIXL_ERR_BACKEND), since UCX then has no transport to wire the peers up with. A peer killed
 after its metadata was cached fails the next transfer at once ("remote agent was
 disconnected"), well before the timeout.
+
+Nothing here binds or advertises an address: NIXL's listener thread is off, the metadata rides
+NATS, and UCX puts in it the addresses of this node's interfaces (UCX_NET_DEVICES picks them;
+loopback is left out). Network-namespace hosts on one kernel are one node to UCX, which then
+moves KV with CMA; `UCX_TLS=tcp` makes it cross their network (tests/faults/test_hosts.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,22 @@
 """`kvfabric`: the admin CLI. `up` runs the whole cluster on one machine, `serve` runs one
-service instance against an existing NATS, `status` lists live instances, `demo` brings the
+service instance against an existing NATS, `status` lists live instances and the launcher's
+restarts, `drain` restarts one instance without failing its requests, `demo` brings the
 cluster up, serves an agent's two turns and stops it, `generate` sends one prompt through a
 running cluster, `cache` inspects the KV cache and `models` the model cache."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import secrets
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import typer
+from aiohttp import web
 
 from services.admin import (
     bench_cli,
@@ -29,13 +31,21 @@ from services.admin import (
 )
 from services.admin.demo import demo_requests
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of, parse_replicas
-from services.admin.status import render
+from services.admin.status import render, render_supervision
+from services.admin.supervisor import RestartPolicy, load_state
 from shared import models
 from shared.bus import Bus
 from shared.config import ENGINES
 from shared.discovery import discover
+from shared.metrics import CONTENT_TYPE
 from shared.models import DEFAULT_MODELS
-from shared.schema import ServiceError
+from shared.schema import (
+    DrainAccepted,
+    DrainRequest,
+    InstanceState,
+    NoResponders,
+    ServiceError,
+)
 from shared.subjects import DECODE, DEFAULT_ROOT, PREFILL, SERVICES, VLLM_WORKER
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
@@ -77,7 +87,19 @@ NATS_URL_HELP = "URL of a running NATS server (default: start an embedded one)"
 @app.command()
 def up(
     nats_url: str | None = typer.Option(None, help=NATS_URL_HELP, envvar="KVF_NATS_URL"),
-    nats_port: int = typer.Option(4222, help="embedded nats-server port (0: any free port)"),
+    nats_port: int = typer.Option(
+        4222, help="embedded nats-server port; a cluster's take the next ones (0: any free port)"
+    ),
+    nats_cluster: int = typer.Option(
+        1,
+        help="embedded NATS servers: 1, or a JetStream cluster of this many (3: every stream, "
+        "bucket and object store kept on three servers, R3; one may be lost)",
+    ),
+    js_replicas: int | None = typer.Option(
+        None,
+        help="replicas of every stream, bucket and object store (default: min(servers, 3); "
+        "1 with --nats-url unless given: say what an external cluster supports)",
+    ),
     http_port: int = typer.Option(
         8000, help="ingress HTTP port; replicas take the next ports (0: any)"
     ),
@@ -118,8 +140,16 @@ def up(
     trace_sample_ratio: float = typer.Option(
         1.0, help="the share of requests traced when spans are exported (0..1)"
     ),
+    restart_budget: int = typer.Option(
+        5,
+        help="restarts of one process within --restart-window-s before it is marked failed "
+        "and left down (the rest serve on)",
+    ),
+    restart_window_s: float = typer.Option(60.0, help="the window of --restart-budget"),
 ) -> None:
-    """Run the whole cluster on this machine until Ctrl-C or SIGTERM."""
+    """Run the whole cluster on this machine until Ctrl-C or SIGTERM. A process that exits on
+    its own is started again (backoff 0.5 s doubling to 10 s; the embedded nats-server on the
+    same port and store); `kvfabric status` shows restarts and failed instances."""
     spec = _spec(
         nats_url,
         nats_port,
@@ -141,6 +171,24 @@ def up(
     spec.trace_dir, spec.otlp_endpoint, spec.trace_sample_ratio = _tracing(
         trace_dir, otlp_endpoint, trace_sample_ratio
     )
+    if restart_budget < 0 or restart_window_s <= 0:
+        raise typer.BadParameter(
+            "the budget must be >= 0 and the window > 0", param_hint="--restart-budget"
+        )
+    spec.restart_policy = RestartPolicy(budget=restart_budget, window_s=restart_window_s)
+    if nats_cluster < 1 or (nats_url is not None and nats_cluster != 1):
+        raise typer.BadParameter(
+            "at least 1, and only for embedded servers (not with --nats-url)",
+            param_hint="--nats-cluster",
+        )
+    if js_replicas is not None and not 1 <= js_replicas <= 5:
+        raise typer.BadParameter("must be in 1..5", param_hint="--js-replicas")
+    if js_replicas is not None and nats_url is None and js_replicas > nats_cluster:
+        raise typer.BadParameter(
+            f"{js_replicas} replicas need as many servers (--nats-cluster {js_replicas})",
+            param_hint="--js-replicas",
+        )
+    spec.nats_cluster, spec.js_replicas = nats_cluster, js_replicas
     raise typer.Exit(asyncio.run(_up(spec, serve_forever=True)))
 
 
@@ -191,11 +239,16 @@ def status(
         "nats://127.0.0.1:4222", help="NATS server of the cluster", envvar="KVF_NATS_URL"
     ),
     root: str = typer.Option(DEFAULT_ROOT, help="subject root of the cluster", envvar="KVF_ROOT"),
+    state_dir: Path = typer.Option(
+        Path(".kvfabric"),
+        help="the state dir of a `kvfabric up`: its supervision (restarts, crash-looping, "
+        "failed and degraded services) is shown too, when it has any",
+    ),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
     timeout_s: float = typer.Option(0.5, help="how long to collect discovery replies"),
 ) -> None:
     """List every live instance with its load and metrics URL (from NATS discovery); --json
-    adds each one's metrics."""
+    adds each one's metrics. Exit 1 when NATS cannot be reached."""
 
     async def collect() -> list:
         bus = await Bus.connect(nats_url, service="admin", root=root, connect_timeout_s=3.0)
@@ -204,17 +257,96 @@ def status(
         finally:
             await bus.close()
 
+    supervision = load_state(state_dir)
+    error = None
     try:
         instances = asyncio.run(collect())
     except ServiceError as exc:
-        typer.echo(f"status: {exc.message}", err=True)
-        raise typer.Exit(1) from exc
+        instances, error = [], exc.message
     if as_json:
-        typer.echo(json.dumps([i.__dict__ for i in instances], indent=2))
-    elif not instances:
-        typer.echo(f"no kvfabric instances under root {root!r} at {nats_url}")
+        body: dict | list = [i.__dict__ for i in instances]
+        if supervision is not None or error:
+            body = {"instances": body, "supervision": supervision, "error": error}
+        typer.echo(json.dumps(body, indent=2))
     else:
-        typer.echo(render(instances))
+        if error:
+            typer.echo(f"status: {error}", err=True)
+        elif not instances:
+            typer.echo(f"no kvfabric instances under root {root!r} at {nats_url}")
+        else:
+            typer.echo(render(instances))
+        if supervision is not None:
+            typer.echo("")
+            typer.echo(render_supervision(supervision, instances))
+    if error:
+        raise typer.Exit(1)
+
+
+@app.command(short_help="Drain one instance: no new work, what it has finishes, then it restarts.")
+def drain(
+    instance_id: str = typer.Argument(..., help="the instance, as `kvfabric status` names it"),
+    nats_url: str = typer.Option(
+        "nats://127.0.0.1:4222", help="NATS server of the cluster", envvar="KVF_NATS_URL"
+    ),
+    root: str = typer.Option(DEFAULT_ROOT, help="subject root of the cluster", envvar="KVF_ROOT"),
+    grace_s: float = typer.Option(
+        60.0, help="how long its requests in flight may take to finish before it stops anyway"
+    ),
+    wait: bool = typer.Option(
+        True, help="wait until it stopped and (under `kvfabric up`) serves again"
+    ),
+    timeout_s: float = typer.Option(120.0, help="how long --wait waits"),
+) -> None:
+    """Planned maintenance: the instance reports DRAINING (routers send it nothing new), lets
+    what it has in flight finish within --grace-s, and exits cleanly; `kvfabric up` starts
+    it again at once. Draining instances one at a time is a rolling restart that fails no
+    request. Exit 1 when it cannot be reached or is not back within --timeout-s."""
+    if grace_s < 0 or timeout_s <= 0:
+        raise typer.BadParameter("--grace-s must be >= 0 and --timeout-s > 0")
+    try:
+        code = asyncio.run(_drain(nats_url, root, instance_id, grace_s, wait, timeout_s))
+    except ServiceError as exc:
+        typer.echo(f"drain: {exc.message}", err=True)
+        raise typer.Exit(1) from exc
+    raise typer.Exit(code)
+
+
+async def _drain(
+    nats_url: str, root: str, instance_id: str, grace_s: float, wait: bool, timeout_s: float
+) -> int:
+    bus = await Bus.connect(nats_url, service="admin", root=root, connect_timeout_s=3.0)
+    try:
+        started = time.monotonic()
+        try:
+            accepted = await bus.request(
+                bus.subjects.drain(instance_id),
+                DrainRequest(grace_s=grace_s),
+                DrainAccepted,
+                timeout_s=5.0,
+            )
+        except NoResponders:
+            typer.echo(f"drain: no instance {instance_id!r} under root {root!r}", err=True)
+            return 1
+        typer.echo(f"draining {instance_id}: {accepted.num_in_flight} in flight")
+        if not wait:
+            return 0
+        was_gone = False
+        while time.monotonic() - started < timeout_s:
+            found = [i for i in await discover(bus, timeout_s=0.3) if i.instance_id == instance_id]
+            state = str(found[0].load.get("state", "")) if found else ""
+            if not found and not was_gone:
+                was_gone = True
+                typer.echo(f"{instance_id} stopped after {time.monotonic() - started:.1f}s")
+            if was_gone and state == InstanceState.SERVING:
+                typer.echo(f"{instance_id} serving again after {time.monotonic() - started:.1f}s")
+                return 0
+        typer.echo(
+            f"drain: {instance_id} not {'back' if was_gone else 'stopped'} within {timeout_s}s",
+            err=True,
+        )
+        return 1
+    finally:
+        await bus.close()
 
 
 def _models(text: str, engine: str = "model") -> tuple[str, ...]:
@@ -309,6 +441,28 @@ def _spec(
     )
 
 
+async def serve_launcher_metrics(cluster: Cluster, spec: ClusterSpec) -> web.AppRunner:
+    """The launcher's own /metrics (the supervisor's restarts and states), on the port after
+    the services' when --metrics-port is given, else any free one."""
+    metrics = cluster.supervisor_metrics()
+
+    async def exposition(_: web.Request) -> web.Response:
+        response = web.Response(body=metrics.exposition())
+        response.headers["Content-Type"] = CONTENT_TYPE
+        return response
+
+    app = web.Application()
+    app.router.add_get("/metrics", exposition)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = spec.metrics_port + len(cluster.children) if spec.metrics_port else 0
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    host, bound = runner.addresses[0][:2]
+    cluster.supervisor.metrics_url = f"http://{host}:{bound}/metrics"
+    cluster.supervisor.save()
+    return runner
+
+
 async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
     cluster = Cluster(spec)
     stop = asyncio.Event()
@@ -321,10 +475,17 @@ async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
         num_processes = sum(len(spec.instances(s)) for s in START_ORDER)
         echo(f"starting {num_processes} service processes ({', '.join(spec.models)})")
         cluster.start()
-        echo(
-            f"nats-server   {cluster.nats_url}"
-            + ("" if spec.nats_url else f" (embedded, pid {cluster.nats.pid})")
-        )
+        if cluster.nats_cluster is not None:
+            pids = ", ".join(str(s.pid) for s in cluster.nats_cluster.servers)
+            echo(
+                f"nats-servers  {cluster.nats_url} (embedded JetStream cluster, "
+                f"R{spec.stream_replicas()}, pids {pids})"
+            )
+        else:
+            echo(
+                f"nats-server   {cluster.nats_url}"
+                + ("" if spec.nats_url else f" (embedded, pid {cluster.nats.pid})")
+            )
         for child in cluster.children:
             echo(f"process       {child.instance_id} pid {child.process.pid} log {child.log_path}")
         bus = await Bus.connect(cluster.nats_url, service="admin", root=spec.root)
@@ -354,14 +515,13 @@ async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
             )
         echo(f"ready         {len(instances)} instances under root {spec.root}")
         if serve_forever:
+            launcher_http = await serve_launcher_metrics(cluster, spec)
+            echo(f"metrics       launcher  {cluster.supervisor.metrics_url}")
+            cluster.supervise_in_background(lambda event: echo(f"supervisor    {event}"))
             echo("Ctrl-C stops the cluster")
-            while not stop.is_set() and not cluster.exited():
-                # Wake once a second to notice a service that exited on its own.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=1.0)
-            for child in cluster.exited():
-                echo(f"{child.instance_id} exited with code {child.process.returncode}; stopping")
-            return 0 if stop.is_set() else 1
+            await stop.wait()
+            await launcher_http.cleanup()
+            return 0
         return await demo_requests(cluster, bus, echo, spec.dev_api_key)
     except (RuntimeError, TimeoutError, ServiceError) as exc:
         echo(f"error: {exc}")

@@ -4,23 +4,41 @@ the reverse order. Each process serves `/metrics` and `/health` on a port of its
 (`--metrics-port`: consecutive from `metrics_port`, or any free one), named in discovery.
 Children, the nats-server among them, die with the launcher even if it is killed
 (PR_SET_PDEATHSIG), so no orphan outlives it.
+
+Supervision (`supervise`, supervisor.py): a process that exits on its own is started again
+under the same id and flags after a backoff, the embedded nats-server on the same port and
+store; an instance whose restart budget is spent is marked failed and the rest serve on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.admin.supervisor import (
+    FAILED,
+    NATS_SERVER,
+    RUNNING,
+    RestartPolicy,
+    Supervisor,
+    exit_reason,
+)
 from shared import models
 from shared.bus import Bus
 from shared.discovery import Instance, discover
-from shared.natsd import NatsServer, die_with_parent
+from shared.metrics import Metrics
+from shared.natsd import NatsCluster, NatsServer, NatsServerError, die_with_parent
 from shared.subjects import (
     BILLING,
     DECODE,
@@ -54,6 +72,12 @@ DEFAULT_REPLICAS = {VLLM_WORKER: 0}
 assert set(START_ORDER) == set(SERVICES)
 
 
+def instance_host(placement: Placement) -> str:
+    """The node id of a placed instance: the host's name when its environment names one (a
+    namespace has the machine's hostname), else its address."""
+    return dict(placement.env).get("KVF_NODE_ID", placement.address)
+
+
 def module_of(service: str) -> str:
     return "services." + service.replace("-", "_")
 
@@ -82,6 +106,24 @@ def parse_replicas(text: str) -> dict[str, int]:
     return replicas
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one process runs when the cluster is split over hosts (the fault suite's network
+    namespaces): the command prefix that runs it there (`ip netns exec NAME`), what its
+    environment adds, and the host's address, which it binds and advertises instead of
+    127.0.0.1."""
+
+    prefix: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    address: str = "127.0.0.1"
+    # For what the launcher starts itself (the embedded nats-servers): puts the calling
+    # thread on the host while it starts them (their children inherit its network).
+    enter: Callable[[], AbstractContextManager[None]] | None = None
+
+    def entered(self) -> AbstractContextManager[None]:
+        return self.enter() if self.enter is not None else contextlib.nullcontext()
+
+
 @dataclass
 class ClusterSpec:
     state_dir: Path
@@ -108,6 +150,20 @@ class ClusterSpec:
     trace_dir: Path | None = None
     otlp_endpoint: str | None = None
     trace_sample_ratio: float = 1.0
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    # Hosts apart: where each instance runs (absent: this machine, 127.0.0.1), and the
+    # embedded nats-server (a single one; its address is then what clients are given).
+    placement: dict[str, Placement] = field(default_factory=dict)
+    nats_placement: Placement | None = None
+    # Embedded NATS servers: 1, or a JetStream cluster of this many (`up --nats-cluster 3`).
+    nats_cluster: int = 1
+    # Replicas of every stream, bucket and object store; None: min(servers, 3).
+    js_replicas: int | None = None
+
+    def stream_replicas(self) -> int:
+        if self.js_replicas is not None:
+            return self.js_replicas
+        return min(self.nats_cluster, 3) if self.nats_url is None else 1
 
     def num_replicas(self, service: str) -> int:
         return self.replicas.get(service, DEFAULT_REPLICAS.get(service, 1))
@@ -156,28 +212,60 @@ class Child:
     log_path: Path
     index: int = 0  # among its service's instances (its HTTP port's offset)
     model: str | None = None
+    is_stopped_on_purpose: bool = False  # by the launcher: not an exit to supervise
+    is_exit_handled: bool = False
 
 
 class Cluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
-        self.nats: NatsServer | None = None
+        self.nats: NatsServer | None = None  # the embedded server, or the cluster's first
+        self.nats_cluster: NatsCluster | None = None
         self.children: list[Child] = []
         self.nats_url = spec.nats_url or ""
         self.http_urls: list[str] = []
         self.metrics_urls: dict[str, str] = {}  # instance id -> its /metrics, once ready
+        self.supervisor = Supervisor(spec.state_dir, spec.restart_policy)
+        # instance id -> {"http": port, "metrics": port}, once discovery named them
+        self.pinned_ports: dict[str, dict[str, int]] = {}
+        # Supervision runs on its own thread beside whoever drives the cluster (the CLI's
+        # event loop, a test); the lock keeps `children` whole between the two.
+        self._lock = threading.RLock()
+        self._is_stopping = False
+        self._is_closed = False
+        self._supervising: threading.Thread | None = None
 
     def start(self) -> None:
         self.spec.state_dir.mkdir(parents=True, exist_ok=True)
         (self.spec.state_dir / "logs").mkdir(exist_ok=True)
         record_trace_dir(self.spec.state_dir, self.spec.trace_dir)
-        if self.spec.nats_url is None:
-            self.nats = NatsServer(self.spec.state_dir / "nats", port=self.spec.nats_port)
-            self.nats.start()
+        placed = self.spec.nats_placement or Placement()
+        if self.spec.nats_url is None and self.spec.nats_cluster > 1:
+            size, base = self.spec.nats_cluster, self.spec.nats_port
+            with placed.entered():
+                self.nats_cluster = NatsCluster(
+                    self.spec.state_dir / "nats-cluster",
+                    size,
+                    host=placed.address,
+                    ports=[base + i if base else 0 for i in range(size)],
+                )
+                self.nats_cluster.start()
+            self.nats = self.nats_cluster.servers[0]
+            self.nats_url = self.nats_cluster.url
+            for i, server in enumerate(self.nats_cluster.servers):
+                self.supervisor.started(f"{NATS_SERVER}-{i}", NATS_SERVER, server.pid)
+        elif self.spec.nats_url is None:
+            self.nats = NatsServer(
+                self.spec.state_dir / "nats", host=placed.address, port=self.spec.nats_port
+            )
+            with placed.entered():
+                self.nats.start()
             self.nats_url = self.nats.url
+            self.supervisor.started(NATS_SERVER, NATS_SERVER, self.nats.pid)
         for service in START_ORDER:
             for index, (instance_id, model) in enumerate(self.spec.instances(service)):
                 self._spawn(service, index, instance_id, model)
+        self.supervisor.save()
 
     def _spawn(self, service: str, index: int, instance_id: str, model: str | None) -> None:
         args = [
@@ -194,6 +282,8 @@ class Cluster:
             self.spec.log_level,
             "--shutdown-grace-s",
             str(self.spec.shutdown_grace_s),
+            "--js-replicas",
+            str(self.spec.stream_replicas()),
         ]
         if self.spec.trace_dir is not None:
             args += ["--trace-dir", str(self.spec.trace_dir.resolve())]
@@ -201,11 +291,19 @@ class Cluster:
             args += ["--otlp-endpoint", self.spec.otlp_endpoint]
         if self.spec.trace_dir is not None or self.spec.otlp_endpoint:
             args += ["--trace-sample-ratio", str(self.spec.trace_sample_ratio)]
+        # A restarted process keeps the ports its first one bound (picked free when 0):
+        # clients, load balancers and Prometheus find it where it was.
+        pinned = self.pinned_ports.get(instance_id, {})
         base = self.spec.metrics_port
-        args += ["--metrics-port", str(base + len(self.children) if base else 0)]
+        metrics_port = pinned.get("metrics") or (base + len(self.children) if base else 0)
+        args += ["--metrics-port", str(metrics_port)]
+        placement = self.spec.placement.get(instance_id)
+        if placement is not None:
+            args += ["--metrics-host", placement.address, "--node-id", instance_host(placement)]
         if service == INGRESS:
-            port = self.spec.http_port + index if self.spec.http_port else 0
-            args += ["--http-host", self.spec.http_host, "--http-port", str(port)]
+            port = pinned.get("http") or (self.spec.http_port + index if self.spec.http_port else 0)
+            host = placement.address if placement is not None else self.spec.http_host
+            args += ["--http-host", host, "--http-port", str(port)]
             if self.spec.dev_api_key:
                 args += ["--dev-api-key", self.spec.dev_api_key]
         extra = self.spec.extra_args.get(service, []) + self.spec.instance_args.get(instance_id, [])
@@ -224,28 +322,38 @@ class Cluster:
             args += ["--usage-outbox-dir", str(self.spec.state_dir / "outbox")]
         args += extra
         log_path = self.spec.state_dir / "logs" / f"{instance_id}.log"
+        env = None
+        if placement is not None:
+            args = [*placement.prefix, *args]
+            env = os.environ | dict(placement.env)
         with log_path.open("ab") as log_file:
             process = subprocess.Popen(
                 args,
+                env=env,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C reaches the launcher only; it stops us in order
                 preexec_fn=die_with_parent,
             )
-        self.children.append(Child(service, instance_id, process, log_path, index, model))
+        with self._lock:
+            self.children.append(Child(service, instance_id, process, log_path, index, model))
+            self.supervisor.started(instance_id, service, process.pid)
 
     def child(self, instance_id: str) -> Child:
         """The latest process of `instance_id`."""
-        for child in reversed(self.children):
-            if child.instance_id == instance_id:
-                return child
+        with self._lock:
+            for child in reversed(self.children):
+                if child.instance_id == instance_id:
+                    return child
         raise KeyError(f"no instance {instance_id!r} in this cluster")
 
     def stop_instance(self, instance_id: str) -> int:
         """SIGTERM one instance and wait for its drain (SIGKILL past the grace period); its
-        exit code. The rest of the cluster runs on."""
-        process = self.child(instance_id).process
+        exit code. The rest of the cluster runs on, and supervision leaves it stopped."""
+        child = self.child(instance_id)
+        child.is_stopped_on_purpose = True
+        process = child.process
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
@@ -260,11 +368,125 @@ class Cluster:
         worker restarted with its files (store, outbox) where it left them."""
         old = self.child(instance_id)
         self.stop_instance(instance_id)
-        self.children.remove(old)
-        self._spawn(old.service, old.index, old.instance_id, old.model)
+        with self._lock:
+            self.children.remove(old)
+            self._spawn(old.service, old.index, old.instance_id, old.model)
 
     def exited(self) -> list[Child]:
-        return [c for c in self.children if c.process.poll() is not None]
+        with self._lock:
+            return [c for c in self.children if c.process.poll() is not None]
+
+    # -- supervision ---------------------------------------------------------------------
+    def supervise(self) -> list[str]:
+        """One round: note the processes that exited on their own, start again those whose
+        backoff is over. What happened, one line each (for the launcher's output)."""
+        events: list[str] = []
+        with self._lock:
+            if self._is_stopping:
+                return events
+            for nats_id, server in self._nats_servers().items():
+                code = server.returncode
+                if code is not None and self.supervisor.records[nats_id].state == RUNNING:
+                    events.append(self._note_exit(nats_id, code, exit_reason(code, None)))
+            for child in self.children:
+                if child.is_stopped_on_purpose or child.is_exit_handled:
+                    continue
+                if (code := child.process.poll()) is not None:
+                    child.is_exit_handled = True
+                    reason = exit_reason(code, child.log_path)
+                    events.append(self._note_exit(child.instance_id, code, reason))
+            for record in self.supervisor.due():
+                events.append(self._restart(record.instance_id))
+            if events:
+                self.supervisor.save()
+        return events
+
+    def _note_exit(self, instance_id: str, code: int, reason: str) -> str:
+        record = self.supervisor.exited(instance_id, code, reason)
+        how = f"exited with code {code}" + (f" ({reason})" if reason else "")
+        if record.state == FAILED:
+            policy = self.supervisor.policy
+            return (
+                f"{instance_id} {how}; FAILED: {policy.budget} restarts within "
+                f"{policy.window_s:.0f}s, not restarted (the rest of the cluster serves on)"
+            )
+        delay_s = max((record.restart_at or 0) - time.monotonic(), 0.0)
+        return f"{instance_id} {how}; restarting in {delay_s:.1f}s"
+
+    def _nats_servers(self) -> dict[str, NatsServer]:
+        """The embedded servers by their supervision id."""
+        if self.nats_cluster is not None:
+            return {f"{NATS_SERVER}-{i}": s for i, s in enumerate(self.nats_cluster.servers)}
+        return {NATS_SERVER: self.nats} if self.nats is not None else {}
+
+    def _restart(self, instance_id: str) -> str:
+        if (server := self._nats_servers().get(instance_id)) is not None:
+            log = server.log_path
+            if log.exists():  # keep the dead server's last words
+                shutil.copyfile(log, log.with_suffix(".log.prev"))
+            try:
+                with (self.spec.nats_placement or Placement()).entered():
+                    server.start()  # the same ports and store: clients and peers come back
+            except NatsServerError as exc:
+                self.supervisor.exited(instance_id, 1, str(exc))
+                return f"{instance_id} failed to restart: {exc}"
+            self.supervisor.restarted(instance_id, server.pid)
+            return f"{instance_id} restarted on {server.url} (pid {server.pid})"
+        old = self.child(instance_id)
+        self.children.remove(old)
+        self._spawn(old.service, old.index, old.instance_id, old.model)
+        self.supervisor.restarted(instance_id, self.child(instance_id).process.pid)
+        return f"{instance_id} restarted (pid {self.child(instance_id).process.pid})"
+
+    def supervise_in_background(
+        self, on_event: Callable[[str], None] | None = None, interval_s: float = 0.2
+    ) -> None:
+        """`supervise` every `interval_s` on a thread of its own until `stop`."""
+
+        # The thread outlives supervision until `stop` has stopped every process: a process
+        # it restarted gets PR_SET_PDEATHSIG from it (the kernel ties that signal to the
+        # thread that started the child), and must stop in order, not when the thread ends.
+        def loop() -> None:
+            while not self._is_closed:
+                for event in self.supervise():
+                    if on_event:
+                        on_event(event)
+                time.sleep(interval_s)
+
+        self._supervising = threading.Thread(target=loop, name="supervisor", daemon=True)
+        self._supervising.start()
+
+    def supervisor_metrics(self) -> Metrics:
+        """The launcher's own /metrics: restarts and state of every supervised process."""
+        metrics = Metrics("launcher", "launcher")
+        ids = tuple(self.supervisor.records)
+        labels = {"instance_id": ids}
+        records = self.supervisor.records
+        metrics.counter_from(
+            "kvfabric_supervisor_restarts_total",
+            "Times the launcher started a process again after it exited.",
+            lambda: {i: r.restarts for i, r in records.items()},
+            labels=labels,
+        )
+        metrics.gauge_from(
+            "kvfabric_supervisor_up",
+            "1 while the process runs, 0 while it waits for its restart or has failed.",
+            lambda: {i: int(r.state == RUNNING) for i, r in records.items()},
+            labels=labels,
+        )
+        metrics.gauge_from(
+            "kvfabric_supervisor_failed",
+            "1 once the restart budget is spent: the launcher no longer restarts it.",
+            lambda: {i: int(r.state == FAILED) for i, r in records.items()},
+            labels=labels,
+        )
+        metrics.gauge_from(
+            "kvfabric_supervisor_crash_looping",
+            "1 while the process exited more than once within the restart window.",
+            lambda: {i: int(r.is_crash_looping) for i, r in records.items()},
+            labels=labels,
+        )
+        return metrics
 
     async def wait_ready(self, bus: Bus, timeout_s: float = 60.0) -> list[Instance]:
         """Until every started instance answers discovery; raises if one exits first."""
@@ -291,6 +513,12 @@ class Cluster:
                     for i in instances
                     if i.instance_id in expected and "metrics_url" in i.metadata
                 }
+                for i in instances:
+                    for name in ("http", "metrics"):
+                        url = i.metadata.get(f"{name}_url", "")
+                        if i.instance_id in expected and url:
+                            port = int(url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+                            self.pinned_ports.setdefault(i.instance_id, {})[name] = port
                 return instances
             if time.monotonic() > deadline:
                 missing = sorted(expected - {i.instance_id for i in instances})
@@ -301,9 +529,12 @@ class Cluster:
         """SIGTERM each service tier in reverse start order, wait for its drain, then stop the
         nats-server. SIGKILL only what outlives its grace period. Safe to call twice."""
         grace_s = self.spec.shutdown_grace_s + 5.0
+        with self._lock:
+            self._is_stopping = True
         for service in reversed(START_ORDER):
             tier = [c for c in self.children if c.service == service and c.process.poll() is None]
             for child in tier:
+                child.is_stopped_on_purpose = True
                 child.process.send_signal(signal.SIGTERM)
             for child in tier:
                 try:
@@ -315,7 +546,14 @@ class Cluster:
                     on_progress(f"stopped {child.instance_id} (exit {child.process.returncode})")
         for child in self.children:  # reap anything already dead
             child.process.poll()
-        if self.nats is not None:
+        if self.nats_cluster is not None:
+            self.nats_cluster.stop()
+            if on_progress:
+                on_progress(f"stopped {len(self.nats_cluster.servers)} nats-servers")
+        elif self.nats is not None:
             self.nats.stop()
             if on_progress:
                 on_progress("stopped nats-server")
+        self._is_closed = True
+        if self._supervising is not None and self._supervising is not threading.current_thread():
+            self._supervising.join()

@@ -4,8 +4,9 @@ Order matters: the finished sequence's complete blocks (prompt tail + output) ar
 and logged for kv-index, its window at the last block boundary is put into swa-memcache,
 and a heartbeat with its pages free goes out, all *before* the final chunk -- an agent's
 next step follows the final chunk at once and must find its own answer cached and room for
-it. Usage goes last, into the worker's durable outbox (shared.usage), which publishes it to
-JetStream with the request id as message id until the log has it (billing must not lose it).
+it. Usage goes into the worker's durable outbox (shared.usage) just before the final chunk,
+so a worker killed at any point has either not answered or kept the record; the outbox
+publishes it to JetStream with the request id as message id until the log has it.
 Each ending runs as its own task so the batch loop keeps stepping the other sequences.
 """
 

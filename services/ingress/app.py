@@ -99,6 +99,14 @@ def build_app(services: Services) -> FastAPI:
     app.add_middleware(TraceRequests)  # outermost: its span covers the body limit too
 
     async def caller(request: Request) -> Caller:
+        # Every API route depends on this: while NATS is away nothing behind ingress can be
+        # reached, so say so at once (503, Retry-After) instead of letting the request hang.
+        if not pipeline.bus.is_connected:
+            raise ApiError(
+                "unavailable",
+                "the cluster's message bus is unreachable (reconnecting); retry shortly",
+                retry_after_s=1.0,
+            )
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else ""
         key = key or request.headers.get("x-api-key", "").strip()

@@ -27,7 +27,7 @@ from shared.discovery import discover
 from shared.load_table import HEARTBEAT_TIMEOUT_S, LoadTable
 from shared.logging import get_logger
 from shared.schema.control import LoadReport
-from shared.subjects import DECODE, VLLM_WORKER
+from shared.subjects import DECODE, ROUTER, VLLM_WORKER
 from shared.tokenizer import ChatFormat, PromptTokenizer, format_for
 from worker.engine.checkpoint import Checkpoint
 
@@ -62,6 +62,7 @@ class ModelTable:
         self._refreshed_at = 0.0
         self._round_started_at = 0.0  # when the last discovery round began
         self._lock = asyncio.Lock()
+        self._num_routed = 0
 
     def _served(self) -> set[str]:
         now = time.monotonic()
@@ -77,8 +78,17 @@ class ModelTable:
         await self.bus.subscribe(self.bus.subjects.load_all, LoadReport, self.on_load_report)
 
     async def on_load_report(self, report: LoadReport) -> None:
-        if report.service in STREAMERS:
+        if report.service in STREAMERS or report.service == ROUTER:
             self._workers.observe(report, time.monotonic())
+
+    def router(self) -> str | None:
+        """A router instance to send the next request to (and watch until it answers), in
+        turn among those beating and SERVING; None when none is known (any router, then)."""
+        routers = self._workers.workers(ROUTER, time.monotonic())
+        if not routers:
+            return None
+        self._num_routed += 1
+        return routers[self._num_routed % len(routers)].instance_id
 
     async def get(self, name: str) -> ServedModel | None:
         """The model, asking discovery again if it is not (or no longer) known."""

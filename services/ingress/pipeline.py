@@ -149,8 +149,16 @@ class Pipeline:
 
     async def model(self, name: str) -> ServedModel:
         model = await self.models.get(name)
+        if model is None and not self.models.served():
+            # No worker of any model beats: the cluster is starting or recovering (NATS
+            # back a moment ago), not a wrong name; a client should retry, not give up.
+            raise ApiError(
+                "unavailable",
+                f"no worker serves model {name!r} right now (nor any other); retry shortly",
+                retry_after_s=1.0,
+            )
         if model is None:
-            served = ", ".join(m.name for m in self.models.served()) or "none"
+            served = ", ".join(m.name for m in self.models.served())
             raise ApiError(
                 "not_found",
                 f"model {name!r} is not served here (served: {served})",
@@ -287,6 +295,7 @@ class Generation:
                 on_chunk=self._chunks.put_nowait,
                 on_decision=self._on_decision,
                 outbox=p.outbox,
+                router_id=p.models.router(),
             )
         )
         self._task.add_done_callback(lambda _: self._chunks.put_nowait(None))

@@ -49,6 +49,7 @@ from shared.schema import (
     DeadlineExceeded,
     InternalError,
     NoResponders,
+    Unavailable,
     decode,
     encode,
     schema_header,
@@ -61,20 +62,38 @@ T = TypeVar("T")
 CLOSE_TIMEOUT_S = 2.0  # a drain takes milliseconds while the server is there
 
 
+# While the connection is down a caller learns it within this (UNAVAILABLE), not at its
+# timeout: what was sent before is lost with the server, and a reply may never come.
+OUTAGE_CHECK_S = 0.25
+
+
+def unavailable() -> Unavailable:
+    return Unavailable("lost the connection to NATS (reconnecting)", retry_after_s=1.0)
+
+
 class Inbox:
     """A fresh subscription whose messages are read one at a time (stream consumers)."""
 
-    def __init__(self, subject: str, subscription: Subscription) -> None:
+    def __init__(self, subject: str, subscription: Subscription, nc: Client) -> None:
         self.subject = subject
         self._subscription = subscription
+        self._nc = nc
 
     async def next(self, timeout_s: float) -> RawMessage | None:
-        """The next message, or None when `timeout_s` passes first."""
-        try:
-            msg = await self._subscription.next_msg(timeout=timeout_s)
-        except nats.errors.TimeoutError:
-            return None
-        return raw_message(msg)
+        """The next message, or None when `timeout_s` passes first; `Unavailable` when the
+        connection is lost while waiting (messages published meanwhile never arrive)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self._nc.is_connected and self._subscription.pending_msgs == 0:
+                raise unavailable()
+            wait_s = min(deadline - time.monotonic(), OUTAGE_CHECK_S)
+            try:
+                msg = await self._subscription.next_msg(timeout=max(wait_s, 0.001))
+            except nats.errors.TimeoutError:
+                if time.monotonic() >= deadline:
+                    return None
+                continue
+            return raw_message(msg)
 
     async def close(self) -> None:
         # Already gone is fine: closing twice is allowed.
@@ -188,12 +207,15 @@ class Bus:
         deadline_ms: int | None = None,
     ) -> T:
         """Send one request and decode its reply; raise the server's typed error, or
-        `NoResponders`, or `DeadlineExceeded` when neither reply nor deadline comes in time."""
+        `NoResponders`, or `DeadlineExceeded` when neither reply nor deadline comes in time,
+        or `Unavailable` while the connection to NATS is down (within OUTAGE_CHECK_S)."""
         timeout_s = effective_timeout_s(timeout_s, deadline_ms, subject)
         headers = self.headers_for(message, request_id=request_id, deadline_ms=deadline_ms)
         data = message if isinstance(message, bytes | bytearray) else encode(message)
+        if not self._nc.is_connected:
+            raise unavailable()
         try:
-            msg = await self._nc.request(subject, data, timeout=timeout_s, headers=headers)
+            msg = await self._request_watching_connection(subject, data, timeout_s, headers)
         except nats.errors.NoRespondersError as exc:
             raise NoResponders(f"no instance serves {subject}") from exc
         except nats.errors.TimeoutError as exc:
@@ -208,6 +230,27 @@ class Bus:
             raise InternalError(
                 f"malformed {reply_type.__name__} reply on {subject}: {exc}"
             ) from exc
+
+    async def _request_watching_connection(
+        self, subject: str, data: bytes, timeout_s: float, headers: dict[str, str]
+    ) -> Msg:
+        """nats-py's request, given up with `Unavailable` once the connection drops: the
+        reply would be lost with it and the caller would wait out its whole timeout."""
+        call = asyncio.ensure_future(
+            self._nc.request(subject, data, timeout=timeout_s, headers=headers)
+        )
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=OUTAGE_CHECK_S)
+                if done:
+                    return call.result()
+                if not self._nc.is_connected:
+                    raise unavailable()
+        finally:
+            if not call.done():
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError, nats.errors.Error):
+                    await call
 
     async def publish(
         self, subject: str, message: Any, *, headers: dict[str, str] | None = None
@@ -278,7 +321,7 @@ class Bus:
 
     async def open_inbox(self) -> Inbox:
         subject = self._nc.new_inbox()
-        return Inbox(subject, await self._nc.subscribe(subject))
+        return Inbox(subject, await self._nc.subscribe(subject), self._nc)
 
     async def scatter(
         self, subject: str, data: bytes, *, timeout_s: float

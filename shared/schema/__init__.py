@@ -2,7 +2,13 @@
 
 from shared.schema.base import SCHEMA_VERSION, Message, decode, encode, schema_header
 from shared.schema.billing import DeadLetter, UsageRecord, UsageStatus
-from shared.schema.control import InflightNotice, InstanceState, LoadReport
+from shared.schema.control import (
+    DrainAccepted,
+    DrainRequest,
+    InflightNotice,
+    InstanceState,
+    LoadReport,
+)
 from shared.schema.errors import (
     BadRequest,
     Cancelled,
@@ -102,6 +108,8 @@ __all__ = [
     "KvEventBatch",
     "KvTransfer",
     "LoadReport",
+    "DrainAccepted",
+    "DrainRequest",
     "MatchReply",
     "MatchRequest",
     "Message",

@@ -42,3 +42,18 @@ class InflightNotice(Message, tag="inflight_notice"):
     num_tokens: int = 0  # prefill: tokens the job adds to the worker's compute queue
     num_kv_pages: int = 0  # decode: KV pages the job will hold
     num_requests: int = 1
+
+
+class DrainRequest(Message, tag="drain_request"):
+    """Operator (`kvfabric drain`) -> one instance: stop taking work, let what is in flight
+    finish within `grace_s` (what outlives it fails as at shutdown), then exit cleanly; its
+    launcher starts it again."""
+
+    grace_s: float = 60.0
+
+
+class DrainAccepted(Message, tag="drain_accepted"):
+    """The instance's answer to `DrainRequest`, sent before it starts draining."""
+
+    instance_id: str
+    num_in_flight: int  # requests and streams it is finishing

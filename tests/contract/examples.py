@@ -20,6 +20,8 @@ from shared.schema import (
     DeadLetter,
     DecodeJob,
     DecodeStats,
+    DrainAccepted,
+    DrainRequest,
     ErrorCode,
     ErrorReply,
     GenerateRequest,
@@ -174,6 +176,8 @@ EXAMPLES: dict[str, Message] = {
         sampler_state=b"\x07\x00\x00\x00",
     ),
     "PrefillDone": PrefillDone(request_id="req-0001", timings=_TIMINGS),
+    "DrainRequest": DrainRequest(grace_s=30.0),
+    "DrainAccepted": DrainAccepted(instance_id="decode-0", num_in_flight=3),
     "CancelRequest": CancelRequest(
         request_id="req-0001",
         reason="decode worker lost",

@@ -38,6 +38,21 @@ def _read_until_ready(process: subprocess.Popen[str], timeout_s: float) -> list[
     raise AssertionError("kvfabric up never became ready:\n" + "\n".join(lines))
 
 
+def _read_until(process: subprocess.Popen[str], marker: str, timeout_s: float) -> str:
+    """The launcher's output up to the line holding `marker`."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    assert process.stdout is not None
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        if marker in line:
+            return "\n".join(lines)
+    raise AssertionError(f"no {marker!r} from kvfabric up:\n" + "\n".join(lines))
+
+
 def _is_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -115,6 +130,27 @@ def test_up_status_and_clean_stop(tmp_path: Path) -> None:
         ).stdout
         assert "swa-memcache-0" in table and "INFLIGHT" in table
         assert "METRICS" in table and listed["swa-memcache-0"] in table
+
+        # kill -9 of a service: the launcher starts it again and the rest serve on.
+        billing_pid = int(re.search(r"billing-0 pid (\d+)", text).group(1))
+        os.kill(billing_pid, signal.SIGKILL)
+        said = _read_until(up, "supervisor    billing-0 restarted", timeout_s=60)
+        assert "billing-0 exited with code -9 (killed by SIGKILL); restarting in 0.5s" in said
+        launcher_metrics = re.search(r"metrics\s+launcher\s+(http://\S+)", said).group(1)
+        scrape = urllib.request.urlopen(launcher_metrics, timeout=5).read().decode()
+        assert 'kvfabric_supervisor_restarts_total{instance="launcher",instance_id="billing-0"' in (
+            scrape
+        )
+        assert re.search(r'restarts_total\{[^}]*instance_id="billing-0"[^}]*\} 1\.0', scrape)
+        table = subprocess.run(
+            [KVFABRIC, "status", "--nats-url", nats_url, "--root", root, "--state-dir", tmp_path],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        assert re.search(r"^billing-0\s+running\s+1\s+-9\s+", table, re.M), table
+        pids.append(int(re.search(r"billing-0 restarted \(pid (\d+)\)", said).group(1)))
 
         up.send_signal(signal.SIGINT)
         rest, _ = up.communicate(timeout=120)

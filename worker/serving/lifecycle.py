@@ -147,11 +147,32 @@ async def end_request(
     last_token_ids: list[int] | None = None,
     last_text: str = "",
 ) -> tuple[UsageStatus, str]:
-    """End the stream (the final chunk with `last_token_ids`, or `state.error`), count the end
-    and keep its usage record; `reason` None: it was cancelled. Returns the record's status
-    and finish reason."""
+    """Keep the request's usage record, then end the stream (the final chunk with
+    `last_token_ids`, or `state.error`) and count the end; `reason` None: it was cancelled.
+    Returns the record's status and finish reason.
+
+    The record is on disk (the outbox) before the client can see the end: a worker killed
+    between the two would otherwise have answered a request nobody bills (the fault suite's
+    kill -9 of a decode worker found one)."""
     reason = reason or "cancelled"
     error = state.error
+    if error is not None:
+        status, reason = UsageStatus.FAILED, "error"
+    elif reason == "cancelled":
+        status = UsageStatus.CANCELLED
+    else:
+        status = UsageStatus.COMPLETED
+    record = usage_record(
+        state.job.request,
+        num_prompt_tokens=state.num_prompt_tokens,
+        num_cached_tokens=state.cached_tokens,
+        num_output_tokens=len(state.output_ids),
+        status=status,
+        finish_reason=reason,
+        prefill_worker_id=prefill_worker_id,
+        decode_worker_id=decode_worker_id,
+    )
+    await keep_record(outbox, record, kept=counts.usage_kept, lost=counts.usage_lost)
     try:
         if error is not None:
             await state.stream.fail(error)
@@ -170,12 +191,6 @@ async def end_request(
             await state.stream.send(chunk, final=True)
     except Exception:
         log.exception("ending the stream failed", request_id=state.request_id)
-    if error is not None:
-        status, reason = UsageStatus.FAILED, "error"
-    elif reason == "cancelled":
-        status = UsageStatus.CANCELLED
-    else:
-        status = UsageStatus.COMPLETED
     counts.ended[reason].inc()
     counts.request_seconds.observe(time.perf_counter() - state.accepted_s)
     counts.prompt_tokens.inc(state.num_prompt_tokens)
@@ -183,15 +198,4 @@ async def end_request(
     for tier, num_tokens in hit_tokens.items():
         if num_tokens:
             counts.hit_tokens.labels(tier).inc(num_tokens)
-    record = usage_record(
-        state.job.request,
-        num_prompt_tokens=state.num_prompt_tokens,
-        num_cached_tokens=state.cached_tokens,
-        num_output_tokens=len(state.output_ids),
-        status=status,
-        finish_reason=reason,
-        prefill_worker_id=prefill_worker_id,
-        decode_worker_id=decode_worker_id,
-    )
-    await keep_record(outbox, record, kept=counts.usage_kept, lost=counts.usage_lost)
     return status, reason

@@ -155,6 +155,12 @@ def start_worker(
     it (its in-flight work ends), then close what it used: `closers`, then the store."""
     worker.start()
     runtime.load_fields = worker.load_fields
+
+    def in_flight() -> int:  # what a drain waits for: jobs queued and running
+        fields = worker.load_fields()
+        return int(fields.get("num_queued", 0)) + int(fields.get("num_running", 0))
+
+    runtime.in_flight = in_flight
     observe_load(runtime.metrics, worker.load_fields)
     observe_store(runtime.metrics, store)
 

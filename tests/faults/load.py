@@ -1,0 +1,158 @@
+"""Agent load for the fault suite: sessions that re-send their growing context every step,
+through the official SDKs (OpenAI's and Anthropic's, no retries of their own), against every
+ingress in turn, each request's outcome recorded for the suite's assertions.
+
+A step's prompt depends only on (session, step), and the mock engine's answer only on the
+prompt, so every answer to the same prompt must be the same text: a wrong output is one that
+differs from another answer to its prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import anthropic
+import openai
+
+SYSTEM = "You are a coding agent. You write small, tested Python functions. " * 12
+NUM_STEPS = 6  # then the session starts over: contexts stay a few blocks long
+MAX_TOKENS = 8
+# A failure the suite accepts: the protocol's own retryable error (UNAVAILABLE, OVERLOADED,
+# a deadline), never a 500 (which would mean a bug, a stack trace) nor a hang.
+PROTOCOL_ERRORS = frozenset({429, 503, 504, 529})
+
+
+@dataclass
+class Outcome:
+    session: int
+    step: int
+    ingress: str
+    sdk: str
+    started: float  # monotonic
+    seconds: float
+    status: int  # HTTP status; 0: no HTTP answer (connection refused or reset, timeout)
+    request_id: str = ""
+    text: str = ""
+    usage: tuple[int, int, int] = (0, 0, 0)  # (cached, uncached prompt tokens, output)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
+def prompt(session: int, step: int) -> list[dict[str, str]]:
+    turns = [{"role": "user", "content": f"Session {session}: write a function that sorts."}]
+    for i in range(step):
+        turns.append({"role": "assistant", "content": f"def f{i}(xs): return sorted(xs)"})
+        turns.append({"role": "user", "content": f"Tool output {i}: 3 tests passed. Next."})
+    return turns
+
+
+@dataclass
+class AgentLoad:
+    """`start()` runs `num_sessions` agents on threads of their own until `stop()`."""
+
+    ingress_urls: list[str]
+    api_key: str
+    model: str = "tiny-coder"
+    num_sessions: int = 4
+    timeout_s: float = 30.0  # the client's own: a request still unanswered by then hung
+    # Puts an agent's thread on the client host (the cluster's hosts are network namespaces).
+    enter: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
+    outcomes: list[Outcome] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> AgentLoad:
+        self._stop.clear()
+        for session in range(self.num_sessions):
+            thread = threading.Thread(target=self._agent, args=(session,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self) -> list[Outcome]:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=self.timeout_s + 5)
+        self._threads.clear()
+        return list(self.outcomes)
+
+    def num_ok_since(self, since: float) -> int:
+        with self._lock:
+            return sum(1 for o in self.outcomes if o.ok and o.started >= since)
+
+    def _agent(self, session: int) -> None:
+        with self.enter():
+            self._run_agent(session)
+
+    def _run_agent(self, session: int) -> None:
+        step = 0
+        turn = 0
+        while not self._stop.is_set():
+            url = self.ingress_urls[(session + turn) % len(self.ingress_urls)]
+            sdk = "anthropic" if (session + turn) % 2 else "openai"
+            outcome = self.send(session, step, url, sdk)
+            with self._lock:
+                self.outcomes.append(outcome)
+            turn += 1
+            step = (step + 1) % NUM_STEPS if outcome.ok else step
+
+    def send(self, session: int, step: int, url: str, sdk: str) -> Outcome:
+        started = time.monotonic()
+        outcome = Outcome(session, step, url, sdk, started, 0.0, 0)
+        try:
+            if sdk == "openai":
+                self._openai(url, prompt(session, step), outcome)
+            else:
+                self._anthropic(url, prompt(session, step), outcome)
+            outcome.status = 200
+        except (openai.APIStatusError, anthropic.APIStatusError) as exc:
+            outcome.status, outcome.error = exc.status_code, str(exc)[:300]
+        except (openai.APIConnectionError, anthropic.APIConnectionError) as exc:
+            outcome.error = f"{type(exc).__name__}: {exc}"[:300]
+        except Exception as exc:  # anything else is the suite's to report, not to crash on
+            outcome.status, outcome.error = -1, f"{type(exc).__name__}: {exc}"[:300]
+        outcome.seconds = time.monotonic() - started
+        return outcome
+
+    def _openai(self, url: str, messages: list[dict[str, str]], outcome: Outcome) -> None:
+        client = openai.OpenAI(
+            base_url=f"{url}/v1", api_key=self.api_key, max_retries=0, timeout=self.timeout_s
+        )
+        with client:
+            reply = client.chat.completions.create(
+                model=self.model,
+                messages=[{"role": "system", "content": SYSTEM}, *messages],  # type: ignore[list-item]
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+            )
+        usage = reply.usage
+        assert usage is not None
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        outcome.request_id = reply.id.removeprefix("chatcmpl-")
+        outcome.text = reply.choices[0].message.content or ""
+        outcome.usage = (cached or 0, usage.prompt_tokens - (cached or 0), usage.completion_tokens)
+
+    def _anthropic(self, url: str, messages: list[dict[str, str]], outcome: Outcome) -> None:
+        client = anthropic.Anthropic(
+            base_url=url, api_key=self.api_key, max_retries=0, timeout=self.timeout_s
+        )
+        with client:
+            reply = client.messages.create(
+                model=self.model,
+                system=SYSTEM,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=MAX_TOKENS,
+            )
+        outcome.request_id = reply.id.removeprefix("msg_")
+        outcome.text = "".join(b.text for b in reply.content if b.type == "text")
+        cached = reply.usage.cache_read_input_tokens or 0
+        outcome.usage = (cached, reply.usage.input_tokens, reply.usage.output_tokens)

@@ -1,0 +1,402 @@
+"""Faults a supervised cluster must ride out, under agent load through the official SDKs:
+`kill -9` of each service kind (one instance of several, or the only one), one NATS server of
+three and then all three, a host cut off and back, a rolling restart with `kvfabric drain`, a
+crash loop that spends an instance's restart budget.
+
+The cluster is split over hosts (network namespaces, shared/testing/hosts.py): `ctl` runs
+the NATS cluster (R3) and the control plane, `node-a` and `node-b` a prefill and a decode
+worker each (KV between them over NIXL on TCP), `client` the agents. Hosts share only NATS
+and the store directory, so no hidden 127.0.0.1 survives.
+
+For each fault: every request is answered, or fails with the protocol's retryable error
+(never a 500, never a hang), within REQUEST_BOUND_S; no answer differs from another answer to
+the same prompt; every answered request is billed exactly once, as the client was told; and
+the cluster is back to full service (every instance serving, every ingress answering) by
+itself within RECOVERY_BOUND_S. The mock engine serves: it runs the production workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, Placement
+from services.admin.status import render_supervision
+from services.admin.supervisor import NATS_SERVER, RestartPolicy, load_state
+from services.billing.ledger import open_ledger
+from shared.discovery import Instance, discover
+from shared.schema import InstanceState
+from shared.subjects import DECODE, INGRESS, PREFILL, ROUTER
+from shared.testing import unique_root
+from shared.testing.hosts import Host, HostNetwork, unavailable_reason
+from tests.e2e.cluster_helpers import connect, usage_records
+from tests.faults.load import PROTOCOL_ERRORS, AgentLoad, Outcome
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
+
+KEY = "kvf-faults-test-key"
+MOCK = ["--engine", "mock", "--mock-speedup", "20"]
+REQUEST_BOUND_S = 20.0  # the longest any request may take, answered or failed
+RECOVERY_BOUND_S = 30.0  # from the fault to full service, restart and readiness included
+BUDGET = 3  # restarts within the window; the crash-loop test spends it
+KVFABRIC = str(Path(sys.executable).parent / "kvfabric")
+
+
+UNAVAILABLE = unavailable_reason()
+HOSTS = ("ctl", "node-a", "node-b", "client")
+ON = {  # instance -> host; the rest run on ctl
+    "prefill-0": "node-a",
+    "decode-0": "node-a",
+    "swa-memcache-0": "node-a",
+    "prefill-1": "node-b",
+    "decode-1": "node-b",
+}
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[HostNetwork]:
+    if UNAVAILABLE is not None:
+        pytest.skip(f"no hosts here: {UNAVAILABLE}")
+    with HostNetwork(HOSTS) as network:
+        yield network
+
+
+def placement(host: Host) -> Placement:
+    extra = {k: v for k, v in host.env().items() if os.environ.get(k) != v}
+    return Placement(
+        prefix=tuple(host.command([])),
+        env=tuple(sorted(extra.items())),
+        address=host.address,
+        enter=host.inside,
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(net: HostNetwork, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    spec = ClusterSpec(
+        state_dir=tmp_path_factory.mktemp("faults"),
+        nats_port=0,
+        http_port=0,
+        root=unique_root(),
+        replicas={INGRESS: 2, ROUTER: 2, PREFILL: 2, DECODE: 2},
+        extra_args={PREFILL: MOCK, DECODE: MOCK, INGRESS: ["--dev-api-key", KEY]},
+        shutdown_grace_s=3.0,
+        restart_policy=RestartPolicy(budget=BUDGET, window_s=120.0),
+        nats_cluster=3,
+        nats_placement=placement(net["ctl"]),
+    )
+    spec.placement = {
+        instance_id: placement(net[ON.get(instance_id, "ctl")])
+        for service in START_ORDER
+        for instance_id, _ in spec.instances(service)
+    }
+    cluster = Cluster(spec)
+    cluster.client = net["client"]  # type: ignore[attr-defined]
+    try:
+        cluster.start()
+        on_client(cluster, _ready(cluster))
+        cluster.supervise_in_background()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def on_client(cluster: Cluster, coro):  # noqa: ANN001, ANN201
+    """Run `coro` from the client host: the test process itself is on no host's network."""
+    with cluster.client.inside():  # type: ignore[attr-defined]
+        return asyncio.run(coro)
+
+
+def agent_load(cluster: Cluster) -> AgentLoad:
+    return AgentLoad(cluster.http_urls, KEY, enter=cluster.client.inside)  # type: ignore[attr-defined]
+
+
+async def _ready(cluster: Cluster) -> None:
+    bus = await connect(cluster)
+    try:
+        await cluster.wait_ready(bus, timeout_s=120)
+    finally:
+        await bus.close()
+
+
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+async def _discover(cluster: Cluster) -> list[Instance]:
+    bus = await connect(cluster)
+    try:
+        return await discover(bus, timeout_s=0.3)
+    finally:
+        await bus.close()
+
+
+async def _serving(cluster: Cluster) -> set[str]:
+    instances = await _discover(cluster)
+    return {i.instance_id for i in instances if i.load.get("state") == InstanceState.SERVING}
+
+
+def until_full_service(cluster: Cluster, since: float, load: AgentLoad) -> float:
+    """Seconds from `since` until every instance serves again and requests succeed through
+    every ingress; fails past RECOVERY_BOUND_S."""
+    failed = {r.instance_id for r in cluster.supervisor.failed()}
+    expected = {c.instance_id for c in cluster.children} - failed
+    deadline = since + RECOVERY_BOUND_S
+    while True:
+        now = time.monotonic()
+        assert now < deadline, (
+            f"not back to full service within {RECOVERY_BOUND_S}s:\n"
+            + render_supervision(load_state(cluster.spec.state_dir) or {}, [])
+        )
+        try:
+            serving = on_client(cluster, _serving(cluster))
+        except Exception:  # NATS itself may still be coming back
+            serving = set()
+        with cluster.client.inside():  # type: ignore[attr-defined]
+            probes = [load.send(99, 0, url, "openai") for url in cluster.http_urls]
+        if expected <= serving and all(p.ok for p in probes):
+            return time.monotonic() - since
+        time.sleep(0.2)
+
+
+def check_outcomes(outcomes: list[Outcome], *, refused_at: str = "") -> None:
+    """Answered or a protocol error, in time; the same prompt always the same answer.
+    `refused_at`: the ingress that was killed (its clients may find no one listening)."""
+    assert outcomes, "the load sent nothing"
+    slow = [o for o in outcomes if o.seconds > REQUEST_BOUND_S]
+    assert not slow, f"{len(slow)} requests took over {REQUEST_BOUND_S}s: {slow[:2]}"
+    bad = [
+        o
+        for o in outcomes
+        if not o.ok
+        and o.status not in PROTOCOL_ERRORS
+        and not (o.status == 0 and o.ingress == refused_at and "Connection" in o.error)
+    ]
+    assert not bad, f"{len(bad)} requests failed outside the protocol: {bad[:3]}"
+    answers: dict[tuple[int, int], set[str]] = defaultdict(set)
+    for o in outcomes:
+        if o.ok:
+            answers[(o.session, o.step)].add(o.text)
+    differing = {k: v for k, v in answers.items() if len(v) > 1}
+    assert not differing, f"different answers to the same prompt: {differing}"
+
+
+def check_billed(cluster: Cluster, outcomes: list[Outcome]) -> None:
+    """Every answered request: one usage record, one ledger row, the tokens the client saw."""
+    told = {o.request_id: o.usage for o in outcomes if o.ok}
+
+    async def records() -> None:
+        bus = await connect(cluster)
+        try:
+            await usage_records(bus, set(told), timeout_s=60)
+        finally:
+            await bus.close()
+
+    on_client(cluster, records())
+    ledger = open_ledger(f"sqlite:///{cluster.spec.state_dir.resolve()}/billing/ledger.db")
+    try:
+        deadline = time.monotonic() + 60
+        missing = set(told)
+        while missing and time.monotonic() < deadline:
+            missing = {rid for rid in missing if ledger.get(rid) is None}
+            time.sleep(0.2)
+        assert not missing, f"{len(missing)} answered requests never reached the ledger"
+        for rid, usage in told.items():
+            row = ledger.get(rid)
+            assert row is not None
+            billed = (row.num_cache_hit_tokens, row.num_cache_miss_tokens, row.num_output_tokens)
+            assert billed == usage, f"{rid}: billed {billed}, the client was told {usage}"
+    finally:
+        ledger.close()
+
+
+def run_fault(cluster: Cluster, inject, *, refused_at: str = "") -> list[Outcome]:  # noqa: ANN001
+    """Load before, during and after `inject()`; every request's outcome, checked."""
+    load = agent_load(cluster).start()
+    try:
+        started = time.monotonic()
+        while load.num_ok_since(started) < 4:  # the cluster serves before the fault
+            assert time.monotonic() - started < 30, "no request served before the fault"
+            time.sleep(0.05)
+        fault_at = time.monotonic()
+        inject()
+        recovered_s = until_full_service(cluster, fault_at, load)
+        after = time.monotonic()
+        while load.num_ok_since(after) < 8:  # and serves on after it
+            assert time.monotonic() - after < 30, "the load was not served after recovery"
+            time.sleep(0.05)
+    finally:
+        outcomes = load.stop()
+    check_outcomes(outcomes, refused_at=refused_at)
+    check_billed(cluster, outcomes)
+    assert recovered_s < RECOVERY_BOUND_S
+    return outcomes
+
+
+@pytest.mark.parametrize(
+    "instance_id",
+    [
+        "kv-index-0",  # the only one
+        "swa-memcache-0",  # the only one
+        "billing-0",  # the only one
+        "router-0",  # one of two
+        "ingress-1",  # one of two
+        "prefill-0",  # one of two
+        "decode-1",  # one of two
+    ],
+)
+def test_kill_9_of_an_instance(cluster: Cluster, instance_id: str) -> None:
+    restarts = cluster.supervisor.records[instance_id].restarts
+    child = cluster.child(instance_id)
+    refused_at = ""
+    if child.service == INGRESS:
+        port = cluster.pinned_ports[instance_id]["http"]
+        refused_at = next(u for u in cluster.http_urls if u.endswith(f":{port}"))
+    run_fault(cluster, lambda: _kill(child.process.pid), refused_at=refused_at)
+    record = cluster.supervisor.records[instance_id]
+    assert record.restarts == restarts + 1 and record.last_exit_code == -signal.SIGKILL
+
+
+def test_one_nats_server_of_three_killed(cluster: Cluster) -> None:
+    """R3: no record lost; only requests in flight on a connection to the killed server (or
+    sent while their client reconnects elsewhere, half a second) may fail."""
+    assert cluster.nats_cluster is not None
+    server = cluster.nats_cluster.servers[1]
+    port, killed_at = server.port, []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        _kill(server.pid)  # type: ignore[arg-type]
+
+    outcomes = run_fault(cluster, kill)
+    assert server.port == port  # back on its own port and store
+    late = [o for o in outcomes if not o.ok and o.started > killed_at[0] + 2.0]
+    assert not late, f"requests sent after the reconnect failed: {late[:3]}"
+    assert cluster.supervisor.records[f"{NATS_SERVER}-1"].restarts >= 1
+
+
+def test_every_nats_server_killed(cluster: Cluster) -> None:
+    """The whole control plane down at once: callers get 503 at once, the supervisor brings
+    all three back on their ports and stores, and every record survives on disk."""
+    assert cluster.nats_cluster is not None
+    servers = cluster.nats_cluster.servers
+    restarts = [cluster.supervisor.records[f"{NATS_SERVER}-{i}"].restarts for i in range(3)]
+
+    def kill_all() -> None:
+        for server in servers:
+            _kill(server.pid)  # type: ignore[arg-type]
+
+    run_fault(cluster, kill_all)
+    for i in range(3):
+        assert cluster.supervisor.records[f"{NATS_SERVER}-{i}"].restarts == restarts[i] + 1
+
+
+def test_a_host_cut_off_and_back(cluster: Cluster, net: HostNetwork) -> None:
+    """node-b's cable pulled for a while: its streams fail with a protocol error, node-a
+    serves on; once it is back its workers reconnect and serve again by themselves."""
+    load = agent_load(cluster).start()
+    try:
+        started = time.monotonic()
+        while load.num_ok_since(started) < 4:
+            assert time.monotonic() - started < 30, "no request served before the cut"
+            time.sleep(0.05)
+        net["node-b"].cut()
+        cut_at = time.monotonic()
+        while load.num_ok_since(cut_at + 4.0) < 8:  # served without node-b, past detection
+            assert time.monotonic() - cut_at < 60, "node-a did not serve alone"
+            time.sleep(0.05)
+        net["node-b"].restore()
+        recovered_s = until_full_service(cluster, time.monotonic(), load)
+    finally:
+        net["node-b"].restore()
+        outcomes = load.stop()
+    check_outcomes(outcomes)
+    check_billed(cluster, outcomes)
+    assert recovered_s < RECOVERY_BOUND_S
+
+
+def test_a_rolling_restart_with_drain_fails_no_request(cluster: Cluster) -> None:
+    """`kvfabric drain` each worker and router in turn under load: every request answered.
+    (Ingress is left out: its clients need a load balancer to move to the other replica.)"""
+    restarts = {i: r.restarts for i, r in cluster.supervisor.records.items()}
+    order = ["decode-0", "prefill-0", "router-0", "decode-1", "prefill-1", "router-1"]
+    load = agent_load(cluster).start()
+    try:
+        started = time.monotonic()
+        while load.num_ok_since(started) < 4:
+            assert time.monotonic() - started < 30, "no request served before the drains"
+            time.sleep(0.05)
+        for instance_id in order:
+            drained = subprocess.run(
+                cluster.client.command(  # type: ignore[attr-defined]
+                    [KVFABRIC, "drain", instance_id, "--nats-url", cluster.nats_url]
+                    + ["--root", cluster.spec.root, "--grace-s", "30", "--timeout-s", "60"]
+                ),
+                capture_output=True,
+                text=True,
+                timeout=90,
+            )
+            assert drained.returncode == 0, drained.stdout + drained.stderr
+            assert f"{instance_id} serving again" in drained.stdout
+        after = time.monotonic()
+        while load.num_ok_since(after) < 4:
+            assert time.monotonic() - after < 30, "the load was not served after the drains"
+            time.sleep(0.05)
+    finally:
+        outcomes = load.stop()
+    failed = [o for o in outcomes if not o.ok]
+    assert not failed, f"{len(failed)} of {len(outcomes)} requests failed: {failed[:3]}"
+    check_outcomes(outcomes)
+    check_billed(cluster, outcomes)
+    for instance_id in order:  # each restarted once, a clean exit, nothing charged
+        record = cluster.supervisor.records[instance_id]
+        assert record.restarts == restarts[instance_id] + 1 and record.last_exit_code == 0
+
+
+# Last: it leaves router-1 failed for good.
+def test_a_crash_loop_spends_the_budget_and_the_rest_serve(cluster: Cluster) -> None:
+    victim = "router-1"
+    for _ in range(BUDGET + 1):
+        pid = cluster.child(victim).process.pid
+        _kill(pid)
+        deadline = time.monotonic() + 30
+        while cluster.child(victim).process.pid == pid:
+            if cluster.supervisor.records[victim].state == "failed":
+                break
+            assert time.monotonic() < deadline, "the killed router was never restarted"
+            time.sleep(0.05)
+    record = cluster.supervisor.records[victim]
+    assert record.state == "failed" and record.is_crash_looping
+    state = load_state(cluster.spec.state_dir)
+    assert state is not None
+    text = render_supervision(state, on_client(cluster, _discover(cluster)))
+    assert "FAILED" in text and "degraded: router (router-1)\n" in text + "\n", text
+    # The rest serve: router-0 takes every request.
+    load = agent_load(cluster).start()
+    try:
+        started = time.monotonic()
+        while load.num_ok_since(started) < 8:
+            assert time.monotonic() - started < 30, "the cluster stopped serving"
+            time.sleep(0.05)
+    finally:
+        outcomes = load.stop()
+    check_outcomes(outcomes)
+    assert all(o.ok for o in outcomes), [o for o in outcomes if not o.ok][:3]
+    check_billed(cluster, outcomes)
+
+
+def test_supervision_state_is_written(cluster: Cluster) -> None:
+    state = load_state(Path(cluster.spec.state_dir))
+    assert state is not None and state["live"]
+    ids = {r["instance_id"] for r in state["instances"]}
+    members = {f"{NATS_SERVER}-{i}" for i in range(3)}  # the NATS cluster's, supervised too
+    assert members | {c.instance_id for c in cluster.children} <= ids
