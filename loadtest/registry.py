@@ -130,6 +130,12 @@ BENCHMARKS = {
             "coding-agent sessions over HTTP: warm steps against the cold first step",
         ),
         Benchmark(
+            "faults",
+            "loadtest.bench_faults",
+            "per fault under agent load: requests failed, time to full service, usage lost; "
+            "kv-index's restart from its snapshot against replaying its whole log",
+        ),
+        Benchmark(
             "peers",
             "loadtest.bench_peers",
             "the agent workload against vLLM (CPU build, its own venv) on the same "

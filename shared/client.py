@@ -134,10 +134,13 @@ async def generate(
     liveness_timeout_s: float = 3.0,
     first_chunk_timeout_s: float = 600.0,
     idle_timeout_s: float = 60.0,
-    route_timeout_s: float = 30.0,
+    # The router answers within its kv-index match (0.5 s) and two decode accepts (5 s
+    # each); past this its reply was lost (a NATS server died with it in flight).
+    route_timeout_s: float = 12.0,
     overload_wait_s: float = 30.0,
     outbox: UsageOutbox | None = None,
     router_id: str | None = None,
+    router_seq: int = 0,
 ) -> GenerateResult:
     """Run one request through the cluster; `on_chunk(chunk)` sees every chunk as it comes,
     `on_decision(decision)` the router's answer once it has come (a caller that must answer
@@ -145,7 +148,8 @@ async def generate(
     failure is the stream's, not the router's refusal).
 
     `router_id`: send to that router instance and watch its heartbeats until it answers
-    (None: any router, through the queue group, unwatched).
+    (None: any router, through the queue group, unwatched); `router_seq`: the seq of its
+    last heartbeat the caller saw (a report numbered lower comes from a new process).
 
     `outbox` keeps the usage record of a stream whose decode worker died until JetStream has
     it (ingress and `kvfabric generate` pass theirs); without one it is published once.
@@ -181,6 +185,7 @@ async def generate(
             overload_wait_s,
             outbox,
             router_id,
+            router_seq,
         )
         if span.is_recording():
             decision = result.decision
@@ -210,6 +215,7 @@ async def _generate(
     overload_wait_s: float,
     outbox: UsageOutbox | None,
     router_id: str | None,
+    router_seq: int,
 ) -> GenerateResult:
     """`generate`: sends until the router takes the request or the overload wait is spent."""
     waited_s = 0.0
@@ -235,6 +241,7 @@ async def _generate(
                 route_timeout_s,
                 outbox,
                 router_id,
+                router_seq,
             )
             return await call.run()
         except Overloaded as exc:
@@ -276,9 +283,11 @@ class _Generation:
         route_timeout_s: float,
         outbox: UsageOutbox | None,
         router_id: str | None = None,
+        router_seq: int = 0,
     ) -> None:
         self.bus = bus
         self.router_id = router_id
+        self.router_seq = router_seq  # its last heartbeat's seq as the caller knew it
         self.outbox = outbox
         self.request = request
         self.reader = reader
@@ -291,7 +300,6 @@ class _Generation:
         self.started_at = time.monotonic()  # made just before `run` sends the request
         self.started_ms = now_ms()
         self.first_token_at: float | None = None
-        self.last_beat_at = 0.0
         self.refused_by_router = False  # the router answered an error: nothing was started
         self.on_decision = on_decision
 
@@ -319,21 +327,18 @@ class _Generation:
 
     async def _watch_router(self, route: asyncio.Task[RouteDecision]) -> None:
         """Returns once the router we sent to has been silent for `liveness_timeout_s`
-        before answering (killed while routing); runs for as long as `route` does."""
-        beats: dict[str, float] = {"last": time.monotonic()}
-
-        async def on_beat(_: LoadReport) -> None:
-            beats["last"] = time.monotonic()
-
+        before answering (killed while routing), or beats again as a new process (its seq
+        starts over: restarted within the timeout, it never saw our request); runs for as
+        long as `route` does."""
+        liveness = _Liveness(self.liveness_timeout_s, self.router_seq)
         subscription = await self.bus.subscribe(
-            self.bus.subjects.load(ROUTER, self.router_id or ""), LoadReport, on_beat
+            self.bus.subjects.load(ROUTER, self.router_id or ""), LoadReport, liveness.on_beat
         )
         try:
             while not route.done() and self.router_id is not None:
-                silent_s = time.monotonic() - beats["last"]
-                if silent_s >= self.liveness_timeout_s:
+                if (wait_s := liveness.wait_s()) <= 0:
                     return
-                await asyncio.sleep(min(self.liveness_timeout_s - silent_s, 0.25))
+                await asyncio.sleep(min(wait_s, 0.25))
             await asyncio.Event().wait()  # answered (or sent on to any router): never fires
         finally:
             await self.bus.unsubscribe(subscription)
@@ -353,7 +358,7 @@ class _Generation:
             if router_watch is not None and router_watch.done() and not route.done():
                 raise Unavailable(
                     f"router {self.router_id} stopped responding (no heartbeat for "
-                    f"{self.liveness_timeout_s:.1f}s) before it routed the request",
+                    f"{self.liveness_timeout_s:.1f}s, or restarted) before it routed the request",
                     retry_after_s=1.0,
                 )
             if not route.done():  # the stream ended first: an error, or a very short answer
@@ -362,20 +367,20 @@ class _Generation:
             if self.on_decision is not None:
                 self.on_decision(decision)
             if not read.done():
-                self.last_beat_at = time.monotonic()
+                liveness = _Liveness(self.liveness_timeout_s)
                 streamer = VLLM_WORKER if decision.aggregated else DECODE
                 heartbeats = await bus.subscribe(
                     bus.subjects.load(streamer, decision.decode_worker_id),
                     LoadReport,
-                    self._on_heartbeat,
+                    liveness.on_beat,
                 )
-                watch = asyncio.create_task(self._watch_heartbeats())
+                watch = asyncio.create_task(self._watch_heartbeats(liveness))
                 await asyncio.wait({read, watch}, return_when=asyncio.FIRST_COMPLETED)
                 if not read.done():
                     await self._bill_lost_stream(decision)
                     raise Unavailable(
                         f"decode worker {decision.decode_worker_id} stopped responding "
-                        f"(no heartbeat for {self.liveness_timeout_s:.1f}s) after "
+                        f"(no heartbeat for {self.liveness_timeout_s:.1f}s, or restarted) after "
                         f"{len(self.token_ids)} tokens"
                     )
             read.result()
@@ -416,13 +421,11 @@ class _Generation:
             if self.on_chunk is not None:
                 self.on_chunk(chunk)
 
-    async def _on_heartbeat(self, report: LoadReport) -> None:
-        self.last_beat_at = time.monotonic()
-
-    async def _watch_heartbeats(self) -> None:
-        """Returns once the decode worker has been silent for `liveness_timeout_s`."""
-        while (silent_s := time.monotonic() - self.last_beat_at) < self.liveness_timeout_s:
-            await asyncio.sleep(self.liveness_timeout_s - silent_s)
+    async def _watch_heartbeats(self, liveness: _Liveness) -> None:
+        """Returns once the decode worker has been silent for `liveness_timeout_s`, or beats
+        as a new process (restarted: the stream died with the old one)."""
+        while (wait_s := liveness.wait_s()) > 0:
+            await asyncio.sleep(wait_s)
 
     async def _bill_lost_stream(self, decision: RouteDecision) -> None:
         """Record the usage of what arrived, as the decode worker would have."""
@@ -466,6 +469,30 @@ class _Generation:
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.started_at,
             total_s=time.monotonic() - self.started_at,
         )
+
+
+class _Liveness:
+    """One instance's heartbeats as a caller waiting on it sees them: alive while it beats
+    within `timeout_s`; gone once silent that long, or once a report comes numbered below
+    the last (a new process under the same id: what the old one held is lost)."""
+
+    def __init__(self, timeout_s: float, last_seq: int = 0) -> None:
+        self.timeout_s = timeout_s
+        self.last_seq = last_seq
+        self.last_beat_at = time.monotonic()
+        self.restarted = False
+
+    async def on_beat(self, report: LoadReport) -> None:
+        if report.seq < self.last_seq:
+            self.restarted = True
+        self.last_seq = max(self.last_seq, report.seq)
+        self.last_beat_at = time.monotonic()
+
+    def wait_s(self) -> float:
+        """How long it may stay silent yet; 0 once it is gone."""
+        if self.restarted:
+            return 0.0
+        return max(self.timeout_s - (time.monotonic() - self.last_beat_at), 0.0)
 
 
 def _router_refused(route: asyncio.Task[RouteDecision]) -> bool:

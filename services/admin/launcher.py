@@ -214,6 +214,7 @@ class Child:
     model: str | None = None
     is_stopped_on_purpose: bool = False  # by the launcher: not an exit to supervise
     is_exit_handled: bool = False
+    started_at: float = field(default_factory=time.monotonic)
 
 
 class Cluster:

@@ -30,6 +30,7 @@ from shared.bus import Bus, Context
 from shared.logging import get_logger
 from shared.schema import (
     BadRequest,
+    Cancelled,
     CancelRequest,
     DecodeJob,
     InternalError,
@@ -208,6 +209,13 @@ class DecodeWorker:
             # trace (once) and answers prefill INTERNAL.
             await self._fail(state, InternalError("joining the suffix failed"))
             raise
+        if self.requests.get(ready.request_id) is not state:
+            # Cancelled (or expired) while its suffix was being pulled: it was ended then,
+            # so the sequence just added must not run. Left running, its tokens went to a
+            # finished stream and the error killed the batch loop (a storm of client
+            # disconnects on hosts apart, where the pull takes long enough, found it).
+            await self._abort_seq(seq_id)  # its ABORT output finds no state: skipped
+            raise Cancelled(f"decode job {ready.request_id} ended while joining")
         state.seq_id, state.joined = seq_id, True
         state.generate_span = telemetry.child_span(state.span, "decode generate")
         self._by_seq[seq_id] = state
@@ -391,8 +399,13 @@ class DecodeWorker:
                 continue
             for out in outputs:
                 state = self._by_seq.get(out.seq_id)
-                if state is not None:
+                if state is None:
+                    continue
+                try:
                     await self._emit(state, out)
+                except Exception:  # one request's failure must not end the batch loop
+                    log.exception("emitting a step's output failed", request_id=state.request_id)
+                    await self._fail(state, InternalError("emitting the output failed"))
 
     async def _emit(self, state: DecodeRequest, out: StepOutput) -> None:
         token_ids = list(out.new_token_ids)

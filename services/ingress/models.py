@@ -63,6 +63,7 @@ class ModelTable:
         self._round_started_at = 0.0  # when the last discovery round began
         self._lock = asyncio.Lock()
         self._num_routed = 0
+        self._router_seq: dict[str, int] = {}  # each router's last heartbeat's seq
 
     def _served(self) -> set[str]:
         now = time.monotonic()
@@ -80,15 +81,19 @@ class ModelTable:
     async def on_load_report(self, report: LoadReport) -> None:
         if report.service in STREAMERS or report.service == ROUTER:
             self._workers.observe(report, time.monotonic())
+        if report.service == ROUTER:
+            self._router_seq[report.instance_id] = report.seq
 
-    def router(self) -> str | None:
+    def router(self) -> tuple[str | None, int]:
         """A router instance to send the next request to (and watch until it answers), in
-        turn among those beating and SERVING; None when none is known (any router, then)."""
+        turn among those beating and SERVING, with the seq of its last heartbeat; None when
+        none is known (any router, then)."""
         routers = self._workers.workers(ROUTER, time.monotonic())
         if not routers:
-            return None
+            return None, 0
         self._num_routed += 1
-        return routers[self._num_routed % len(routers)].instance_id
+        router_id = routers[self._num_routed % len(routers)].instance_id
+        return router_id, self._router_seq.get(router_id, 0)
 
     async def get(self, name: str) -> ServedModel | None:
         """The model, asking discovery again if it is not (or no longer) known."""

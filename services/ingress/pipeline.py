@@ -288,6 +288,7 @@ class Generation:
     async def start(self) -> None:
         """Send the request; return once the router took it. Raises ApiError otherwise."""
         p = self.pipeline
+        router_id, router_seq = p.models.router()
         self._task = asyncio.create_task(
             generate(
                 p.bus,
@@ -295,7 +296,8 @@ class Generation:
                 on_chunk=self._chunks.put_nowait,
                 on_decision=self._on_decision,
                 outbox=p.outbox,
-                router_id=p.models.router(),
+                router_id=router_id,
+                router_seq=router_seq,
             )
         )
         self._task.add_done_callback(lambda _: self._chunks.put_nowait(None))

@@ -7,6 +7,7 @@ from services.kv_index.index import DAY_S
 from shared.config import ConfigError, ServiceConfig
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +27,9 @@ class KvIndexConfig(ServiceConfig):
     snapshot_interval_s: float = 60.0
     # The event log (JetStream) keeps at most this much: snapshots cover what it dropped.
     log_max_bytes: int = 1 * GIB
+    # A restart replays an uncut log up to this size instead of loading the snapshot (the
+    # entries' last use is then their last store, not their last hit: LRU order is coarser).
+    replay_whole_log_bytes: int = 256 * MIB
     log_max_age_s: float = DAY_S
     # How long start-up waits for the event log to be replayed before serving anyway, and
     # reporting itself not ready until it has caught up (0: do not wait).

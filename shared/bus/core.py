@@ -71,6 +71,12 @@ def unavailable() -> Unavailable:
     return Unavailable("lost the connection to NATS (reconnecting)", retry_after_s=1.0)
 
 
+def num_reconnects(nc: Client) -> int:
+    """How often the connection came back: a change means it was lost in between, however
+    briefly (a reconnect to another server of a cluster takes milliseconds)."""
+    return nc.stats["reconnects"]
+
+
 class Inbox:
     """A fresh subscription whose messages are read one at a time (stream consumers)."""
 
@@ -78,13 +84,16 @@ class Inbox:
         self.subject = subject
         self._subscription = subscription
         self._nc = nc
+        self._reconnects = num_reconnects(nc)
 
     async def next(self, timeout_s: float) -> RawMessage | None:
-        """The next message, or None when `timeout_s` passes first; `Unavailable` when the
-        connection is lost while waiting (messages published meanwhile never arrive)."""
+        """The next message, or None when `timeout_s` passes first; `Unavailable` once the
+        connection has been lost since the inbox opened, even if it is back (messages
+        published meanwhile never arrive), and nothing received is left to read."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if not self._nc.is_connected and self._subscription.pending_msgs == 0:
+            lost = not self._nc.is_connected or num_reconnects(self._nc) != self._reconnects
+            if lost and self._subscription.pending_msgs == 0:
                 raise unavailable()
             wait_s = min(deadline - time.monotonic(), OUTAGE_CHECK_S)
             try:
@@ -234,8 +243,10 @@ class Bus:
     async def _request_watching_connection(
         self, subject: str, data: bytes, timeout_s: float, headers: dict[str, str]
     ) -> Msg:
-        """nats-py's request, given up with `Unavailable` once the connection drops: the
-        reply would be lost with it and the caller would wait out its whole timeout."""
+        """nats-py's request, given up with `Unavailable` once the connection drops (or has
+        dropped and come back): the reply would be lost with it and the caller would wait
+        out its whole timeout."""
+        reconnects = num_reconnects(self._nc)
         call = asyncio.ensure_future(
             self._nc.request(subject, data, timeout=timeout_s, headers=headers)
         )
@@ -244,7 +255,7 @@ class Bus:
                 done, _ = await asyncio.wait({call}, timeout=OUTAGE_CHECK_S)
                 if done:
                     return call.result()
-                if not self._nc.is_connected:
+                if not self._nc.is_connected or num_reconnects(self._nc) != reconnects:
                     raise unavailable()
         finally:
             if not call.done():

@@ -21,7 +21,7 @@ KVFABRIC = Path(sys.executable).with_name("kvfabric")
 
 
 # Run in quick mode by a test of their own, with more checks: left out here.
-OWN_TEST = {"agent": "tests/e2e/test_agent_load.py"}
+OWN_TEST = {"agent": "tests/e2e/test_agent_load.py", "faults": "tests/faults/test_bench_faults.py"}
 
 
 @pytest.mark.timeout(600)

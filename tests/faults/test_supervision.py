@@ -18,28 +18,37 @@ itself within RECOVERY_BOUND_S. The mock engine serves: it runs the production w
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
+from loadtest.fault_load import (
+    AgentLoad,
+    Outcome,
+    billing,
+    outside_protocol,
+    time_to_full_service,
+    usage_counts,
+    wrong_answers,
+)
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, Placement
 from services.admin.status import render_supervision
 from services.admin.supervisor import NATS_SERVER, RestartPolicy, load_state
-from services.billing.ledger import open_ledger
 from shared.discovery import Instance, discover
-from shared.schema import InstanceState
 from shared.subjects import DECODE, INGRESS, PREFILL, ROUTER
 from shared.testing import unique_root
 from shared.testing.hosts import Host, HostNetwork, unavailable_reason
-from tests.e2e.cluster_helpers import connect, usage_records
-from tests.faults.load import PROTOCOL_ERRORS, AgentLoad, Outcome
+from tests.e2e.cluster_helpers import connect
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -140,32 +149,23 @@ async def _discover(cluster: Cluster) -> list[Instance]:
         await bus.close()
 
 
-async def _serving(cluster: Cluster) -> set[str]:
-    instances = await _discover(cluster)
-    return {i.instance_id for i in instances if i.load.get("state") == InstanceState.SERVING}
-
-
 def until_full_service(cluster: Cluster, since: float, load: AgentLoad) -> float:
     """Seconds from `since` until every instance serves again and requests succeed through
     every ingress; fails past RECOVERY_BOUND_S."""
-    failed = {r.instance_id for r in cluster.supervisor.failed()}
-    expected = {c.instance_id for c in cluster.children} - failed
-    deadline = since + RECOVERY_BOUND_S
-    while True:
-        now = time.monotonic()
-        assert now < deadline, (
-            f"not back to full service within {RECOVERY_BOUND_S}s:\n"
-            + render_supervision(load_state(cluster.spec.state_dir) or {}, [])
-        )
-        try:
-            serving = on_client(cluster, _serving(cluster))
-        except Exception:  # NATS itself may still be coming back
-            serving = set()
-        with cluster.client.inside():  # type: ignore[attr-defined]
-            probes = [load.send(99, 0, url, "openai") for url in cluster.http_urls]
-        if expected <= serving and all(p.ok for p in probes):
-            return time.monotonic() - since
-        time.sleep(0.2)
+    client = cluster.client  # type: ignore[attr-defined]
+    seconds = time_to_full_service(
+        cluster,
+        load,
+        since,
+        RECOVERY_BOUND_S,
+        run=lambda coro: on_client(cluster, coro),
+        enter=client.inside,
+    )
+    assert seconds is not None, (
+        f"not back to full service within {RECOVERY_BOUND_S}s:\n"
+        + render_supervision(load_state(cluster.spec.state_dir) or {}, [])
+    )
+    return seconds
 
 
 def check_outcomes(outcomes: list[Outcome], *, refused_at: str = "") -> None:
@@ -174,49 +174,18 @@ def check_outcomes(outcomes: list[Outcome], *, refused_at: str = "") -> None:
     assert outcomes, "the load sent nothing"
     slow = [o for o in outcomes if o.seconds > REQUEST_BOUND_S]
     assert not slow, f"{len(slow)} requests took over {REQUEST_BOUND_S}s: {slow[:2]}"
-    bad = [
-        o
-        for o in outcomes
-        if not o.ok
-        and o.status not in PROTOCOL_ERRORS
-        and not (o.status == 0 and o.ingress == refused_at and "Connection" in o.error)
-    ]
+    bad = outside_protocol(outcomes, refused_at)
     assert not bad, f"{len(bad)} requests failed outside the protocol: {bad[:3]}"
-    answers: dict[tuple[int, int], set[str]] = defaultdict(set)
-    for o in outcomes:
-        if o.ok:
-            answers[(o.session, o.step)].add(o.text)
-    differing = {k: v for k, v in answers.items() if len(v) > 1}
+    differing = wrong_answers(outcomes)
     assert not differing, f"different answers to the same prompt: {differing}"
 
 
 def check_billed(cluster: Cluster, outcomes: list[Outcome]) -> None:
     """Every answered request: one usage record, one ledger row, the tokens the client saw."""
-    told = {o.request_id: o.usage for o in outcomes if o.ok}
-
-    async def records() -> None:
-        bus = await connect(cluster)
-        try:
-            await usage_records(bus, set(told), timeout_s=60)
-        finally:
-            await bus.close()
-
-    on_client(cluster, records())
-    ledger = open_ledger(f"sqlite:///{cluster.spec.state_dir.resolve()}/billing/ledger.db")
-    try:
-        deadline = time.monotonic() + 60
-        missing = set(told)
-        while missing and time.monotonic() < deadline:
-            missing = {rid for rid in missing if ledger.get(rid) is None}
-            time.sleep(0.2)
-        assert not missing, f"{len(missing)} answered requests never reached the ledger"
-        for rid, usage in told.items():
-            row = ledger.get(rid)
-            assert row is not None
-            billed = (row.num_cache_hit_tokens, row.num_cache_miss_tokens, row.num_output_tokens)
-            assert billed == usage, f"{rid}: billed {billed}, the client was told {usage}"
-    finally:
-        ledger.close()
+    billed = billing(cluster, outcomes, run=lambda coro: on_client(cluster, coro))
+    assert not billed.missing, f"{len(billed.missing)} answered requests never billed"
+    assert not billed.doubled, f"usage records per request, expected one: {billed.doubled}"
+    assert not billed.mismatched, f"billed other tokens than told: {billed.mismatched[:3]}"
 
 
 def run_fault(cluster: Cluster, inject, *, refused_at: str = "") -> list[Outcome]:  # noqa: ANN001
@@ -360,6 +329,103 @@ def test_a_rolling_restart_with_drain_fails_no_request(cluster: Cluster) -> None
     for instance_id in order:  # each restarted once, a clean exit, nothing charged
         record = cluster.supervisor.records[instance_id]
         assert record.restarts == restarts[instance_id] + 1 and record.last_exit_code == 0
+
+
+def test_a_slow_streaming_reader_gets_every_token(cluster: Cluster) -> None:
+    """A client reading its stream a chunk every 0.3 s (its socket fills, ingress waits on
+    it) still gets the whole answer, the one a fast client gets, while others are served."""
+    client = cluster.client  # type: ignore[attr-defined]
+    messages = [{"role": "user", "content": "Slowly: write a function that reverses a list."}]
+    url = cluster.http_urls[0]
+    load = agent_load(cluster).start()
+    try:
+        with client.inside():
+            oai = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+            fast = oai.chat.completions.create(model="tiny-coder", messages=messages, max_tokens=24)
+            pieces, started = [], time.monotonic()
+            stream = oai.chat.completions.create(
+                model="tiny-coder", messages=messages, max_tokens=24, stream=True
+            )
+            for chunk in stream:
+                pieces.extend(c.delta.content or "" for c in chunk.choices)
+                time.sleep(0.3)
+            slow_s = time.monotonic() - started
+        served_meanwhile = load.num_ok_since(started)
+    finally:
+        outcomes = load.stop()
+    assert "".join(pieces) == fast.choices[0].message.content
+    assert slow_s < 60 and served_meanwhile > 0
+    check_outcomes(outcomes)
+    assert all(o.ok for o in outcomes), [o for o in outcomes if not o.ok][:3]
+
+
+def test_a_storm_of_client_disconnects(cluster: Cluster) -> None:
+    """40 streaming clients hang up after their first chunk: each request is billed once
+    (for what was produced), no decode worker keeps a sequence, and the cluster serves on."""
+    client = cluster.client  # type: ignore[attr-defined]
+    body = {
+        "model": "tiny-coder",
+        "messages": [{"role": "user", "content": "Storm: write a long sorting module."}],
+        "max_tokens": 256,
+        "stream": True,
+    }
+    request_ids: list[str] = []
+    lock = threading.Lock()
+
+    def hang_up(i: int) -> None:
+        url = cluster.http_urls[i % len(cluster.http_urls)]
+        with client.inside(), httpx.Client(timeout=30) as http:
+            headers = {"authorization": f"Bearer {KEY}"}
+            with http.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        with lock:
+                            request_ids.append(json.loads(line[6:])["id"].removeprefix("chatcmpl-"))
+                        break  # and the connection closes mid-stream
+
+    threads = [threading.Thread(target=hang_up, args=(i,)) for i in range(40)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(request_ids) == 40
+
+    def decode_idle() -> bool:
+        instances = on_client(cluster, _discover(cluster))
+        decodes = [i for i in instances if i.service == DECODE]
+        return len(decodes) == 2 and all(i.load.get("num_running") == 0 for i in decodes)
+
+    deadline = time.monotonic() + 120
+    while not decode_idle():
+        print(
+            "DEBUG",
+            time.monotonic(),
+            [
+                (i.instance_id, i.load.get("num_running"), i.load.get("num_queued"))
+                for i in on_client(cluster, _discover(cluster))
+                if i.service == DECODE
+            ],
+            flush=True,
+        )
+        assert time.monotonic() < deadline, "decode workers kept the hung-up sequences: " + str(
+            [
+                (i.instance_id, i.load.get("num_running"), i.load.get("num_queued"))
+                for i in on_client(cluster, _discover(cluster))
+                if i.service == DECODE
+            ]
+        )
+        time.sleep(0.2)
+    counts = on_client(cluster, usage_counts(cluster, set(request_ids), 60))
+    assert all(n == 1 for n in counts.values()), {r: n for r, n in counts.items() if n != 1}
+    load = agent_load(cluster).start()
+    try:
+        started = time.monotonic()
+        while load.num_ok_since(started) < 8:
+            assert time.monotonic() - started < 30, "the cluster stopped serving after the storm"
+            time.sleep(0.05)
+    finally:
+        outcomes = load.stop()
+    check_outcomes(outcomes)
 
 
 # Last: it leaves router-1 failed for good.

@@ -42,7 +42,11 @@ READY_WAIT_S = 60.0
 
 
 def start_index(
-    server: NatsServer, root: str, shard: int = 0, num_shards: int = 1, *extra: str
+    server: NatsServer,
+    root: str,
+    shard: int = 0,
+    num_shards: int = 1,
+    *extra: str,
 ) -> subprocess.Popen[bytes]:
     stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by stop(), read if it fails
     process = subprocess.Popen(
@@ -137,6 +141,13 @@ async def eventually(check, timeout_s: float = 10.0):  # noqa: ANN001, ANN201
     return await check()
 
 
+def logged(process: subprocess.Popen[bytes]) -> str:
+    """What an index process has logged so far (its JSON lines go to stderr)."""
+    stderr = _STDERR[process]
+    stderr.seek(0)
+    return stderr.read().decode(errors="replace")
+
+
 async def test_match_and_restart_recovery(
     nats_server: NatsServer, subject_root: str, bus_factory: BusFactory
 ) -> None:
@@ -157,12 +168,14 @@ async def test_match_and_restart_recovery(
         after = await index_client.match(writer, HASHES, num_shards=1)
         assert after == before
 
-        # A clean stop saves a snapshot; the next start restores it and replays only what follows.
+        # A clean stop saves a snapshot; the next start restores it and replays only what
+        # follows (forced: a log this small would otherwise be replayed whole, being faster).
         stop(index)
         await publish(writer, batch("prefill-0", 3, HASHES[12:14], 12))
-        index = start_index(nats_server, subject_root)
+        index = start_index(nats_server, subject_root, 0, 1, "--replay-whole-log-bytes", "0")
         await wait_ready(writer)
         assert await prefix(writer, HASHES) == 14
+        assert '"snapshot loaded"' in logged(index)
     finally:
         stop(index)
 

@@ -1,6 +1,8 @@
-"""Agent load for the fault suite: sessions that re-send their growing context every step,
-through the official SDKs (OpenAI's and Anthropic's, no retries of their own), against every
-ingress in turn, each request's outcome recorded for the suite's assertions.
+"""Agent load under faults, for the fault suite (tests/faults) and `kvfabric bench faults`:
+sessions that re-send their growing context every step, through the official SDKs (OpenAI's
+and Anthropic's, no retries of their own), against every ingress in turn, each request's
+outcome recorded; and what a fault cost, measured from those outcomes, discovery and the
+ledger: requests failed (and how), the time until the cluster serves fully again, usage lost.
 
 A step's prompt depends only on (session, step), and the mock engine's answer only on the
 prompt, so every answer to the same prompt must be the same text: a wrong output is one that
@@ -9,15 +11,26 @@ differs from another answer to its prompt.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Coroutine
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import anthropic
 import openai
+
+from services.admin.launcher import Cluster
+from services.billing.ledger import open_ledger
+from shared.bus import Bus
+from shared.discovery import discover
+from shared.schema import InstanceState, UsageRecord
+
+T = TypeVar("T")
 
 SYSTEM = "You are a coding agent. You write small, tested Python functions. " * 12
 NUM_STEPS = 6  # then the session starts over: contexts stay a few blocks long
@@ -156,3 +169,136 @@ class AgentLoad:
         outcome.text = "".join(b.text for b in reply.content if b.type == "text")
         cached = reply.usage.cache_read_input_tokens or 0
         outcome.usage = (cached, reply.usage.input_tokens, reply.usage.output_tokens)
+
+
+# -- what a fault cost -------------------------------------------------------------------
+Runner = Callable[[Coroutine[Any, Any, T]], T]
+
+
+def run_here(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+async def serving_instances(cluster: Cluster) -> set[str]:
+    """The instances discovery finds SERVING now."""
+    bus = await Bus.connect(cluster.nats_url, service="faults", root=cluster.spec.root)
+    try:
+        instances = await discover(bus, timeout_s=0.3)
+    finally:
+        await bus.close()
+    return {i.instance_id for i in instances if i.load.get("state") == InstanceState.SERVING}
+
+
+def time_to_full_service(
+    cluster: Cluster,
+    load: AgentLoad,
+    since: float,
+    bound_s: float,
+    run: Runner = run_here,
+    enter: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+) -> float | None:
+    """Seconds from `since` until every instance the supervisor keeps (not the failed ones)
+    serves again and a request succeeds through every ingress; None past `bound_s`."""
+    failed = {r.instance_id for r in cluster.supervisor.failed()}
+    while time.monotonic() < since + bound_s:
+        expected = {c.instance_id for c in cluster.children} - failed
+        try:
+            serving = run(serving_instances(cluster))
+        except Exception:  # NATS itself may still be coming back
+            serving = set()
+        if expected <= serving:
+            with enter():
+                probes = [load.send(99, 0, url, "openai") for url in cluster.http_urls]
+            if all(p.ok for p in probes):
+                return time.monotonic() - since
+        time.sleep(0.2)
+    return None
+
+
+def wrong_answers(outcomes: list[Outcome]) -> dict[tuple[int, int], set[str]]:
+    """Prompts answered with more than one text."""
+    answers: dict[tuple[int, int], set[str]] = defaultdict(set)
+    for o in outcomes:
+        if o.ok:
+            answers[(o.session, o.step)].add(o.text)
+    return {k: v for k, v in answers.items() if len(v) > 1}
+
+
+def outside_protocol(outcomes: list[Outcome], refused_at: str = "") -> list[Outcome]:
+    """Failures that are not the protocol's retryable errors (a refused connection counts
+    only at `refused_at`, an ingress that was killed)."""
+    return [
+        o
+        for o in outcomes
+        if not o.ok
+        and o.status not in PROTOCOL_ERRORS
+        and not (o.status == 0 and o.ingress == refused_at and "Connection" in o.error)
+    ]
+
+
+@dataclass
+class Billing:
+    """Answered requests against the usage log and the ledger."""
+
+    missing: list[str]  # answered, never billed
+    doubled: dict[str, int]  # usage records per request where more than one
+    mismatched: list[str]  # billed other tokens than the client was told
+
+
+async def usage_counts(cluster: Cluster, request_ids: set[str], timeout_s: float) -> dict[str, int]:
+    """Usage records per request on JetStream, read to the log's end once every id has one
+    (or `timeout_s` passed)."""
+    bus = await Bus.connect(cluster.nats_url, service="faults", root=cluster.spec.root)
+    counts: dict[str, int] = defaultdict(int)
+    last_read = 0
+
+    async def on_record(record: UsageRecord, seq: int) -> None:
+        nonlocal last_read
+        counts[record.request_id] += 1
+        last_read = seq
+
+    subjects = bus.subjects
+    subscription = await bus.js.consume(
+        subjects.usage_stream, subjects.usage_all, UsageRecord, on_record
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not request_ids <= counts.keys() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        _, last_seq = await bus.js.stream_bounds(subjects.usage_stream)
+        while last_read < last_seq and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return {rid: counts.get(rid, 0) for rid in request_ids}
+    finally:
+        await bus.unsubscribe(subscription)
+        await bus.close()
+
+
+def billing(
+    cluster: Cluster, outcomes: list[Outcome], run: Runner = run_here, timeout_s: float = 60.0
+) -> Billing:
+    told = {o.request_id: o.usage for o in outcomes if o.ok}
+    counts = run(usage_counts(cluster, set(told), timeout_s))
+    ledger = open_ledger(f"sqlite:///{cluster.spec.state_dir.resolve()}/billing/ledger.db")
+    try:
+        deadline = time.monotonic() + timeout_s
+        missing = set(told)
+        while missing and time.monotonic() < deadline:
+            missing = {rid for rid in missing if ledger.get(rid) is None}
+            time.sleep(0.2)
+        mismatched = []
+        for rid, usage in told.items():
+            row = ledger.get(rid)
+            if row is not None and usage != (
+                row.num_cache_hit_tokens,
+                row.num_cache_miss_tokens,
+                row.num_output_tokens,
+            ):
+                mismatched.append(rid)
+    finally:
+        ledger.close()
+    return Billing(
+        missing=sorted(missing | {rid for rid, n in counts.items() if n == 0}),
+        doubled={rid: n for rid, n in counts.items() if n > 1},
+        mismatched=mismatched,
+    )
