@@ -171,6 +171,65 @@ class AgentLoad:
         outcome.usage = (cached, reply.usage.input_tokens, reply.usage.output_tokens)
 
 
+@dataclass
+class Streamed:
+    """One streamed answer as its client saw it: text, when each content chunk came."""
+
+    outcome: Outcome
+    chunk_times: list[float] = field(default_factory=list)  # monotonic, per content chunk
+
+    def first_chunk_after(self, moment: float) -> float | None:
+        return next((t for t in self.chunk_times if t > moment), None)
+
+
+def stream_openai(
+    url: str,
+    api_key: str,
+    messages: list[dict[str, str]],
+    *,
+    model: str = "tiny-coder",
+    max_tokens: int = 256,
+    on_chunk: Callable[[int], object] = lambda _: None,
+    timeout_s: float = 120.0,
+) -> Streamed:
+    """A greedy streamed chat completion through the OpenAI SDK, usage included;
+    `on_chunk(n)` after the n-th content chunk (a test kills a worker from there)."""
+    streamed = Streamed(Outcome(0, 0, url, "openai", time.monotonic(), 0.0, 0))
+    outcome, texts = streamed.outcome, []
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=timeout_s)
+    try:
+        with client:
+            stream = client.chat.completions.create(
+                model=model,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            for chunk in stream:
+                outcome.request_id = chunk.id.removeprefix("chatcmpl-")
+                if chunk.choices and chunk.choices[0].delta.content:
+                    texts.append(chunk.choices[0].delta.content)
+                    streamed.chunk_times.append(time.monotonic())
+                    on_chunk(len(texts))
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                    details = usage.prompt_tokens_details
+                    cached = (details.cached_tokens if details else 0) or 0
+                    outcome.usage = (cached, usage.prompt_tokens - cached, usage.completion_tokens)
+        outcome.status = 200
+    except openai.APIStatusError as exc:
+        outcome.status, outcome.error = exc.status_code, str(exc)[:300]
+    except openai.APIConnectionError as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"[:300]
+    except openai.APIError as exc:  # an error event inside the stream
+        outcome.status, outcome.error = -1, f"{type(exc).__name__}: {exc}"[:300]
+    outcome.text = "".join(texts)
+    outcome.seconds = time.monotonic() - outcome.started
+    return streamed
+
+
 # -- what a fault cost -------------------------------------------------------------------
 Runner = Callable[[Coroutine[Any, Any, T]], T]
 

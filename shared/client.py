@@ -25,6 +25,7 @@ worker) it broadcasts `CancelRequest`, so every hop stops work it no longer owes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -44,6 +45,7 @@ from shared.schema import (
     LoadReport,
     NoResponders,
     Overloaded,
+    Resume,
     RouteDecision,
     SamplingParams,
     ServiceError,
@@ -76,6 +78,7 @@ class GenerateResult:
     stop_sequence: str | None = None  # the stop string that ended the output
     ttft_s: float | None = None  # request sent -> first chunk with tokens (None: no tokens)
     total_s: float = 0.0
+    num_failovers: int = 0  # continuations after a decode worker died mid-stream
 
 
 def build_request(
@@ -141,6 +144,9 @@ async def generate(
     outbox: UsageOutbox | None = None,
     router_id: str | None = None,
     router_seq: int = 0,
+    max_failovers: int = 2,
+    failover_recompute: bool = False,
+    probe_after_s: float = 0.25,
 ) -> GenerateResult:
     """Run one request through the cluster; `on_chunk(chunk)` sees every chunk as it comes,
     `on_decision(decision)` the router's answer once it has come (a caller that must answer
@@ -157,6 +163,15 @@ async def generate(
     When the router turns the request away as `Overloaded` (nothing started anywhere), wait
     its `retry_after_s` and send it again, for at most `overload_wait_s` in all (and never
     past the request's deadline); 0 gives up at the first refusal.
+
+    When the decode worker dies mid-stream, the request continues (at most
+    `max_failovers` times) as a new request whose prompt is the old one and the tokens
+    already delivered (`GenerateRequest.resume`): its prefix is the blocks decode wrote
+    through to the store, so only the last partial block is recomputed, and the chunks go
+    on to `on_chunk` with nothing lost or repeated. `failover_recompute` (benchmarks' peer)
+    makes the continuation miss the cache and recompute the whole context, as vLLM and
+    Dynamo migrate. A stalled stream is probed after `probe_after_s`: a worker whose
+    process is gone is known at once (no responders), not `liveness_timeout_s` later.
 
     Raises the router's typed error (`Overloaded` with `retry_after_s` once the wait is
     spent, `BadRequest`, `NoResponders` when no router runs), the stream's
@@ -186,6 +201,7 @@ async def generate(
             outbox,
             router_id,
             router_seq,
+            _Failover(max_failovers, failover_recompute, probe_after_s),
         )
         if span.is_recording():
             decision = result.decision
@@ -196,6 +212,7 @@ async def generate(
                     "kvfabric.decode_worker_id": decision.decode_worker_id,
                     "kvfabric.num_output_tokens": len(result.token_ids),
                     "kvfabric.finish_reason": result.finish_reason or "",
+                    "kvfabric.num_failovers": result.num_failovers,
                 }
             )
             if result.ttft_s is not None:
@@ -216,10 +233,68 @@ async def _generate(
     outbox: UsageOutbox | None,
     router_id: str | None,
     router_seq: int,
+    failover: _Failover,
 ) -> GenerateResult:
-    """`generate`: sends until the router takes the request or the overload wait is spent."""
+    """`generate`: the request, then its continuations while its decode worker dies."""
+    delivered = _Delivered(request)
+    while True:
+        try:
+            result = await _send(
+                bus,
+                request,
+                on_chunk,
+                on_decision if not delivered.attempts else None,
+                liveness_timeout_s,
+                first_chunk_timeout_s,
+                idle_timeout_s,
+                route_timeout_s,
+                overload_wait_s,
+                router_id if not delivered.attempts else None,
+                router_seq,
+                failover.probe_after_s,
+            )
+            return delivered.result(result)
+        except _DecodeLost as lost:
+            delivered.add(lost)
+            continuation = failover.continuation(request, lost, delivered)
+            if continuation is None:
+                await _bill_delivered(bus, outbox, delivered, lost.decision)
+                raise Unavailable(f"{lost.reason} after {delivered.num_tokens} tokens") from None
+            log.warning(
+                "decode worker lost: continuing the request",
+                request_id=request.request_id,
+                decode_worker_id=lost.decision.decode_worker_id,
+                num_delivered_tokens=delivered.num_tokens,
+                attempt=delivered.attempts,
+            )
+            telemetry.current_span().add_event(
+                "failover", {"kvfabric.num_delivered_tokens": delivered.num_tokens}
+            )
+            request = continuation
+        except _NotRouted as failed:  # a continuation nobody took: bill what was delivered
+            await _bill_delivered(bus, outbox, delivered, None)
+            raise failed.error from None
+
+
+async def _send(
+    bus: Bus,
+    request: GenerateRequest,
+    on_chunk: Callable[[TokenChunk], object] | None,
+    on_decision: Callable[[RouteDecision], object] | None,
+    liveness_timeout_s: float,
+    first_chunk_timeout_s: float,
+    idle_timeout_s: float,
+    route_timeout_s: float,
+    overload_wait_s: float,
+    router_id: str | None,
+    router_seq: int,
+    probe_after_s: float,
+) -> GenerateResult:
+    """One request (or continuation): sends until the router takes it or the overload wait
+    is spent."""
     waited_s = 0.0
     while True:
+        call: _Generation | None = None
         inbox = await bus.open_inbox()
         try:
             attempt = msgspec.structs.replace(request, stream_inbox=inbox.subject)
@@ -239,14 +314,16 @@ async def _generate(
                 on_decision,
                 liveness_timeout_s,
                 route_timeout_s,
-                outbox,
                 router_id,
                 router_seq,
+                probe_after_s,
             )
             return await call.run()
         except Overloaded as exc:
             wait_s = _overload_wait_s(exc, request.deadline_ms, overload_wait_s - waited_s)
-            if not call.refused_by_router or wait_s is None:
+            if call is None or not call.refused_by_router or wait_s is None:
+                if request.resume is not None and (call is None or call.decision is None):
+                    raise _NotRouted(exc) from None
                 raise
             log.info(
                 "router overloaded: sending again",
@@ -255,6 +332,12 @@ async def _generate(
                 reason=exc.message,
             )
             telemetry.current_span().add_event("overloaded", {"kvfabric.wait_s": round(wait_s, 3)})
+        except (_DecodeLost, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            if request.resume is not None and (call is None or call.decision is None):
+                raise _NotRouted(exc) from None  # no worker took the continuation
+            raise
         finally:
             await inbox.close()
         await asyncio.sleep(wait_s)
@@ -281,14 +364,16 @@ class _Generation:
         on_decision: Callable[[RouteDecision], object] | None,
         liveness_timeout_s: float,
         route_timeout_s: float,
-        outbox: UsageOutbox | None,
         router_id: str | None = None,
         router_seq: int = 0,
+        probe_after_s: float = 0.25,
     ) -> None:
         self.bus = bus
         self.router_id = router_id
         self.router_seq = router_seq  # its last heartbeat's seq as the caller knew it
-        self.outbox = outbox
+        self.probe_after_s = probe_after_s
+        self.decision: RouteDecision | None = None
+        self.last_chunk_at = time.monotonic()
         self.request = request
         self.reader = reader
         self.on_chunk = on_chunk
@@ -363,7 +448,7 @@ class _Generation:
                 )
             if not route.done():  # the stream ended first: an error, or a very short answer
                 read.result()
-            decision = await route
+            decision = self.decision = await route
             if self.on_decision is not None:
                 self.on_decision(decision)
             if not read.done():
@@ -374,14 +459,15 @@ class _Generation:
                     LoadReport,
                     liveness.on_beat,
                 )
-                watch = asyncio.create_task(self._watch_heartbeats(liveness))
+                watch = asyncio.create_task(self._watch_heartbeats(liveness, streamer, decision))
                 await asyncio.wait({read, watch}, return_when=asyncio.FIRST_COMPLETED)
                 if not read.done():
-                    await self._bill_lost_stream(decision)
-                    raise Unavailable(
+                    raise _DecodeLost(
                         f"decode worker {decision.decode_worker_id} stopped responding "
-                        f"(no heartbeat for {self.liveness_timeout_s:.1f}s, or restarted) after "
-                        f"{len(self.token_ids)} tokens"
+                        f"({watch.result()})",
+                        decision,
+                        self.token_ids,
+                        "".join(self.texts),
                     )
             read.result()
             return self._result(decision)
@@ -412,6 +498,7 @@ class _Generation:
 
     async def _read(self) -> None:
         while (chunk := await self.reader.next()) is not None:
+            self.last_chunk_at = time.monotonic()
             ids = unpack_token_ids(chunk.token_ids).tolist()
             if ids and self.first_token_at is None:
                 self.first_token_at = time.monotonic()
@@ -421,33 +508,30 @@ class _Generation:
             if self.on_chunk is not None:
                 self.on_chunk(chunk)
 
-    async def _watch_heartbeats(self, liveness: _Liveness) -> None:
-        """Returns once the decode worker has been silent for `liveness_timeout_s`, or beats
-        as a new process (restarted: the stream died with the old one)."""
+    async def _watch_heartbeats(
+        self, liveness: _Liveness, streamer: str, decision: RouteDecision
+    ) -> str:
+        """Returns (why) once the decode worker is gone: silent for `liveness_timeout_s`,
+        beating as a new process (restarted: the stream died with the old one), or, probed
+        once the stream has stalled `probe_after_s`, answered for by NATS with no
+        responders (its process died, and its subscriptions with its connection)."""
+        ping = self.bus.subjects.ping(decision.decode_worker_id)
         while (wait_s := liveness.wait_s()) > 0:
-            await asyncio.sleep(wait_s)
-
-    async def _bill_lost_stream(self, decision: RouteDecision) -> None:
-        """Record the usage of what arrived, as the decode worker would have."""
-        record = usage_record(
-            self.request,
-            num_prompt_tokens=decision.num_prompt_tokens,
-            num_cached_tokens=decision.num_cached_tokens,
-            num_output_tokens=len(self.token_ids),
-            status=UsageStatus.FAILED,
-            finish_reason="error",
-            prefill_worker_id=decision.prefill_worker_id,
-            decode_worker_id=decision.decode_worker_id,
-            started_ms=self.request.arrival_ms or self.started_ms,
-        )
-        telemetry.keep_context(record.request_id)  # billing's span continues this trace
-        try:
-            if self.outbox is not None:
-                await self.outbox.add(record)  # durable now; published until JetStream has it
+            stalled_s = time.monotonic() - self.last_chunk_at
+            if stalled_s < self.probe_after_s:
+                await asyncio.sleep(min(wait_s, self.probe_after_s - stalled_s))
+                continue
+            try:
+                await self.bus.request(ping, b"", bytes, timeout_s=min(wait_s, 1.0))
+            except NoResponders:
+                return f"{streamer} process gone: no responders"
+            except ServiceError:  # no answer in time, or our own connection is down
+                pass
             else:
-                await usage_publisher(self.bus, INGRESS)(record)
-        except Exception:  # without an outbox, or with its disk failing: said loudly, in full
-            log.exception("usage of a lost stream not recorded", record=str(record))
+                await asyncio.sleep(min(liveness.wait_s(), self.probe_after_s))
+        if liveness.restarted:
+            return "restarted"
+        return f"no heartbeat for {self.liveness_timeout_s:.1f}s"
 
     async def _cancel(self, cancel: CancelRequest) -> None:
         try:
@@ -469,6 +553,141 @@ class _Generation:
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.started_at,
             total_s=time.monotonic() - self.started_at,
         )
+
+
+class _DecodeLost(Exception):
+    """The decode worker died mid-stream: what it delivered before."""
+
+    def __init__(
+        self, reason: str, decision: RouteDecision, token_ids: list[int], text: str
+    ) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.decision = decision
+        self.token_ids = token_ids
+        self.text = text
+
+
+class _NotRouted(Exception):
+    """A continuation no worker took (the router refused it, or none answered)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Delivered:
+    """What a request's client has received over its attempts (the original request's and
+    its continuations'), and what it is billed for when no worker can go on."""
+
+    def __init__(self, request: GenerateRequest) -> None:
+        self.original = request
+        self.attempts = 0  # failovers so far
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+        self.first: GenerateResult | None = None
+        self.decision: RouteDecision | None = None  # the original's
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def add(self, lost: _DecodeLost) -> None:
+        self.attempts += 1
+        self.decision = self.decision or lost.decision
+        self.token_ids += lost.token_ids
+        self.texts.append(lost.text)
+
+    def result(self, last: GenerateResult) -> GenerateResult:
+        if not self.attempts:
+            return last
+        return dataclasses.replace(
+            last,
+            request_id=self.original.request_id,
+            token_ids=self.token_ids + last.token_ids,
+            text="".join(self.texts) + last.text,
+            num_failovers=self.attempts,
+        )
+
+
+@dataclass(frozen=True)
+class _Failover:
+    max_failovers: int
+    recompute: bool  # the continuation misses the cache (the peers' migration)
+    probe_after_s: float
+
+    def continuation(
+        self, request: GenerateRequest, lost: _DecodeLost, delivered: _Delivered
+    ) -> GenerateRequest | None:
+        """The request that goes on from what was delivered; None when none can."""
+        num_left = request.sampling.max_tokens - len(lost.token_ids)
+        if delivered.attempts > self.max_failovers or num_left <= 0:
+            return None
+        token_ids = unpack_token_ids(request.prompt_token_ids).tolist() + lost.token_ids
+        original = delivered.decision or lost.decision
+        resume = request.resume or Resume(
+            num_prompt_tokens=original.num_prompt_tokens,
+            num_cached_tokens=original.num_cached_tokens,
+            num_output_tokens=0,
+            attempt=0,
+        )
+        cache_salt = request.cache_salt
+        if self.recompute:
+            cache_salt = f"{request.cache_salt}/failover-{uuid.uuid4().hex}"
+        packed = pack_token_ids(token_ids)
+        blocks = RequestBlocks.hash_prompt(
+            packed,
+            model=request.model,
+            block_size_tokens=request.block_size_tokens,
+            cache_salt=cache_salt,
+        )
+        return msgspec.structs.replace(
+            request,
+            prompt_token_ids=packed,
+            block_hashes=blocks.packed(),
+            cache_salt=cache_salt,
+            sampling=msgspec.structs.replace(request.sampling, max_tokens=num_left),
+            resume=Resume(
+                num_prompt_tokens=resume.num_prompt_tokens,
+                num_cached_tokens=resume.num_cached_tokens,
+                num_output_tokens=resume.num_output_tokens + len(lost.token_ids),
+                num_output_chars=resume.num_output_chars + len(lost.text),
+                attempt=resume.attempt + 1,
+            ),
+        )
+
+
+async def _bill_delivered(
+    bus: Bus,
+    outbox: UsageOutbox | None,
+    delivered: _Delivered,
+    decision: RouteDecision | None,
+) -> None:
+    """Record the usage of what arrived, as the decode worker would have, when none will:
+    the original prompt and hits, every token delivered over the attempts."""
+    original = delivered.decision or decision
+    if original is None:
+        return
+    last = decision or original
+    record = usage_record(
+        delivered.original,
+        num_prompt_tokens=original.num_prompt_tokens,
+        num_cached_tokens=original.num_cached_tokens,
+        num_output_tokens=delivered.num_tokens,
+        status=UsageStatus.FAILED,
+        finish_reason="error",
+        prefill_worker_id=last.prefill_worker_id,
+        decode_worker_id=last.decode_worker_id,
+        started_ms=delivered.original.arrival_ms or now_ms(),
+    )
+    telemetry.keep_context(record.request_id)  # billing's span continues this trace
+    try:
+        if outbox is not None:
+            await outbox.add(record)  # durable now; published until JetStream has it
+        else:
+            await usage_publisher(bus, INGRESS)(record)
+    except Exception:  # without an outbox, or with its disk failing: said loudly, in full
+        log.exception("usage of a lost stream not recorded", record=str(record))
 
 
 class _Liveness:

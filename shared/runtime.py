@@ -258,6 +258,7 @@ class ServiceRuntime:
             await self._bus.subscribe_raw(
                 self._bus.subjects.drain(self.instance_id), self._on_drain
             )
+            await self._bus.subscribe_raw(self._bus.subjects.ping(self.instance_id), self._on_ping)
             self._is_set_up = True
             if self.not_ready_reason is None:
                 self.state = InstanceState.SERVING
@@ -271,6 +272,10 @@ class ServiceRuntime:
 
     def num_in_flight(self) -> int:
         return (self._bus.num_inflight if self._bus else 0) + self.in_flight()
+
+    async def _on_ping(self, msg: RawMessage) -> None:
+        if msg.reply:
+            await self.bus.publish_raw(msg.reply, b"")
 
     async def _on_drain(self, msg: RawMessage) -> None:
         try:

@@ -190,6 +190,12 @@ class Subjects:
         """`DrainRequest` to one instance (any service): `kvfabric drain`."""
         return f"{self.root}.control.drain.{check_token(instance_id, 'instance id')}"
 
+    def ping(self, instance_id: str) -> str:
+        """An empty request to one instance (any service), answered empty: a caller that
+        waits on it learns it is gone at once, from NATS's no-responders reply (its
+        subscriptions die with its connection), not a heartbeat timeout later."""
+        return f"{self.root}.control.ping.{check_token(instance_id, 'instance id')}"
+
     # -- events --------------------------------------------------------------------------
     def load(self, service: str, instance_id: str) -> str:
         """`LoadReport` heartbeats of one instance."""

@@ -54,6 +54,8 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.matched_stop: str | None = None  # the stop string that ended the text
         self.num_tokens = 0  # ids pushed (prompt context excluded)
+        self._owed = ""  # text a resumed stream still owes its reader (see `resume`)
+        self._num_skip_chars = 0  # text the reader already has that a push would repeat
 
     # -- the token -> text window --------------------------------------------------------
     def _decode(self, ids: Sequence[int]) -> str:
@@ -98,6 +100,24 @@ class IncrementalDetokenizer:
         return longest
 
     # -- public ------------------------------------------------------------------------------
+    def resume(self, token_ids: Sequence[int], num_chars_delivered: int) -> None:
+        """Continue another worker's stream (a failover): `token_ids` are the output it
+        streamed and `num_chars_delivered` the text its reader got. Replayed one id at a
+        time, as that worker pushed them, to reach its offsets and held-back text; the
+        deltas from here on start exactly where the reader's text ends."""
+        released = "".join(self.push([token_id]) for token_id in token_ids)
+        if len(released) >= num_chars_delivered:
+            self._owed = released[num_chars_delivered:]
+        else:
+            self._num_skip_chars = num_chars_delivered - len(released)
+
+    def _settle(self, text: str) -> str:
+        """A resumed stream's first deltas: what it owes first, what the reader has left out."""
+        text, self._owed = self._owed + text, ""
+        skip = min(self._num_skip_chars, len(text))
+        self._num_skip_chars -= skip
+        return text[skip:]
+
     def push(self, token_ids: Iterable[int]) -> str:
         """Add generated ids; return the text they complete (possibly ''). After a stop
         string matched, ids are ignored and the delta is always ''."""
@@ -106,14 +126,14 @@ class IncrementalDetokenizer:
         new_ids = [int(i) for i in token_ids]
         self._ids.extend(new_ids)
         self.num_tokens += len(new_ids)
-        return self._release(self._advance(final=False), final=False)
+        return self._settle(self._release(self._advance(final=False), final=False))
 
     def flush(self) -> str:
         """The end of the sequence: whatever was held back (a stop string's possible start,
         replacement characters of an incomplete final character). Safe to repeat."""
         if self.stopped:
             return ""
-        return self._release(self._advance(final=True), final=True)
+        return self._settle(self._release(self._advance(final=True), final=True))
 
     @property
     def num_held_chars(self) -> int:

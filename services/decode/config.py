@@ -20,6 +20,9 @@ class DecodeConfig(EngineWorkerConfig):
     # spec_max_batch_size running sequences, where it measured slower.
     spec_decode: bool = True
     spec_max_batch_size: int = 4
+    # Each block a sequence fills goes to the store (its window to swa-memcache) at once, not
+    # at the end: a request whose worker dies continues elsewhere from there (failover).
+    write_through: bool = True
     suffix_timeout_s: float = 600.0  # a job waits this long for its prefill's SuffixReady
     retry_after_s: float = 5.0  # OVERLOADED's hint when the pool cannot take a prompt
     pull_timeout_s: float = 30.0  # the NIXL read of a staged suffix

@@ -72,6 +72,27 @@ class Finisher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def write_through(
+        self,
+        state: DecodeRequest,
+        token_ids: list[int],
+        blocks: list[tuple[int, bytes]],
+        snapshot: bytes | None,
+    ) -> None:
+        """Write blocks the sequence filled while it decodes (and their boundary window);
+        the request's end waits for them before its final chunk."""
+        finished = Finished("", token_ids, blocks, snapshot)
+        task = asyncio.create_task(self._write(state, finished))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        state.writes = [t for t in state.writes if not t.done()] + [task]
+
+    async def _write(self, state: DecodeRequest, finished: Finished) -> None:
+        try:
+            await self._persist(state, finished)
+        except Exception:  # a later failover recomputes from the last block written
+            log.exception("writing decoded blocks failed", request_id=state.request_id)
+
     async def drain(self) -> None:
         await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
@@ -95,6 +116,8 @@ class Finisher:
         token_ids: list[int],
         text: str,
     ) -> None:
+        if state.writes:  # the blocks written through go before the final chunk too
+            await asyncio.gather(*state.writes, return_exceptions=True)
         if finished is not None:
             try:
                 await self._persist(state, finished)

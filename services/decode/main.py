@@ -96,6 +96,7 @@ async def setup(runtime: ServiceRuntime) -> None:
         pull_timeout_s=config.pull_timeout_s,
         suffix_timeout_s=config.suffix_timeout_s,
         model_thread=model_thread,
+        write_through=config.write_through,
     )
     subjects = bus.subjects
     start_worker(runtime, worker, kv.store, kv.agent.close)

@@ -3,7 +3,8 @@ worker.serving.lifecycle keeps for every streamed request, and what decode adds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -41,6 +42,8 @@ class DecodeRequest(StreamedRequest):
     prefix_load_ms: float = 0.0
     prefill: PrefillTimings = PrefillTimings()
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the store, not prefill
+    num_blocks_written: int = 0  # blocks 0..n-1 are in the store or on their way there
+    writes: list[asyncio.Task[None]] = field(default_factory=list)  # write-through's, pending
     joined: bool = False  # the suffix arrived and the sequence is in the engine
     seq_id: int | None = None
     last_token_s: float | None = None  # when its latest tokens were emitted (metrics' ITL)

@@ -44,14 +44,13 @@ from shared.schema import (
 from shared.streams import StreamWriter
 from shared.subjects import PREFILL
 from shared.tasks import cancel_and_wait
-from worker.detokenizer import IncrementalDetokenizer
 from worker.engine.engine import Engine, FinishReason, RequestError, StepOutput
 from worker.engine.kv_cache import SlidingWindowState
 from worker.engine.sequence import Sequence
 from worker.engine.swa_restore import snapshot_from_bytes, snapshot_to_bytes
 from worker.engine.worker import ModelThread
 from worker.serving.checks import checked_prompt
-from worker.serving.lifecycle import send_tokens
+from worker.serving.lifecycle import send_tokens, stream_detokenizer
 from worker.serving.pages import LoadedPrefix, tag_blocks, take_prefix, unstage_pages
 from worker.serving.sampling import engine_sampling
 from worker.serving.staging import StagingSpace
@@ -75,8 +74,10 @@ class DecodeWorker:
         pull_timeout_s: float,
         suffix_timeout_s: float,
         model_thread: ModelThread,
+        write_through: bool = True,
     ) -> None:
         self.bus = bus
+        self.write_through = write_through
         self.engine = engine
         self.runner = engine.runner
         self.tokenizer = tokenizer
@@ -155,10 +156,11 @@ class DecodeWorker:
             job,
             token_ids,
             StreamWriter(self.bus, request.stream_inbox, request_id=request.request_id),
-            IncrementalDetokenizer(self.tokenizer, stop=sampling.stop),
+            stream_detokenizer(self.tokenizer, request, token_ids),
             params,
             blocks,
         )
+        state.num_blocks_written = blocks.num_prefill_blocks  # prefill writes those
         state.span = telemetry.current_span()
         self._admit(state)
         self.requests[request.request_id] = state
@@ -362,19 +364,45 @@ class DecodeWorker:
         state = self._by_seq.get(seq.seq_id) or self._joining
         if state is None:
             return
-        first = state.blocks.num_prefill_blocks  # prefill wrote the ones before
         end = seq.num_computed_tokens // self.block_size
-        pool = self.runner.pool
-        blocks = [(i, bytes(pool.block_view(seq.block_table[i]))) for i in range(first, end)]
+        blocks, snapshot = self._new_blocks(state, seq, end)
         # Prompt and answer stay in the pool by hash: the agent's next turn, routed here,
         # takes its prefix from there before the store (`_load_prefix`).
         tag_blocks(self.runner.allocator, seq.block_table, state.blocks.extend(seq.token_ids, end))
+        self._finished[seq.seq_id] = Finished(
+            STREAM_FINISH_REASONS[reason], list(seq.token_ids), blocks, snapshot
+        )
+
+    def _new_blocks(
+        self, state: DecodeRequest, seq: Sequence, end: int
+    ) -> tuple[list[tuple[int, bytes]], bytes | None]:
+        """Copies of the sequence's full blocks not yet written (prefill wrote the prompt's,
+        write-through the ones filled since) up to block `end`, and its window snapshot at
+        that boundary when the model has sliding layers and the engine kept it there."""
+        first = state.num_blocks_written
+        pool = self.runner.pool
+        blocks = [(i, bytes(pool.block_view(seq.block_table[i]))) for i in range(first, end)]
         window = seq.boundary_window
         at_last_block = window is not None and window.end_position == end * self.block_size
         has_window = at_last_block and bool(self.runner.config.sliding_layer_ids)
         snapshot = snapshot_to_bytes(window) if has_window and blocks else None
-        self._finished[seq.seq_id] = Finished(
-            STREAM_FINISH_REASONS[reason], list(seq.token_ids), blocks, snapshot
+        state.num_blocks_written = max(first, end)
+        return blocks, snapshot
+
+    def _write_through(self, state: DecodeRequest, seq_id: int) -> None:
+        """Between steps: send each block the sequence filled to the store (and its window
+        at that boundary to swa-memcache) now, not at the end, so that if this worker dies
+        the request continues elsewhere from there instead of recomputing its context."""
+        seq = self.engine.sequence(seq_id)
+        if seq is None:
+            return
+        end = seq.num_computed_tokens // self.block_size
+        if end <= state.num_blocks_written:
+            return
+        blocks, snapshot = self._new_blocks(state, seq, end)
+        state.blocks.extend(seq.token_ids, end)  # here, not in the write's task: see extend
+        self.finisher.write_through(
+            state, list(seq.token_ids[: end * self.block_size]), blocks, snapshot
         )
 
     # -- the batch loop ------------------------------------------------------------------
@@ -414,6 +442,8 @@ class DecodeWorker:
         text = state.record_output(token_ids)
         stopped_by_string = state.detokenizer.stopped and not out.finished
         if not out.finished and not stopped_by_string:
+            if self.write_through:
+                self._write_through(state, out.seq_id)
             if token_ids:
                 await send_tokens(state, token_ids, text)
             return

@@ -49,6 +49,10 @@ class IngressMetrics:
             "From a generation's request reaching the pipeline (its body parsed, before "
             "tokenization) to its first tokens reaching ingress.",
         )
+        self.failovers = metrics.counter(
+            "kvfabric_ingress_failovers_total",
+            "Generations continued on another decode worker after theirs died mid-stream.",
+        )
         self.itl_seconds = metrics.histogram(
             "kvfabric_ingress_inter_token_latency_seconds",
             "Per chunk of a generation after its first: the time since its previous chunk, "

@@ -387,6 +387,8 @@ class Generation:
     def _finish(self) -> None:
         assert self._task is not None and self._task.done()
         result = self._raise_from_task()
+        if result.num_failovers:
+            self.pipeline.counts.failovers.inc(result.num_failovers)
         if self._parser is not None:
             self._parsed(self._parser.finish())
         usage = result.usage

@@ -33,6 +33,7 @@ from shared.schema.kv_index import (
 
 log = get_logger(__name__)
 SNAPSHOT_VERSION = 1
+ADOPTED = "holds blocks adopted from slot headers"  # a snapshot's description
 
 
 class KvIndexService:
@@ -48,6 +49,9 @@ class KvIndexService:
             low_watermark=config.low_watermark,
         )
         self.last_stream_seq = 0  # the event log position the state covers
+        # Blocks adopted from slot headers are in no log: once any are, every snapshot says
+        # so and a restart must load it rather than replay the log alone.
+        self.holds_adopted = False
 
     @property
     def snapshot_bucket(self) -> str:
@@ -94,6 +98,7 @@ class KvIndexService:
 
     async def handle_rebuild(self, batch: RebuildBatch, ctx: Context) -> RebuildReply:
         num_indexed = self.index.adopt(batch.tier, batch.writer_id, batch.blocks, time.time())
+        self.holds_adopted = True
         if batch.is_last:
             # The log that would have replayed this is gone: persist it at once.
             await self.save_snapshot()
@@ -180,8 +185,14 @@ class KvIndexService:
                 "index": self.index.snapshot(),
             }
         )
-        await self.bus.js.put_object(self.snapshot_bucket, self.snapshot_name, state)
+        description = ADOPTED if self.holds_adopted else None
+        await self.bus.js.put_object(self.snapshot_bucket, self.snapshot_name, state, description)
         log.info("snapshot saved", stream_seq=self.last_stream_seq, num_bytes=len(state))
+
+    async def snapshot_holds_adopted(self) -> bool:
+        """Whether the saved snapshot holds blocks the event log never had (a rebuild)."""
+        description = await self.bus.js.object_description(self.snapshot_bucket, self.snapshot_name)
+        return description == ADOPTED
 
     async def load_snapshot(self) -> None:
         data = await self.bus.js.get_object(self.snapshot_bucket, self.snapshot_name)
@@ -193,4 +204,5 @@ class KvIndexService:
             return
         self.index.restore(state["index"])
         self.last_stream_seq = int(state["stream_seq"])
+        self.holds_adopted = await self.snapshot_holds_adopted()
         log.info("snapshot loaded", stream_seq=self.last_stream_seq)

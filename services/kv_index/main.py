@@ -13,7 +13,8 @@ Recovery: a snapshot (JetStream object store) every `snapshot_interval_s` and at
   then the event log from the snapshot's position; the log is bounded (`log_max_bytes`,
   `log_max_age_s`), so it never grows without bound. While the log still holds everything
   since the index began and is under `replay_whole_log_bytes`, a restart replays it whole
-  instead (faster than loading the snapshot). Start-up serves once the log is
+  instead (faster than loading the snapshot), unless the snapshot holds blocks adopted by a
+  rebuild, which no log entry has. Start-up serves once the log is
   replayed; past `catch_up_timeout_s` it serves what it has and reports STARTING (discovery,
   heartbeats, /health with --metrics-port) until it has caught up.
 A log entry that cannot be applied (malformed, or content the index rejects) is counted
@@ -64,8 +65,13 @@ async def setup(runtime: ServiceRuntime) -> None:
     # A log that still holds everything since the index began replays faster than the
     # snapshot loads (bench faults, 2.3M blocks: 1.2 s against 4.1 s from SIGKILL to
     # answering; the snapshot's object and its table rebuild dominate): take the snapshot
-    # only once the log has been cut, or has grown past what replays in a few seconds.
-    if first_seq > 1 or await bus.js.stream_bytes(stream) > config.replay_whole_log_bytes:
+    # only once the log has been cut, has grown past what replays in a few seconds, or the
+    # snapshot holds what no log entry does (a `kvfabric cache rebuild`).
+    if (
+        first_seq > 1
+        or await bus.js.stream_bytes(stream) > config.replay_whole_log_bytes
+        or await service.snapshot_holds_adopted()
+    ):
         await service.load_snapshot()
     if service.last_stream_seq and first_seq > service.last_stream_seq + 1:
         log.warning(

@@ -68,9 +68,9 @@ class PrefixRestorer:
         self.policy = policy
         self.compute_lock = compute_lock  # model calls run one at a time, off the event loop
 
-    def num_replay_tokens(self) -> int:
+    def num_replay_tokens(self, exact: bool = False) -> int:
         config = self.runner.config
-        if self.policy.replay == "exact":
+        if exact or self.policy.replay == "exact":
             return exact_replay_tokens(config)
         return self.policy.replay_tokens or (config.sliding_window or 0)
 
@@ -80,7 +80,11 @@ class PrefixRestorer:
         blocks: RequestBlocks,
         locations: BlockLocations,
         num_blocks: int,
+        *,
+        exact: bool = False,
     ) -> Restored:
+        """The first `num_blocks` cached blocks and the window at their end (`exact`: a
+        replay, when there is no snapshot, is an exact one whatever the policy)."""
         started = time.perf_counter()
         prefix = await self._load(blocks, locations, num_blocks)
         loaded = time.perf_counter()
@@ -96,7 +100,7 @@ class PrefixRestorer:
         try:
             with telemetry.span("prefill window") as span:
                 window, mode, num_replayed = await self._window(
-                    token_ids, blocks.hashes[prefix.num_blocks - 1], prefix.pages, boundary
+                    token_ids, blocks.hashes[prefix.num_blocks - 1], prefix.pages, boundary, exact
                 )
                 if span.is_recording():
                     span.set_attributes(
@@ -135,7 +139,12 @@ class PrefixRestorer:
             )
 
     async def _window(
-        self, token_ids: list[int], boundary_hash: int, pages: list[int], boundary: int
+        self,
+        token_ids: list[int],
+        boundary_hash: int,
+        pages: list[int],
+        boundary: int,
+        exact: bool,
     ) -> tuple[SlidingWindowState, str, int]:
         config = self.runner.config
         if not config.sliding_layer_ids:
@@ -150,7 +159,7 @@ class PrefixRestorer:
                 else:
                     if window.end_position == boundary and window.kv.dtype == self.runner.dtype:
                         return window, "snapshot", 0
-        num_replay = min(self.num_replay_tokens(), boundary)
+        num_replay = min(self.num_replay_tokens(exact), boundary)
         async with self.compute_lock:
             window = await self.model_thread.run(
                 replay_window,

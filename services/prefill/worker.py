@@ -189,8 +189,14 @@ class PrefillWorker:
     ) -> JobState:
         """Restore up to `num_cached_blocks` of the prefix; the job, not yet queued."""
         sampling = engine_sampling(job.request.sampling)  # BadRequest before any work
+        # A failover's continuation must match the stream it continues: never a bounded
+        # replay of its window.
         restored = await self.restorer.restore(
-            token_ids, blocks, job.cached_blocks, num_cached_blocks
+            token_ids,
+            blocks,
+            job.cached_blocks,
+            num_cached_blocks,
+            exact=job.request.resume is not None,
         )
         seq = Sequence(next(self._seq_ids), token_ids)
         if restored.window is not None:

@@ -47,9 +47,13 @@ from shared.schema import (
 )
 from shared.streams import StreamWriter
 from shared.usage_outbox import UsageOutbox
-from worker.detokenizer import IncrementalDetokenizer
 from worker.serving.checks import checked_prompt
-from worker.serving.lifecycle import StreamedRequest, end_request, send_tokens
+from worker.serving.lifecycle import (
+    StreamedRequest,
+    end_request,
+    send_tokens,
+    stream_detokenizer,
+)
 
 log = get_logger(__name__)
 
@@ -147,7 +151,7 @@ class VllmWorker:
             job,
             token_ids,
             StreamWriter(self.bus, request.stream_inbox, request_id=request.request_id),
-            IncrementalDetokenizer(self.tokenizer, stop=sampling.stop),
+            stream_detokenizer(self.tokenizer, request, token_ids),
         )
         state.span = telemetry.current_span()
         self.requests[request.request_id] = state

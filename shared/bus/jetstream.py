@@ -25,6 +25,7 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     KeyValueConfig,
+    ObjectMeta,
     ObjectStoreConfig,
     StreamConfig,
 )
@@ -332,7 +333,9 @@ class JetStream:
         await subscription.unsubscribe()
         return await PullConsumer.open(self._nc, js_pull_next(stream, durable))
 
-    async def put_object(self, bucket: str, name: str, data: bytes) -> None:
+    async def put_object(
+        self, bucket: str, name: str, data: bytes, description: str | None = None
+    ) -> None:
         js = self._nc.jetstream()
         try:
             store = await js.object_store(bucket)
@@ -341,7 +344,18 @@ class JetStream:
             store = await js.create_object_store(bucket, config)
         else:
             await self._raise_replicas(f"OBJ_{bucket}")
-        await store.put(name, data)
+        meta = ObjectMeta(name=name, description=description) if description else None
+        await store.put(name, data, meta=meta)
+
+    async def object_description(self, bucket: str, name: str) -> str | None:
+        """The description an object was put with (its metadata only, not its data)."""
+        try:
+            store = await self._nc.jetstream().object_store(bucket)
+            return (await store.get_info(name)).description
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.ObjectNotFoundError):
+            return None
+        except nats.js.errors.NotFoundError:
+            return None
 
     async def get_object(self, bucket: str, name: str) -> bytes | None:
         js = self._nc.jetstream()

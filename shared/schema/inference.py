@@ -21,6 +21,19 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     num_top_logprobs: int = 0
 
 
+class Resume(msgspec.Struct, frozen=True, kw_only=True):
+    """A request continued after its decode worker died mid-stream (docs/design.md,
+    "Decode failover"): its prompt is the original prompt and the tokens already delivered,
+    its `max_tokens` what is left. What was delivered is billed once, in this request's
+    record: prompt, hits and output counted as the original would have counted them."""
+
+    num_prompt_tokens: int  # the original prompt's
+    num_cached_tokens: int  # the original's hits, as billed
+    num_output_tokens: int  # delivered before the failover (the prompt's last ones)
+    num_output_chars: int = 0  # of text delivered (the detokenizer resumes there)
+    attempt: int = 1  # 1 for the first continuation
+
+
 class GenerateRequest(Message, tag="generate_request"):
     """ingress -> router. Tokenized, block-hashed, with the inbox its stream goes to."""
 
@@ -37,6 +50,7 @@ class GenerateRequest(Message, tag="generate_request"):
     arrival_ms: int = 0
     deadline_ms: int | None = None  # absolute epoch ms
     priority: int = 0
+    resume: Resume | None = None  # set on a continuation after a failover
 
 
 class RouteDecision(Message, tag="route_decision"):

@@ -39,6 +39,7 @@ from shared.schema import (
     PrefillTimings,
     RebuildBatch,
     RebuildReply,
+    Resume,
     ResyncRequest,
     RouteDecision,
     SamplingParams,
@@ -91,6 +92,9 @@ _request = GenerateRequest(
     arrival_ms=1_790_000_000_000,
     deadline_ms=1_790_000_030_000,
     priority=1,
+    resume=Resume(
+        num_prompt_tokens=3, num_cached_tokens=0, num_output_tokens=2, num_output_chars=9
+    ),
 )
 _decision = RouteDecision(
     request_id="req-0001",

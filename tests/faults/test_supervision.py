@@ -31,12 +31,15 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.fault_load import (
     AgentLoad,
     Outcome,
+    Streamed,
     billing,
     outside_protocol,
+    stream_openai,
     time_to_full_service,
     usage_counts,
     wrong_answers,
@@ -54,6 +57,9 @@ pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 KEY = "kvf-faults-test-key"
 MOCK = ["--engine", "mock", "--mock-speedup", "20"]
+# Decode at a tenth of that (5 ms a step): an answer streams long enough to kill its worker
+# inside it (the failover test).
+MOCK_DECODE = ["--engine", "mock", "--mock-speedup", "2"]
 REQUEST_BOUND_S = 20.0  # the longest any request may take, answered or failed
 RECOVERY_BOUND_S = 30.0  # from the fault to full service, restart and readiness included
 BUDGET = 3  # restarts within the window; the crash-loop test spends it
@@ -97,7 +103,7 @@ def cluster(net: HostNetwork, tmp_path_factory: pytest.TempPathFactory) -> Itera
         http_port=0,
         root=unique_root(),
         replicas={INGRESS: 2, ROUTER: 2, PREFILL: 2, DECODE: 2},
-        extra_args={PREFILL: MOCK, DECODE: MOCK, INGRESS: ["--dev-api-key", KEY]},
+        extra_args={PREFILL: MOCK, DECODE: MOCK_DECODE, INGRESS: ["--dev-api-key", KEY]},
         shutdown_grace_s=3.0,
         restart_policy=RestartPolicy(budget=BUDGET, window_s=120.0),
         nats_cluster=3,
@@ -233,6 +239,84 @@ def test_kill_9_of_an_instance(cluster: Cluster, instance_id: str) -> None:
     run_fault(cluster, lambda: _kill(child.process.pid), refused_at=refused_at)
     record = cluster.supervisor.records[instance_id]
     assert record.restarts == restarts + 1 and record.last_exit_code == -signal.SIGKILL
+
+
+KILL_AT_CHUNK = 150  # past two blocks of output written through
+BLOCK_TOKENS = 64
+PREFILL_TOKENS = "kvfabric_prefill_tokens_total"
+
+
+def test_a_decode_worker_killed_mid_stream_loses_no_token(cluster: Cluster) -> None:
+    """Failover: the stream goes on on the other decode worker from the blocks the dead one
+    wrote through (prefill computes only the last partial block), its text the answer an
+    uninterrupted run gives, billed once for all of it."""
+    url = cluster.http_urls[0]
+    messages = [{"role": "user", "content": "Failover: write a long, careful function."}]
+
+    def stream(on_chunk=lambda _: None) -> Streamed:  # noqa: ANN001
+        with cluster.client.inside():  # type: ignore[attr-defined]
+            return stream_openai(url, KEY, messages, max_tokens=300, on_chunk=on_chunk)
+
+    failovers = _failovers(cluster)
+    computed = _metric_sum(cluster, PREFILL, PREFILL_TOKENS, source="computed")
+    cached = _metric_sum(cluster, PREFILL, PREFILL_TOKENS, source="cached")
+    restarts = {d: cluster.supervisor.records[d].restarts for d in ("decode-0", "decode-1")}
+    victim: list[str] = []
+
+    def kill_ours(num_chunks: int) -> None:
+        if num_chunks != KILL_AT_CHUNK:
+            return
+        instances = on_client(cluster, _discover(cluster))
+        running = [
+            i.instance_id for i in instances if i.service == DECODE and i.load.get("num_running")
+        ]
+        assert len(running) == 1, f"expected our stream alone on one decode worker: {running}"
+        victim.append(running[0])
+        _kill(cluster.child(running[0]).process.pid)
+
+    # First, with nothing of this answer cached: what the continuation finds in the store,
+    # the dead worker wrote through.
+    failed_over = stream(kill_ours)
+    assert victim, "the stream ended before the kill"
+    assert failed_over.outcome.ok, failed_over.outcome.error
+    assert _failovers(cluster) == failovers + 1
+    num_computed = _metric_sum(cluster, PREFILL, PREFILL_TOKENS, source="computed") - computed
+    num_cached = _metric_sum(cluster, PREFILL, PREFILL_TOKENS, source="cached") - cached
+    num_prompt = failed_over.outcome.usage[1]
+    # The prompt once, then no more than the continuation's last partial block.
+    assert num_computed < num_prompt + BLOCK_TOKENS, (num_computed, num_cached, num_prompt)
+    assert num_cached >= 2 * BLOCK_TOKENS, (num_computed, num_cached, num_prompt)
+    check_billed(cluster, [failed_over.outcome])
+
+    reference = stream()
+    assert reference.outcome.ok, reference.outcome.error
+    assert failed_over.outcome.text == reference.outcome.text
+    assert failed_over.outcome.usage[2] == reference.outcome.usage[2]
+    record = cluster.supervisor.records[victim[0]]
+    deadline = time.monotonic() + RECOVERY_BOUND_S
+    while record.restarts == restarts[victim[0]]:  # the supervisor restarts it meanwhile
+        assert time.monotonic() < deadline, f"{victim[0]} was not restarted"
+        time.sleep(0.05)
+    assert len(reference.chunk_times) > KILL_AT_CHUNK, "the kill came after the answer's end"
+
+
+def _failovers(cluster: Cluster) -> float:
+    return _metric_sum(cluster, INGRESS, "kvfabric_ingress_failovers_total")
+
+
+def _metric_sum(cluster: Cluster, service: str, name: str, **labels: str) -> float:
+    """The samples of metric `name` that carry `labels`, summed over the instances of
+    `service`."""
+    total = 0.0
+    for instance_id, url in cluster.metrics_urls.items():
+        if instance_id.startswith(f"{service}-"):
+            with cluster.client.inside():  # type: ignore[attr-defined]
+                text = httpx.get(url, timeout=5).text
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == name and labels.items() <= sample.labels.items():
+                        total += sample.value
+    return total
 
 
 def test_one_nats_server_of_three_killed(cluster: Cluster) -> None:
@@ -397,16 +481,6 @@ def test_a_storm_of_client_disconnects(cluster: Cluster) -> None:
 
     deadline = time.monotonic() + 120
     while not decode_idle():
-        print(
-            "DEBUG",
-            time.monotonic(),
-            [
-                (i.instance_id, i.load.get("num_running"), i.load.get("num_queued"))
-                for i in on_client(cluster, _discover(cluster))
-                if i.service == DECODE
-            ],
-            flush=True,
-        )
         assert time.monotonic() < deadline, "decode workers kept the hung-up sequences: " + str(
             [
                 (i.instance_id, i.load.get("num_running"), i.load.get("num_queued"))

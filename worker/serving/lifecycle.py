@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from opentelemetry.trace import INVALID_SPAN, Span
+from tokenizers import Tokenizer
 
 from shared.logging import get_logger
 from shared.metrics import Counter, Family, Histogram
@@ -27,6 +28,7 @@ from shared.schema import (
     DecodeStats,
     ErrorCode,
     ErrorReply,
+    GenerateRequest,
     ServiceError,
     TokenChunk,
     TokenUsage,
@@ -109,10 +111,19 @@ class StreamedRequest:
         self.error = DeadlineExceeded(f"deadline passed while {doing}")
 
     def usage(self) -> TokenUsage:
+        """What the request is billed. A continuation after a failover (`request.resume`)
+        bills the original's prompt and hits, and the output delivered before it too."""
+        resume = self.job.request.resume
+        if resume is None:
+            return TokenUsage(
+                num_prompt_tokens=self.num_prompt_tokens,
+                num_cached_tokens=self.cached_tokens,
+                num_output_tokens=len(self.output_ids),
+            )
         return TokenUsage(
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_cached_tokens=self.cached_tokens,
-            num_output_tokens=len(self.output_ids),
+            num_prompt_tokens=resume.num_prompt_tokens,
+            num_cached_tokens=resume.num_cached_tokens,
+            num_output_tokens=resume.num_output_tokens + len(self.output_ids),
         )
 
     def stats(self) -> DecodeStats:
@@ -123,6 +134,19 @@ class StreamedRequest:
             decode_ms=(now - first) * 1000 if first is not None else 0.0,
             num_forward_passes=self.num_forward_passes,
         )
+
+
+def stream_detokenizer(
+    tokenizer: Tokenizer, request: GenerateRequest, token_ids: list[int]
+) -> IncrementalDetokenizer:
+    """The detokenizer of a request's stream; a continuation's (`request.resume`) takes up
+    where the failed worker's reader stopped (the prompt ends with the output delivered)."""
+    detokenizer = IncrementalDetokenizer(tokenizer, stop=request.sampling.stop)
+    resume = request.resume
+    if resume is not None and resume.num_output_tokens:
+        delivered = token_ids[len(token_ids) - resume.num_output_tokens :]
+        detokenizer.resume(delivered, resume.num_output_chars)
+    return detokenizer
 
 
 async def send_tokens(state: StreamedRequest, token_ids: list[int], text: str) -> None:
@@ -162,11 +186,12 @@ async def end_request(
         status = UsageStatus.CANCELLED
     else:
         status = UsageStatus.COMPLETED
+    usage = state.usage()
     record = usage_record(
         state.job.request,
-        num_prompt_tokens=state.num_prompt_tokens,
-        num_cached_tokens=state.cached_tokens,
-        num_output_tokens=len(state.output_ids),
+        num_prompt_tokens=usage.num_prompt_tokens,
+        num_cached_tokens=usage.num_cached_tokens,
+        num_output_tokens=usage.num_output_tokens,
         status=status,
         finish_reason=reason,
         prefill_worker_id=prefill_worker_id,
@@ -184,7 +209,7 @@ async def end_request(
                 text=last_text + state.detokenizer.flush(),
                 final=True,
                 finish_reason=reason,
-                usage=state.usage(),
+                usage=usage,
                 stats=state.stats(),
                 stop_sequence=state.detokenizer.matched_stop,
             )
