@@ -64,6 +64,7 @@ from shared.usage import usage_publisher, usage_record
 from shared.usage_outbox import UsageOutbox
 
 log = get_logger(__name__)
+PROBE_MIN_S = 0.02  # a stall shorter than this is never probed
 
 
 @dataclass
@@ -170,8 +171,9 @@ async def generate(
     through to the store, so only the last partial block is recomputed, and the chunks go
     on to `on_chunk` with nothing lost or repeated. `failover_recompute` (benchmarks' peer)
     makes the continuation miss the cache and recompute the whole context, as vLLM and
-    Dynamo migrate. A stalled stream is probed after `probe_after_s`: a worker whose
-    process is gone is known at once (no responders), not `liveness_timeout_s` later.
+    Dynamo migrate. A stalled stream is probed after four of its usual intervals between
+    chunks, at most `probe_after_s`: a worker whose process is gone is known then (no
+    responders), not `liveness_timeout_s` later.
 
     Raises the router's typed error (`Overloaded` with `retry_after_s` once the wait is
     spent, `BadRequest`, `NoResponders` when no router runs), the stream's
@@ -374,6 +376,7 @@ class _Generation:
         self.probe_after_s = probe_after_s
         self.decision: RouteDecision | None = None
         self.last_chunk_at = time.monotonic()
+        self.chunk_interval_s: float | None = None  # between chunks, smoothed
         self.request = request
         self.reader = reader
         self.on_chunk = on_chunk
@@ -498,7 +501,14 @@ class _Generation:
 
     async def _read(self) -> None:
         while (chunk := await self.reader.next()) is not None:
-            self.last_chunk_at = time.monotonic()
+            now = time.monotonic()
+            if self.first_token_at is not None:
+                interval_s = now - self.last_chunk_at
+                smoothed = self.chunk_interval_s
+                self.chunk_interval_s = (
+                    interval_s if smoothed is None else 0.8 * smoothed + 0.2 * interval_s
+                )
+            self.last_chunk_at = now
             ids = unpack_token_ids(chunk.token_ids).tolist()
             if ids and self.first_token_at is None:
                 self.first_token_at = time.monotonic()
@@ -513,13 +523,19 @@ class _Generation:
     ) -> str:
         """Returns (why) once the decode worker is gone: silent for `liveness_timeout_s`,
         beating as a new process (restarted: the stream died with the old one), or, probed
-        once the stream has stalled `probe_after_s`, answered for by NATS with no
-        responders (its process died, and its subscriptions with its connection)."""
+        once the stream has stalled (`_probe_after_s`; then twice as long after each answer),
+        answered for by NATS with no responders (its process died, and its subscriptions
+        with its connection)."""
         ping = self.bus.subjects.ping(decision.decode_worker_id)
+        backoff = 1.0  # doubles with each answered probe until the stream moves again
+        last_chunk_at = self.last_chunk_at
         while (wait_s := liveness.wait_s()) > 0:
+            if self.last_chunk_at != last_chunk_at:
+                backoff, last_chunk_at = 1.0, self.last_chunk_at
             stalled_s = time.monotonic() - self.last_chunk_at
-            if stalled_s < self.probe_after_s:
-                await asyncio.sleep(min(wait_s, self.probe_after_s - stalled_s))
+            probe_s = backoff * self._probe_after_s()
+            if stalled_s < probe_s:
+                await asyncio.sleep(min(wait_s, probe_s - stalled_s))
                 continue
             try:
                 await self.bus.request(ping, b"", bytes, timeout_s=min(wait_s, 1.0))
@@ -528,10 +544,18 @@ class _Generation:
             except ServiceError:  # no answer in time, or our own connection is down
                 pass
             else:
-                await asyncio.sleep(min(liveness.wait_s(), self.probe_after_s))
+                backoff *= 2
         if liveness.restarted:
             return "restarted"
         return f"no heartbeat for {self.liveness_timeout_s:.1f}s"
+
+    def _probe_after_s(self) -> float:
+        """How long a stall is before the worker is probed: four of its usual intervals
+        between chunks (a stream of 20 ms steps is probed after 80 ms), at most
+        `probe_after_s`; `probe_after_s` until two chunks have come."""
+        if self.chunk_interval_s is None:
+            return self.probe_after_s
+        return min(self.probe_after_s, max(PROBE_MIN_S, 4 * self.chunk_interval_s))
 
     async def _cancel(self, cancel: CancelRequest) -> None:
         try:

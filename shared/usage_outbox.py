@@ -15,6 +15,10 @@ mid-write) ends the log and is truncated. With nothing pending the file is trunc
 past `compact_nbytes` with at least half of it dead it is rewritten with only the pending
 records (temp file, fsync, rename, directory fsync). The flock is on a sibling `<name>.lock`:
 compaction replaces the data file's inode, and a lock on the old inode would exclude no one.
+
+A record the disk cannot take (a full or failing volume) is published at once instead, and
+`add` returns when JetStream (replicated) has acknowledged it: it is lost only when both the
+disk and JetStream fail it, and then `add` raises.
 """
 
 from __future__ import annotations
@@ -152,6 +156,7 @@ class UsageOutbox:
                 "num_replayed",
                 "num_publish_failures",
                 "num_compactions",
+                "num_bypassed",
             ),
             0,
         )
@@ -180,12 +185,26 @@ class UsageOutbox:
         return len(entries)
 
     async def add(self, record: UsageRecord) -> None:
-        """Return once `record` is durable; raises OutboxClosed, or OSError if the disk
-        write fails (then the record was not kept)."""
+        """Return once `record` is durable: on local disk, or, when the disk write fails,
+        acknowledged by JetStream. Raises OutboxClosed, or OSError when the disk write failed
+        and so did the direct publish (then the record was not kept)."""
         entry = _Entry(record, _frame(_RECORD, encode(record)))
-        # Shielded: a caller cancelled mid-write must not leave a record on disk that the
-        # in-memory state does not know about (a later truncation would drop it).
-        await asyncio.shield(self._append(entry))
+        try:
+            # Shielded: a caller cancelled mid-write must not leave a record on disk that the
+            # in-memory state does not know about (a later truncation would drop it).
+            await asyncio.shield(self._append(entry))
+        except OSError as exc:
+            log.error(
+                "usage outbox write failed: publishing the record directly",
+                path=str(self._path),
+                request_id=record.request_id,
+                error=str(exc),
+            )
+            try:
+                await self._publish(record)
+            except Exception as publish_exc:
+                raise exc from publish_exc
+            self._counters["num_bypassed"] += 1
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until nothing is pending: True, or False once `timeout_s` passes."""

@@ -1,7 +1,8 @@
 """`kvfabric bench faults --quick` end to end: a real run of the benchmark (a supervised
 cluster, agent load, faults made for real), its JSON holding what it printed, no usage lost
-in any fault, every fault followed by full service, and kv-index's restart measured both
-ways (from its snapshot, and replaying its whole log)."""
+in any fault, every fault followed by full service, kv-index's restart measured both
+ways (from its snapshot, and replaying its whole log), and the resume gap of a decode
+failover against recomputing, every continued answer the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -39,4 +40,9 @@ def test_quick_bench_faults_loses_no_usage(tmp_path: Path) -> None:
     [ratio] = [r for r in result["ratios"] if r["name"].startswith("kv-index SIGKILL")]
     assert ratio["ours"] > 0 and ratio["peer"] > 0
     assert any(name.startswith("router-0: SIGKILL to serving") for name in figures)
+    # The resume gap: a decode worker killed mid-stream, measured against recomputing.
+    [gap] = [r for r in result["ratios"] if ": resume gap after" in r["name"]]
+    assert gap["ours"] > 0 and gap["peer"] > 0
+    [differ] = [f for n, f in figures.items() if "differ from the uninterrupted" in n]
+    assert differ["value"] == 0
     assert "  kill -9 decode-1: usage lost: 0 records (target <= 0: met)" in done.stdout

@@ -40,6 +40,7 @@ class FakeDecode:
     heartbeat_s: float = 0.1
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     beating: bool = True
+    requests: list[GenerateRequest] = field(default_factory=list)  # as routed, in order
 
     async def heartbeat(self) -> None:
         seq = 0
@@ -72,6 +73,7 @@ class FakeDecode:
             self.beating = False
 
     async def route(self, request: GenerateRequest, ctx: Context) -> RouteDecision:
+        self.requests.append(request)
         self.tasks.add(asyncio.create_task(self.stream(request)))
         await asyncio.sleep(self.reply_delay_s)
         return RouteDecision(

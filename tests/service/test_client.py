@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from shared.block_hashing import BlockHasher
-from shared.bus import Context, now_ms
+from shared.bus import Bus, Context, now_ms
 from shared.client import build_request, generate
 from shared.schema import (
     CancelRequest,
@@ -22,6 +23,7 @@ from shared.schema import (
     UsageRecord,
     UsageStatus,
     unpack_block_hashes,
+    unpack_token_ids,
 )
 from shared.testing.fixtures import BusFactory
 from tests.service.fake_cluster import DECODE_ID, FakeDecode, cluster, collect
@@ -116,6 +118,17 @@ async def test_no_router_is_no_responders(bus_factory: BusFactory) -> None:
         await generate(await bus_factory("client"), a_request())
 
 
+async def _usage_record(client: Bus) -> UsageRecord:
+    usage: asyncio.Queue[UsageRecord] = asyncio.Queue()
+
+    async def on_usage(record: UsageRecord, stream_seq: int) -> None:
+        await usage.put(record)
+
+    subjects = client.subjects
+    await client.js.consume(subjects.usage_stream, subjects.usage_all, UsageRecord, on_usage)
+    return await asyncio.wait_for(usage.get(), 5)
+
+
 async def test_a_decode_worker_that_stops_heartbeating_is_billed_and_raised(
     bus_factory: BusFactory,
 ) -> None:
@@ -127,16 +140,11 @@ async def test_a_decode_worker_that_stops_heartbeating_is_billed_and_raised(
         with pytest.raises(Unavailable, match=f"decode worker {DECODE_ID} stopped") as caught:
             # The idle timeout (30 s) is far off: only the heartbeats can end this in time.
             async with asyncio.timeout(10):
-                await generate(client, request, liveness_timeout_s=0.5, idle_timeout_s=30)
+                await generate(
+                    client, request, liveness_timeout_s=0.5, idle_timeout_s=30, max_failovers=0
+                )
     assert type(caught.value) is Unavailable  # not StreamStalled
-    usage: asyncio.Queue[UsageRecord] = asyncio.Queue()
-
-    async def on_usage(record: UsageRecord, stream_seq: int) -> None:
-        await usage.put(record)
-
-    subjects = client.subjects
-    await client.js.consume(subjects.usage_stream, subjects.usage_all, UsageRecord, on_usage)
-    record = await asyncio.wait_for(usage.get(), 5)
+    record = await _usage_record(client)
     assert record.request_id == request.request_id
     assert record.status is UsageStatus.FAILED and record.finish_reason == "error"
     assert record.num_output_tokens == 3
@@ -145,6 +153,43 @@ async def test_a_decode_worker_that_stops_heartbeating_is_billed_and_raised(
     assert (record.api_key_id, record.model) == ("key-1", "tiny-coder")
     cancel = await asyncio.wait_for(cancels.get(), 5)  # the worker may only be unreachable
     assert cancel.request_id == request.request_id
+
+
+async def test_a_lost_decode_worker_s_request_continues_from_what_was_delivered(
+    bus_factory: BusFactory,
+) -> None:
+    """Each attempt dies after three tokens: two continuations, each the prompt plus every
+    token delivered so far, then the caller bills all of it once and raises."""
+    decode = FakeDecode(await bus_factory("decode", DECODE_ID), [[5, 6], [7]], end="die")
+    client = await bus_factory("client")
+    request = a_request()
+    seen: list[int] = []
+    async with cluster(bus_factory, decode):
+        with pytest.raises(Unavailable, match="after 9 tokens"):
+            async with asyncio.timeout(20):
+                await generate(
+                    client,
+                    request,
+                    on_chunk=lambda c: seen.extend(unpack_token_ids(c.token_ids).tolist()),
+                    liveness_timeout_s=0.5,
+                    idle_timeout_s=30,
+                    max_failovers=2,
+                )
+    assert seen == [5, 6, 7] * 3  # every chunk reached the caller once, in order
+    prompt = unpack_token_ids(request.prompt_token_ids).tolist()
+    first, *continuations = decode.requests
+    assert first == msgspec.structs.replace(request, stream_inbox=first.stream_inbox)
+    for attempt, sent in enumerate(continuations, start=1):
+        assert sent.request_id == request.request_id
+        assert unpack_token_ids(sent.prompt_token_ids).tolist() == prompt + [5, 6, 7] * attempt
+        assert sent.sampling.max_tokens == request.sampling.max_tokens - 3 * attempt
+        assert sent.resume is not None
+        assert (sent.resume.attempt, sent.resume.num_output_tokens) == (attempt, 3 * attempt)
+        assert (sent.resume.num_prompt_tokens, sent.resume.num_cached_tokens) == (200, 128)
+        assert len(sent.block_hashes) // 8 == len(prompt + [5, 6, 7] * attempt) // 64
+    record = await _usage_record(client)  # one record: the original prompt, all the output
+    assert record.status is UsageStatus.FAILED and record.num_output_tokens == 9
+    assert (record.num_cache_hit_tokens, record.num_cache_miss_tokens) == (128, 72)
 
 
 async def test_an_error_chunk_is_raised_typed(bus_factory: BusFactory) -> None:

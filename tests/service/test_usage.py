@@ -1,10 +1,14 @@
 """Usage records on a real nats-server: the publisher creates the log on a miss and JetStream
 keeps one record per request id; the outbox keeps records through a server outage and
-publishes them once it is back; the e2e helper sees a duplicate instead of hiding it."""
+publishes them once it is back, and publishes at once what a full volume refuses; the e2e
+helper sees a duplicate instead of hiding it."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -111,3 +115,47 @@ async def test_a_dead_worker_s_outbox_is_adopted_and_removed(
         assert await adopt_orphans(bus, DECODE, directory, timeout_s=1) == 0  # ours: locked
     finally:
         await live.close()
+
+
+@pytest.fixture
+def full_volume(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs, filled: every write on it fails with ENOSPC, as on a full volume."""
+    mount_point = tmp_path / "full"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+async def test_a_record_the_full_volume_refuses_goes_straight_to_jetstream(
+    bus_factory: BusFactory, full_volume: Path
+) -> None:
+    bus = await bus_factory("decode", "decode-0")
+    outbox = await open_usage_outbox(bus, DECODE, full_volume, "decode-0")
+    try:
+        fd = os.open(full_volume / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError, match="No space left"):
+                while True:
+                    os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+        await outbox.add(record("r-full"))  # returns: JetStream has it
+        assert outbox.counters()["num_bypassed"] == 1
+        assert outbox.counters()["num_added"] == 0 and outbox.num_pending == 0
+        found = await usage_records(bus, {"r-full"}, timeout_s=5)
+        assert found["r-full"].num_output_tokens == 3
+
+        await bus.close()  # and with JetStream out of reach too, the caller is told
+        with pytest.raises(OSError, match="No space left"):
+            await outbox.add(record("r-lost"))
+    finally:
+        await outbox.close()

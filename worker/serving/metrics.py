@@ -130,6 +130,11 @@ def observe_outbox(metrics: Metrics, outbox: UsageOutbox) -> None:
         count("num_added"),
     )
     m.counter_from(
+        "kvfabric_usage_outbox_bypassed_total",
+        "Records the disk could not take, published directly and acknowledged instead.",
+        count("num_bypassed"),
+    )
+    m.counter_from(
         "kvfabric_usage_outbox_published_total",
         "Usage records JetStream acknowledged.",
         count("num_published"),
