@@ -120,6 +120,8 @@ async def _one_case(cluster: Cluster, case: Case, result: BenchResult) -> None:
     try:
         await cluster.wait_ready(bus, timeout_s=300)
         gaps: dict[str, list[float]] = {"resume": [], "recompute": []}
+        # The continuation's own time to first token, from its send (detection excluded).
+        ttfts: dict[str, list[float]] = {"resume": [], "recompute": []}
         continuation_hits: list[int] = []
         mismatches = 0
         for i in range(case.num_runs):
@@ -141,6 +143,7 @@ async def _one_case(cluster: Cluster, case: Case, result: BenchResult) -> None:
                         f"{run.result.num_failovers} (the answer ended before the kill?)"
                     )
                 gaps[kind].append(run.gap_s)
+                ttfts[kind].append(run.result.ttft_s or 0.0)
                 if kind == "resume":
                     continuation_hits.append(run.result.decision.num_cached_tokens)
                 if run.result.token_ids != reference.result.token_ids:
@@ -175,7 +178,10 @@ async def _one_case(cluster: Cluster, case: Case, result: BenchResult) -> None:
             f"{name}: killed after {case.kill_at} tokens; the continuation found "
             f"{statistics.median(continuation_hits):.0f} tokens in the store (median); gaps ms "
             f"resume {[round(g * 1000) for g in gaps['resume']]}, recompute "
-            f"{[round(g * 1000) for g in gaps['recompute']]}"
+            f"{[round(g * 1000) for g in gaps['recompute']]}; of which the continuation's own "
+            f"time to first token (from its send; the rest is detection) ms resume "
+            f"{[round(t * 1000) for t in ttfts['resume']]}, recompute "
+            f"{[round(t * 1000) for t in ttfts['recompute']]}"
         )
     finally:
         await bus.close()

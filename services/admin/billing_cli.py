@@ -54,7 +54,8 @@ def _emit(rows, fmt: str, usd_rate: str | None, device_ms: int | None = None) ->
         body = {
             "rows": json.loads(render_json(rows)),
             "total": json.loads(render_json([whole]))[0],
-            "device_hours": None if device_ms is None else str(round(device_ms / 3.6e6, 3)),
+            # Significant digits, not decimals: a short run's few seconds are not 0.0 hours.
+            "device_hours": None if device_ms is None else f"{device_ms / 3.6e6:.6g}",
             "revenue_per_device_hour_cny": None if per_hour is None else str(cny(per_hour, 2)),
         }
         typer.echo(json.dumps(body, indent=2))
@@ -72,9 +73,11 @@ def _emit(rows, fmt: str, usd_rate: str | None, device_ms: int | None = None) ->
                 f"{format_share(mix.miss)} / {format_share(mix.output)}"
             )
         if per_hour is not None:
+            hours = device_ms / 3.6e6
+            shown = f"{hours:,.3f}" if hours >= 1 else f"{hours:.3g}"
             typer.echo(
                 f"revenue per GPU-hour: CNY {cny(per_hour, 2)} over "
-                f"{device_ms / 3.6e6:,.3f} device-hours the workers reported"
+                f"{shown} device-hours the workers reported"
             )
     else:
         raise typer.BadParameter("one of table, csv, json", param_hint="--format")

@@ -137,6 +137,7 @@ class DecodeWorker:
             model_name=self.model_name,
             block_size_tokens=self.block_size,
             max_model_len=self.max_model_len,
+            vocab_size=self.runner.config.vocab_size,
         )
         if not request.stream_inbox:
             raise BadRequest("stream_inbox is required")

@@ -170,6 +170,7 @@ class PrefillWorker:
             model_name=self.model_name,
             block_size_tokens=self.block_size,
             max_model_len=self.max_model_len,
+            vocab_size=self.runner.config.vocab_size,
         )
         num_pages_total = self.runner.allocator.num_blocks
         if -(-len(token_ids) // self.block_size) > num_pages_total:

@@ -57,6 +57,7 @@ from shared.telemetry import REQUEST_ID
 from worker.cost_model import CostModel
 
 log = get_logger(__name__)
+ACCEPT_PROBE_S = 0.5  # how often a decode worker slow to accept a job is asked if it is there
 
 # The services whose heartbeats the router keeps: the workers it routes to, and the memcaches
 # whose snapshots it maps (a memcache pruned for silence is forgotten by the map too).
@@ -373,13 +374,37 @@ class Router:
     async def _send_decode(
         self, request: GenerateRequest, decision: RouteDecision, cached: BlockLocations
     ) -> None:
+        """Hand the job over. A worker that dies with the job in hand never answers: while
+        waiting, it is pinged every `ACCEPT_PROBE_S`, and once NATS says nobody is there the
+        wait ends with NoResponders (chosen again) instead of the accept timeout."""
         subjects = self.bus.subjects
         run = subjects.vllm_run if decision.aggregated else subjects.decode_run
-        await self.bus.request(
-            subjects.instance(run, decision.decode_worker_id),
-            DecodeJob(request=request, decision=decision, cached_blocks=cached),
-            JobAccepted,
-            timeout_s=self.config.accept_timeout_s,
-            request_id=request.request_id,
-            deadline_ms=request.deadline_ms,
+        accept = asyncio.ensure_future(
+            self.bus.request(
+                subjects.instance(run, decision.decode_worker_id),
+                DecodeJob(request=request, decision=decision, cached_blocks=cached),
+                JobAccepted,
+                timeout_s=self.config.accept_timeout_s,
+                request_id=request.request_id,
+                deadline_ms=request.deadline_ms,
+            )
         )
+        try:
+            while not (await asyncio.wait({accept}, timeout=ACCEPT_PROBE_S))[0]:
+                try:
+                    await self.bus.request(
+                        subjects.ping(decision.decode_worker_id), b"", bytes, timeout_s=1.0
+                    )
+                except NoResponders:
+                    if accept.done():
+                        break
+                    raise NoResponders(
+                        f"{decision.decode_worker_id} went away with the job in hand"
+                    ) from None
+                except ServiceError:  # slow to answer a ping too: keep waiting on the accept
+                    pass
+            accept.result()
+        finally:
+            if not accept.done():
+                accept.cancel()
+                await asyncio.gather(accept, return_exceptions=True)

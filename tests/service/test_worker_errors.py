@@ -6,6 +6,8 @@ pass that raises, or the join of a suffix."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import msgspec
@@ -20,9 +22,10 @@ from services.decode.worker import DecodeWorker
 from services.prefill.config import PrefillConfig
 from services.prefill.restore import PrefixRestorer, RestorePolicy
 from services.prefill.worker import PrefillWorker
-from shared.bus import Endpoint
+from shared.bus import Bus, Endpoint
 from shared.client import build_request
 from shared.schema import (
+    BadRequest,
     DecodeJob,
     InternalError,
     JobAccepted,
@@ -81,12 +84,13 @@ def one_traceback(events: list[dict[str, object]]) -> None:
     assert not any(SECRET in str(value) for e in events for value in e.values()), events
 
 
-async def test_a_failed_prefill_pass_answers_a_fixed_message(
-    bus_factory: BusFactory, tmp_path: Path
-) -> None:
-    bus = await bus_factory("prefill", "prefill-0")
+@contextlib.asynccontextmanager
+async def prefill_worker(
+    bus: Bus, tmp_path: Path, make_model: Callable[..., SimulatedCausalLM]
+) -> AsyncIterator[tuple[PrefillWorker, PrefillConfig]]:
+    """A real prefill worker over `make_model`, serving its run endpoint on `bus`."""
     config = PrefillConfig(engine="mock", store_dir=tmp_path, kv_block_size_tokens=BLOCK)
-    runner = build_runner(config, broken_model)
+    runner = build_runner(config, make_model)
     store = await open_store(config, bus.instance_id, runner.layout.block_nbytes)
     publisher = KvEventPublisher(bus, store)
     agent = KvTransferAgent(bus, alloc_staging(STAGING_NBYTES), service=PREFILL)
@@ -107,10 +111,25 @@ async def test_a_failed_prefill_pass_answers_a_fixed_message(
         model_thread=thread,
     )
     worker.start()
-    await bus.serve(Endpoint("run", bus.subjects.prefill_run, PrefillJob, worker.handle_job))
-    client = await bus_factory("router")
-    request = build_request(list(range(3, 103)), model=config.model_name, block_size_tokens=BLOCK)
     try:
+        await bus.serve(Endpoint("run", bus.subjects.prefill_run, PrefillJob, worker.handle_job))
+        yield worker, config
+    finally:
+        await worker.stop()
+        await thread.close()
+        agent.close()
+        store.close()
+
+
+async def test_a_failed_prefill_pass_answers_a_fixed_message(
+    bus_factory: BusFactory, tmp_path: Path
+) -> None:
+    bus = await bus_factory("prefill", "prefill-0")
+    async with prefill_worker(bus, tmp_path, broken_model) as (worker, config):
+        client = await bus_factory("router")
+        request = build_request(
+            list(range(3, 103)), model=config.model_name, block_size_tokens=BLOCK
+        )
         with capture_logs() as events, pytest.raises(InternalError) as caught:
             await client.request(
                 client.subjects.instance(client.subjects.prefill_run, "prefill-0"),
@@ -121,11 +140,25 @@ async def test_a_failed_prefill_pass_answers_a_fixed_message(
         failed = worker.metrics.snapshot()['kvfabric_prefill_jobs_ended_total{outcome="failed"}']
         assert failed == 1
         one_traceback(events)
-    finally:
-        await worker.stop()
-        await thread.close()
-        agent.close()
-        store.close()
+
+
+async def test_a_token_outside_the_vocabulary_is_a_bad_request(
+    bus_factory: BusFactory, tmp_path: Path
+) -> None:
+    """Not a forward pass that fails on it (an index error, INTERNAL): refused up front."""
+    bus = await bus_factory("prefill", "prefill-0")
+    async with prefill_worker(bus, tmp_path, simulated_model) as (worker, config):
+        vocab_size = worker.runner.config.vocab_size
+        client = await bus_factory("router")
+        request = build_request(
+            [3, 4, vocab_size, 5], model=config.model_name, block_size_tokens=BLOCK
+        )
+        with pytest.raises(BadRequest, match=f"token id {vocab_size} is outside the vocab"):
+            await client.request(
+                client.subjects.instance(client.subjects.prefill_run, "prefill-0"),
+                PrefillJob(request=request, decision=decision(request.request_id)),
+                PrefillDone,
+            )
 
 
 async def test_a_failed_join_ends_the_stream_with_a_fixed_message(

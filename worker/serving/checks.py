@@ -9,11 +9,17 @@ from shared.schema.inference import GenerateRequest
 
 
 def checked_prompt(
-    request: GenerateRequest, *, model_name: str, block_size_tokens: int, max_model_len: int
+    request: GenerateRequest,
+    *,
+    model_name: str,
+    block_size_tokens: int,
+    max_model_len: int,
+    vocab_size: int | None = None,
 ) -> tuple[list[int], RequestBlocks]:
     """The prompt's token ids and block layout (the chain it carries, as the router checked
     it); `BadRequest` when this worker cannot serve it: another model or block size, an empty
-    prompt, one that leaves no room to generate, or a chain of the wrong length."""
+    prompt, a token id outside the vocabulary (`vocab_size`, when given), one that leaves no
+    room to generate, or a chain of the wrong length."""
     if request.model != model_name:
         raise BadRequest(f"model {request.model!r} is not served here ({model_name})")
     if request.block_size_tokens != block_size_tokens:
@@ -23,6 +29,11 @@ def checked_prompt(
     token_ids = unpack_token_ids(request.prompt_token_ids).tolist()
     if not token_ids:
         raise BadRequest("prompt is empty")
+    if vocab_size is not None and max(token_ids) >= vocab_size:
+        raise BadRequest(
+            f"token id {max(token_ids)} is outside the vocabulary of {model_name} "
+            f"({vocab_size} tokens)"
+        )
     if len(token_ids) >= max_model_len:
         raise BadRequest(
             f"prompt of {len(token_ids)} tokens leaves no room to generate "

@@ -1,14 +1,17 @@
 """Workers that are gone: the prefill job sent once more (attempt 1), the request cancelled
 with an error code when that fails too, silent workers dropped, a gone decode worker
-replaced before the reply, and a caller's cancel ending the router's wait."""
+replaced before the reply (also one that died with the job in hand), and a caller's cancel
+ending the router's wait."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
-from shared.schema import CancelRequest, ErrorCode, RouteDecision
+from shared.bus import Context, Endpoint
+from shared.schema import CancelRequest, DecodeJob, ErrorCode, JobAccepted, RouteDecision
 from shared.subjects import DECODE, PREFILL
 from shared.testing.fixtures import BusFactory
 from tests.service.router.fakes import (
@@ -169,3 +172,34 @@ async def test_a_cancelled_request_is_no_longer_awaited(
         assert metrics["kvfabric_router_prefill_failures_total"] == 0
     finally:
         p1.release()
+
+
+async def test_a_decode_worker_that_dies_with_the_job_in_hand_is_replaced_at_once(
+    bus_factory: BusFactory, start_router: StartRouter
+) -> None:
+    """It took the job and its process died before accepting: the router learns it from a
+    ping NATS answers with no responders, well before the accept timeout (5 s)."""
+    router = await start_router()
+    [p1] = await start_workers(bus_factory, PREFILL, {})
+    d1, d2 = await start_workers(bus_factory, DECODE, {"pages_free": 900}, {"pages_free": 500})
+    await p1.serve()
+    await d2.serve()
+    taken: list[DecodeJob] = []
+
+    async def take_and_die(job: DecodeJob, ctx: Context) -> JobAccepted:
+        taken.append(job)
+        await d1.bus._nc.close()  # the process is gone: its subscriptions with it
+        await asyncio.Event().wait()  # never answers
+        raise AssertionError("unreachable")
+
+    await d1.bus.serve(Endpoint("run", d1.bus.subjects.decode_run, DecodeJob, take_and_die))
+    await known(router, "prefill-1", "decode-1", "decode-2")
+    client = await bus_factory("ingress", "ingress-0")
+
+    started = time.monotonic()
+    decision = await client.request(client.subjects.router_generate, make_request(), RouteDecision)
+
+    assert len(taken) == 1 and decision.decode_worker_id == "decode-2"
+    assert time.monotonic() - started < 3.0  # not the 5 s accept timeout
+    assert len(d2.jobs) == 1 and d2.jobs[0].decision == decision
+    await eventually(lambda: len(p1.jobs) == 1)
