@@ -6,15 +6,32 @@ what the cluster does asynchronously -- kv-index learning blocks, usage landing 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from services.admin.launcher import Cluster, ClusterSpec
+from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, Placement
 from shared import kv_index_client as index_client
 from shared.bus import Bus
 from shared.schema import UsageRecord
 from shared.testing import unique_root
+from shared.testing.hosts import Host, HostNetwork, unavailable_reason
+
+CLIENT_HOST = "client"
+
+
+def placement(host: Host) -> Placement:
+    """Where the launcher runs a process on `host`: inside its namespace, with its address
+    and the environment it adds (its node id, KV over TCP)."""
+    extra = {k: v for k, v in host.env().items() if os.environ.get(k) != v}
+    return Placement(
+        prefix=tuple(host.command([])),
+        env=tuple(sorted(extra.items())),
+        address=host.address,
+        enter=host.inside,
+    )
 
 
 def run_cluster(
@@ -25,38 +42,67 @@ def run_cluster(
     ready_timeout_s: float,
     instance_args: dict[str, list[str]] | None = None,
     models: tuple[str, ...] = ("tiny-coder",),
+    hosts: dict[str, str] | None = None,
 ) -> Iterator[Cluster]:
     """A module fixture's body (`yield from run_cluster(...)`): start every service as its own
     process under a fresh subject root, wait until all are ready, yield the cluster, and stop
     it through the handle that started it. `instance_args`: flags of single instances
     (`{"prefill-1": ["--node-id", "node-1"]}`), after their service's `extra_args`;
-    `models`: what the prefill and decode workers serve (`replicas` of each per model)."""
-    spec = ClusterSpec(
-        state_dir=state_dir,
-        nats_port=0,
-        http_port=0,
-        root=unique_root(),
-        replicas=replicas,
-        extra_args=extra_args,
-        instance_args=instance_args or {},
-        models=models,
-        shutdown_grace_s=3.0,
-    )
-    cluster = Cluster(spec)
-    cluster.start()
+    `models`: what the prefill and decode workers serve (`replicas` of each per model).
 
-    async def ready() -> None:
-        bus = await connect(cluster)
+    `hosts` (instance id -> host name): the cluster split over network-namespace hosts
+    (shared/testing/hosts.py) where this machine allows them (root), each instance on its
+    host and the rest, NATS included, on "ctl"; the tests then reach it from the
+    `CLIENT_HOST` host (`cluster.client`, entered by `on_the_client_host`). Where namespaces
+    cannot be made, everything runs on 127.0.0.1 as without `hosts`."""
+    use_hosts = hosts is not None and unavailable_reason() is None
+    names = {"ctl", CLIENT_HOST, *(hosts or {}).values()}
+    with HostNetwork(sorted(names)) if use_hosts else contextlib.nullcontext() as net:
+        spec = ClusterSpec(
+            state_dir=state_dir,
+            nats_port=0,
+            http_port=0,
+            root=unique_root(),
+            replicas=replicas,
+            extra_args=extra_args,
+            instance_args=instance_args or {},
+            models=models,
+            shutdown_grace_s=3.0,
+        )
+        if net is not None:
+            assert hosts is not None
+            spec.nats_placement = placement(net["ctl"])
+            spec.placement = {
+                instance_id: placement(net[hosts.get(instance_id, "ctl")])
+                for service in START_ORDER
+                for instance_id, _ in spec.instances(service)
+            }
+        cluster = Cluster(spec)
+        cluster.client = net[CLIENT_HOST] if net is not None else None  # type: ignore[attr-defined]
+        cluster.start()
+
+        async def ready() -> None:
+            bus = await connect(cluster)
+            try:
+                await cluster.wait_ready(bus, timeout_s=ready_timeout_s)
+            finally:
+                await bus.close()
+
         try:
-            await cluster.wait_ready(bus, timeout_s=ready_timeout_s)
+            with on_the_client_host(cluster):
+                asyncio.run(ready())
+            yield cluster
         finally:
-            await bus.close()
+            cluster.stop()
 
-    try:
-        asyncio.run(ready())
-        yield cluster
-    finally:
-        cluster.stop()
+
+@contextlib.contextmanager
+def on_the_client_host(cluster: Cluster) -> Iterator[None]:
+    """This thread's network is the client host's while inside, where the cluster is split
+    over hosts (the test process itself is on none of their networks); else nothing."""
+    client = getattr(cluster, "client", None)
+    with client.inside() if client is not None else contextlib.nullcontext():
+        yield
 
 
 async def connect(cluster: Cluster) -> Bus:

@@ -28,13 +28,25 @@ from shared.client import GenerateResult, build_request, generate
 from shared.discovery import discover
 from shared.models import BUNDLED_MODEL_DIR
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
-from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster, usage_records
+from tests.e2e.cluster_helpers import (
+    connect,
+    num_indexed_blocks,
+    on_the_client_host,
+    run_cluster,
+    usage_records,
+)
 from worker.mock_engine.simulated import simulated_output
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 BLOCK = 16
 NUM_WORKERS = 8
+# Split over hosts where the machine allows it (root): half the workers on each of two nodes.
+HOSTS = {
+    f"{service}-{i}": "node-a" if i < NUM_WORKERS // 2 else "node-b"
+    for service in (PREFILL, DECODE)
+    for i in range(NUM_WORKERS)
+}
 NUM_REQUESTS = 40
 MAX_TOKENS = 16
 MODEL = BUNDLED_MODEL_DIR.name
@@ -60,7 +72,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             ROUTER: ["--decode-page-size-tokens", str(BLOCK)],
         },
         ready_timeout_s=120,
+        hosts=HOSTS,
     )
+
+
+@pytest.fixture(autouse=True)
+def _on_the_client_host(cluster: Cluster) -> Iterator[None]:
+    with on_the_client_host(cluster):
+        yield
 
 
 def _prompts() -> list[list[int]]:

@@ -1,7 +1,8 @@
 """Disaggregated serving end to end: real processes (kv-index, swa-memcache, router, 2 prefill
 and 2 decode workers running the bundled model), real NATS, real store files, real NIXL.
 
-Tests share one cluster and run in file order: the destructive ones (kill -9) come last.
+Tests share one cluster and run in file order: the destructive ones (kill -9) come last. As
+root the cluster is split over network-namespace hosts (HOSTS), the tests on a client host.
 Blocks are 16 tokens here so that short prompts have many blocks (docs/design.md, 'Block
 hashes').
 """
@@ -39,8 +40,15 @@ from shared.schema import (
     unpack_token_ids,
 )
 from shared.subjects import DECODE, INGRESS, PREFILL, ROUTER
+from shared.testing.hosts import unavailable_reason
 from shared.usage import open_usage_outbox
-from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster, usage_records
+from tests.e2e.cluster_helpers import (
+    connect,
+    num_indexed_blocks,
+    on_the_client_host,
+    run_cluster,
+    usage_records,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -80,6 +88,11 @@ class Cache:
 '''
 
 
+# Split over hosts where the machine allows it (root): a prefill and a decode worker on each of
+# two nodes, the control plane on a third, the tests on a fourth. KV crosses hosts over TCP.
+HOSTS = {"prefill-0": "node-a", "decode-0": "node-a", "prefill-1": "node-b", "decode-1": "node-b"}
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     yield from run_cluster(
@@ -91,7 +104,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             ROUTER: ["--heartbeat-timeout-s", "3", "--decode-page-size-tokens", str(BLOCK)],
         },
         ready_timeout_s=180,
+        hosts=HOSTS,
     )
+
+
+@pytest.fixture(autouse=True)
+def _on_the_client_host(cluster: Cluster) -> Iterator[None]:
+    with on_the_client_host(cluster):
+        yield
 
 
 def _tokens(text: str) -> list[int]:
@@ -118,6 +138,21 @@ async def _indexed(bus: Bus, token_ids: list[int], salt: str = "", timeout_s: fl
 
 async def _usage(bus: Bus, request_id: str) -> UsageRecord:
     return (await usage_records(bus, {request_id}, timeout_s=10.0))[request_id]
+
+
+async def test_the_cluster_is_split_over_hosts_where_it_can_be(cluster: Cluster) -> None:
+    """As root, each worker runs on its own host (its node id the host's name), and the
+    tests reach the cluster only through the client host's cable."""
+    if unavailable_reason() is not None:
+        pytest.skip(f"on 127.0.0.1: {unavailable_reason()}")
+    assert cluster.client is not None  # type: ignore[attr-defined]
+    bus = await connect(cluster)
+    try:
+        nodes = {i.instance_id: i.load.get("node_id") for i in await discover(bus, timeout_s=0.5)}
+    finally:
+        await bus.close()
+    assert {k: v for k, v in nodes.items() if k in HOSTS} == HOSTS
+    assert nodes["router-0"] == "ctl" and nodes["kv-index-0"] == "ctl"
 
 
 async def test_multi_turn_session_hits_its_own_history(cluster: Cluster) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from shared.client import GenerateResult, build_request, generate
 from shared.models import BUNDLED_MODEL_DIR
 from shared.schema import UsageRecord, unpack_block_hashes
 from shared.subjects import DECODE, PREFILL
+from shared.testing.volumes import fill, tmpfs
 from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster, usage_records
 from worker.kvstore.slots import FILE_SUFFIX
 
@@ -54,19 +54,8 @@ BOUND_S = 30.0
 
 @pytest.fixture(scope="module")
 def volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    mount_point = tmp_path_factory.mktemp("store-faults") / "volume"
-    mount_point.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={STORE_BYTES}", "tmpfs", str(mount_point)],
-        capture_output=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "--lazy", str(mount_point)], check=True)
+    with tmpfs(tmp_path_factory.mktemp("store-faults") / "volume", str(STORE_BYTES)) as path:
+        yield path
 
 
 @pytest.fixture(scope="module")
@@ -143,19 +132,6 @@ def billed_once(cluster: Cluster, request_ids: set[str]) -> dict[str, UsageRecor
             await bus.close()
 
     return asyncio.run(records())
-
-
-def fill(directory: Path) -> Path:
-    """A file that takes every free byte of `directory`'s filesystem."""
-    filler = directory / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        with pytest.raises(OSError, match="No space left"):
-            while True:
-                os.write(fd, b"\0" * (1 << 16))
-    finally:
-        os.close(fd)
-    return filler
 
 
 def test_a_full_store_disk_skips_writes_and_every_request_is_answered_and_billed(

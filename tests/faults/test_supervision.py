@@ -44,14 +44,14 @@ from loadtest.fault_load import (
     usage_counts,
     wrong_answers,
 )
-from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, Placement
+from services.admin.launcher import START_ORDER, Cluster, ClusterSpec
 from services.admin.status import render_supervision
 from services.admin.supervisor import NATS_SERVER, RestartPolicy, load_state
 from shared.discovery import Instance, discover
 from shared.subjects import DECODE, INGRESS, PREFILL, ROUTER
 from shared.testing import unique_root
-from shared.testing.hosts import Host, HostNetwork, unavailable_reason
-from tests.e2e.cluster_helpers import connect
+from shared.testing.hosts import HostNetwork, unavailable_reason
+from tests.e2e.cluster_helpers import connect, placement
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -83,16 +83,6 @@ def net() -> Iterator[HostNetwork]:
         pytest.skip(f"no hosts here: {UNAVAILABLE}")
     with HostNetwork(HOSTS) as network:
         yield network
-
-
-def placement(host: Host) -> Placement:
-    extra = {k: v for k, v in host.env().items() if os.environ.get(k) != v}
-    return Placement(
-        prefix=tuple(host.command([])),
-        env=tuple(sorted(extra.items())),
-        address=host.address,
-        enter=host.inside,
-    )
 
 
 @pytest.fixture(scope="module")

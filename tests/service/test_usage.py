@@ -6,8 +6,6 @@ helper sees a duplicate instead of hiding it."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from shared.schema import Unavailable, UsageRecord, UsageStatus
 from shared.subjects import DECODE
 from shared.testing import unique_root
 from shared.testing.fixtures import BusFactory
+from shared.testing.volumes import fill, tmpfs
 from shared.usage import adopt_orphans, open_usage_outbox, usage_publisher
 from shared.usage_outbox import UsageOutbox
 from tests.e2e.cluster_helpers import usage_records
@@ -120,19 +119,9 @@ async def test_a_dead_worker_s_outbox_is_adopted_and_removed(
 @pytest.fixture
 def full_volume(tmp_path: Path) -> Iterator[Path]:
     """A 256 KiB tmpfs, filled: every write on it fails with ENOSPC, as on a full volume."""
-    mount_point = tmp_path / "full"
-    mount_point.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
-        capture_output=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "full", "256k") as mount_point:
+        fill(mount_point)
         yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
 
 
 async def test_a_record_the_full_volume_refuses_goes_straight_to_jetstream(
@@ -141,13 +130,6 @@ async def test_a_record_the_full_volume_refuses_goes_straight_to_jetstream(
     bus = await bus_factory("decode", "decode-0")
     outbox = await open_usage_outbox(bus, DECODE, full_volume, "decode-0")
     try:
-        fd = os.open(full_volume / "filler", os.O_WRONLY | os.O_CREAT)
-        try:
-            with pytest.raises(OSError, match="No space left"):
-                while True:
-                    os.write(fd, b"\0" * 4096)
-        finally:
-            os.close(fd)
         await outbox.add(record("r-full"))  # returns: JetStream has it
         assert outbox.counters()["num_bypassed"] == 1
         assert outbox.counters()["num_added"] == 0 and outbox.num_pending == 0

@@ -72,13 +72,18 @@ def prefill(
     return holder, sample_one(logits, greedy, None).token_id
 
 
-def decode(
-    runner: ModelRunner, prompt: list[int], max_tokens: int, kill_at: int | None = None
-) -> tuple[list[int], WrittenThrough]:
-    """Prefill then decode, `max_tokens` greedy tokens; with `kill_at`, what write-through
-    had sent once `kill_at` tokens were delivered (and the rest is still generated)."""
+def handed_to_decode(
+    runner: ModelRunner,
+    prompt: list[int],
+    pages: list[int],
+    window,
+    max_tokens: int,  # noqa: ANN001
+) -> tuple[Engine, int]:
+    """Prefill of the prompt from its cached `pages` on, and a decode engine that holds the
+    request from there (its pages, and the first token prefill sampled)."""
+    holder, first = prefill(runner, prompt, pages, window)
+    runner.allocator.free(pages)  # the holder owns them now
     engine = decode_engine(runner)
-    holder, first = prefill(runner, prompt, [], None)
     params = SamplingParams(temperature=0, max_new_tokens=max_tokens, ignore_eos=True)
     seq_id = engine.add_request(
         prompt,
@@ -89,6 +94,15 @@ def decode(
         first_token_id=first,
     )
     runner.allocator.free(holder.block_table)
+    return engine, seq_id
+
+
+def decode(
+    runner: ModelRunner, prompt: list[int], max_tokens: int, kill_at: int | None = None
+) -> tuple[list[int], WrittenThrough]:
+    """Prefill then decode, `max_tokens` greedy tokens; with `kill_at`, what write-through
+    had sent once `kill_at` tokens were delivered (and the rest is still generated)."""
+    engine, seq_id = handed_to_decode(runner, prompt, [], None, max_tokens)
     written = WrittenThrough()
     tokens: list[int] = []
     outputs = engine.take_pending()
@@ -129,19 +143,7 @@ def resume(
         assert window.end_position == boundary
     else:
         window = runner.empty_window(boundary)
-    holder, first = prefill(runner, continuation, pages, window)
-    runner.allocator.free(pages)  # the holder owns them now
-    engine = decode_engine(runner)
-    params = SamplingParams(temperature=0, max_new_tokens=max_tokens, ignore_eos=True)
-    engine.add_request(
-        continuation,
-        params,
-        prefix_block_ids=holder.block_table,
-        prefix_window=holder.window,
-        num_prefix_tokens=len(continuation),
-        first_token_id=first,
-    )
-    runner.allocator.free(holder.block_table)
+    engine, _ = handed_to_decode(runner, continuation, pages, window, max_tokens)
     return _drain(engine)
 
 

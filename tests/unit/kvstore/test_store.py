@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from shared.schema import StoredBlock
+from shared.testing.volumes import tmpfs
 from worker.kvstore import (
     AIOFILES,
     BackendUnavailable,
@@ -309,17 +309,8 @@ async def test_reads_never_hold_a_write_back_longer_than_write_yield_s(
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "tiny", "1m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
 
 
 async def test_real_full_filesystem_skips_writes(tiny_tmpfs: Path, backend_name: str):
