@@ -30,6 +30,7 @@ class JobState:
     first_chunk_s: float | None = field(default=None, kw_only=True)
     compute_s: float = field(default=0.0, kw_only=True)
     finishing: bool = field(default=False, kw_only=True)  # computed: being handed off
+    released: bool = field(default=False, kw_only=True)  # its pages freed
     # The job's span (the bus's, of the `run` endpoint): the parent of the steps that run in the
     # compute loop's and the handoff's tasks.
     span: Span = field(default=INVALID_SPAN, kw_only=True)

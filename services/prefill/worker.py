@@ -147,8 +147,11 @@ class PrefillWorker:
     async def handle_job(self, job: PrefillJob, ctx: Context) -> PrefillDone:
         request = job.request
         token_ids, blocks = self._validate(job)
-        if request.request_id in self._jobs:
-            raise BadRequest(f"request {request.request_id} is already being prefilled here")
+        held = self._jobs.get(request.request_id)
+        if held is not None:
+            if request.failover_attempt <= held.job.request.failover_attempt:
+                raise BadRequest(f"request {request.request_id} is already being prefilled here")
+            self._supersede(held)
         accepted_s = time.perf_counter()
         self.counts.jobs_received.inc()
         num_cached_blocks = blocks.num_reusable_blocks(job.decision.num_cached_blocks)
@@ -233,17 +236,29 @@ class PrefillWorker:
             self.counts.cancelled.inc()
             self._drop(entry, Cancelled(f"cancelled: {cancel.reason}"))
 
+    def _supersede(self, entry: JobState) -> None:
+        """A continuation of the request (its decode worker died) takes the place of this
+        older attempt. One still computing is dropped; one being handed off or stored ends
+        its own work (its pages are freed when it does) without holding the request's place."""
+        log.info("superseded by a continuation", request_id=entry.request_id)
+        if entry.finishing:
+            del self._jobs[entry.request_id]
+        else:
+            self._drop(entry, Cancelled("superseded by a continuation of the request"))
+
     def _drop(self, entry: JobState, error: ServiceError | None) -> None:
         """Forget the job and free what it holds; fail its handler with `error` (None: done)."""
         if self._jobs.get(entry.request_id) is entry:
             del self._jobs[entry.request_id]
+        if not entry.released:
+            entry.released = True
             self._release(entry)
         if error is not None and not entry.done.done():
             entry.done.set_exception(error)
             entry.done.exception()  # retrieved: the handler may already be gone
 
     def _release(self, entry: JobState) -> None:
-        """Free the KV pages the job holds (once: it has just left the table)."""
+        """Free the KV pages the job holds (once: `_drop` marks it released)."""
         self.scheduler.remove(entry.seq)  # its pages are free
         self._wake.set()  # a job may have waited for them
 

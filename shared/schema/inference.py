@@ -52,6 +52,11 @@ class GenerateRequest(Message, tag="generate_request"):
     priority: int = 0
     resume: Resume | None = None  # set on a continuation after a failover
 
+    @property
+    def failover_attempt(self) -> int:
+        """0 for a request, N for its Nth continuation after a decode failover."""
+        return self.resume.attempt if self.resume is not None else 0
+
 
 class RouteDecision(Message, tag="route_decision"):
     """router's choice for one request, kept in the jobs it forwards."""

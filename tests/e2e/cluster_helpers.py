@@ -9,17 +9,28 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, Placement
 from shared import kv_index_client as index_client
 from shared.bus import Bus
 from shared.schema import UsageRecord
+from shared.subjects import DECODE, PREFILL, SWA_MEMCACHE, VLLM_WORKER
 from shared.testing import unique_root
 from shared.testing.hosts import Host, HostNetwork, unavailable_reason
 
 CLIENT_HOST = "client"
+NODE_SERVICES = (PREFILL, DECODE, SWA_MEMCACHE, VLLM_WORKER)
+
+
+def two_nodes(instance_id: str) -> str:
+    """A split for `run_cluster(hosts=...)`: the workers and memcaches numbered even on
+    node-a, odd on node-b, the control plane on ctl."""
+    service, _, number = instance_id.rpartition("-")
+    if service.startswith(NODE_SERVICES) and number.isdigit():
+        return "node-a" if int(number) % 2 == 0 else "node-b"
+    return "ctl"
 
 
 def placement(host: Host) -> Placement:
@@ -42,7 +53,7 @@ def run_cluster(
     ready_timeout_s: float,
     instance_args: dict[str, list[str]] | None = None,
     models: tuple[str, ...] = ("tiny-coder",),
-    hosts: dict[str, str] | None = None,
+    hosts: dict[str, str] | Callable[[str], str] | None = None,
 ) -> Iterator[Cluster]:
     """A module fixture's body (`yield from run_cluster(...)`): start every service as its own
     process under a fresh subject root, wait until all are ready, yield the cluster, and stop
@@ -50,33 +61,32 @@ def run_cluster(
     (`{"prefill-1": ["--node-id", "node-1"]}`), after their service's `extra_args`;
     `models`: what the prefill and decode workers serve (`replicas` of each per model).
 
-    `hosts` (instance id -> host name): the cluster split over network-namespace hosts
-    (shared/testing/hosts.py) where this machine allows them (root), each instance on its
-    host and the rest, NATS included, on "ctl"; the tests then reach it from the
-    `CLIENT_HOST` host (`cluster.client`, entered by `on_the_client_host`). Where namespaces
-    cannot be made, everything runs on 127.0.0.1 as without `hosts`."""
+    `hosts` (instance id -> host name, a dict or a function such as `two_nodes`): the
+    cluster split over network-namespace hosts (shared/testing/hosts.py) where this machine
+    allows them (root), each instance on its host and the rest, NATS included, on "ctl";
+    the tests then reach it from the `CLIENT_HOST` host (`cluster.client`, entered for each
+    test by tests/e2e/conftest.py). Where namespaces cannot be made, everything runs on
+    127.0.0.1 as without `hosts`."""
     use_hosts = hosts is not None and unavailable_reason() is None
-    names = {"ctl", CLIENT_HOST, *(hosts or {}).values()}
+    mapping = hosts or {}
+    host_of = mapping if callable(mapping) else (lambda i: mapping.get(i, "ctl"))
+    spec = ClusterSpec(
+        state_dir=state_dir,
+        nats_port=0,
+        http_port=0,
+        root=unique_root(),
+        replicas=replicas,
+        extra_args=extra_args,
+        instance_args=instance_args or {},
+        models=models,
+        shutdown_grace_s=3.0,
+    )
+    instance_ids = [i for service in START_ORDER for i, _ in spec.instances(service)]
+    names = {"ctl", CLIENT_HOST, *(host_of(i) for i in instance_ids)}
     with HostNetwork(sorted(names)) if use_hosts else contextlib.nullcontext() as net:
-        spec = ClusterSpec(
-            state_dir=state_dir,
-            nats_port=0,
-            http_port=0,
-            root=unique_root(),
-            replicas=replicas,
-            extra_args=extra_args,
-            instance_args=instance_args or {},
-            models=models,
-            shutdown_grace_s=3.0,
-        )
         if net is not None:
-            assert hosts is not None
             spec.nats_placement = placement(net["ctl"])
-            spec.placement = {
-                instance_id: placement(net[hosts.get(instance_id, "ctl")])
-                for service in START_ORDER
-                for instance_id, _ in spec.instances(service)
-            }
+            spec.placement = {i: placement(net[host_of(i)]) for i in instance_ids}
         cluster = Cluster(spec)
         cluster.client = net[CLIENT_HOST] if net is not None else None  # type: ignore[attr-defined]
         cluster.start()

@@ -8,9 +8,20 @@ import pytest
 
 from services.admin.launcher import Cluster
 from shared.subjects import DECODE, INGRESS, PREFILL
-from tests.e2e.cluster_helpers import run_cluster
+from tests.e2e.cluster_helpers import on_the_client_host, run_cluster
 
 MOCK_ARGS = ["--engine", "mock", "--store-file-nbytes", str(8 << 20)]
+
+
+@pytest.fixture(autouse=True)
+def _on_the_client_host(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test of a module whose cluster is split over hosts runs on the client host (its
+    sockets and subprocesses there); any other test as it is."""
+    if "cluster" not in request.fixturenames:
+        yield
+        return
+    with on_the_client_host(request.getfixturevalue("cluster")):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ from pydantic import TypeAdapter
 from services.admin.launcher import Cluster
 from shared.schema import UsageStatus
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
-from tests.e2e.cluster_helpers import connect, run_cluster, usage_records
+from tests.e2e.cluster_helpers import connect, run_cluster, two_nodes, usage_records
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -81,6 +81,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         },
         models=MODELS,
         ready_timeout_s=180,
+        hosts=two_nodes,
     )
 
 

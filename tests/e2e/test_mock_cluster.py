@@ -31,7 +31,6 @@ from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
 from tests.e2e.cluster_helpers import (
     connect,
     num_indexed_blocks,
-    on_the_client_host,
     run_cluster,
     usage_records,
 )
@@ -74,12 +73,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         ready_timeout_s=120,
         hosts=HOSTS,
     )
-
-
-@pytest.fixture(autouse=True)
-def _on_the_client_host(cluster: Cluster) -> Iterator[None]:
-    with on_the_client_host(cluster):
-        yield
 
 
 def _prompts() -> list[list[int]]:

@@ -16,7 +16,7 @@ from shared.client import build_request, generate
 from shared.discovery import discover
 from shared.models import BUNDLED_MODEL_DIR
 from shared.subjects import BILLING, INGRESS, PREFILL, ROUTER
-from tests.e2e.cluster_helpers import connect, run_cluster, usage_records
+from tests.e2e.cluster_helpers import connect, run_cluster, two_nodes, usage_records
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -46,6 +46,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             ROUTER: ["--decode-page-size-tokens", str(BLOCK)],
         },
         ready_timeout_s=120,
+        hosts=two_nodes,
     )
 
 

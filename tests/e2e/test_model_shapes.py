@@ -27,7 +27,7 @@ from shared.client import build_request, generate
 from shared.discovery import discover
 from shared.models import BUNDLED_MODEL_DIR
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
-from tests.e2e.cluster_helpers import connect, run_cluster
+from tests.e2e.cluster_helpers import connect, run_cluster, two_nodes
 from worker.engine import Engine, ModelRunner, SamplingParams
 from worker.engine.config import ModelConfig
 from worker.engine.kv_cache import KVBlockLayout
@@ -85,6 +85,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, shapes: dict[str, Path]) -
         instance_args={f"{s}-random-bf16-0": ["--dtype", "bfloat16"] for s in (PREFILL, DECODE)},
         models=tuple(str(path) for path in shapes.values()),
         ready_timeout_s=120,
+        hosts=two_nodes,
     )
 
 

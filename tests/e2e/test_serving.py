@@ -45,7 +45,6 @@ from shared.usage import open_usage_outbox
 from tests.e2e.cluster_helpers import (
     connect,
     num_indexed_blocks,
-    on_the_client_host,
     run_cluster,
     usage_records,
 )
@@ -106,12 +105,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         ready_timeout_s=180,
         hosts=HOSTS,
     )
-
-
-@pytest.fixture(autouse=True)
-def _on_the_client_host(cluster: Cluster) -> Iterator[None]:
-    with on_the_client_host(cluster):
-        yield
 
 
 def _tokens(text: str) -> list[int]:

@@ -19,7 +19,7 @@ from shared.client import build_request, generate
 from shared.discovery import discover
 from shared.models import model_path
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
-from tests.e2e.cluster_helpers import connect, run_cluster, usage_records
+from tests.e2e.cluster_helpers import connect, run_cluster, two_nodes, usage_records
 from worker.engine.checkpoint import Checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -69,6 +69,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         },
         models=(MODEL,),
         ready_timeout_s=180,
+        hosts=two_nodes,
     )
 
 

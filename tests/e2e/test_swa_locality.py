@@ -52,7 +52,7 @@ from shared.subjects import (
     ROUTER,
     SWA_MEMCACHE,
 )
-from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster
+from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster, two_nodes
 
 pytestmark = [pytest.mark.e2e]
 
@@ -99,6 +99,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         },
         instance_args=nodes,
         ready_timeout_s=60,
+        hosts=two_nodes,
     )
 
 

@@ -22,15 +22,17 @@ from services.decode.worker import DecodeWorker
 from services.prefill.config import PrefillConfig
 from services.prefill.restore import PrefixRestorer, RestorePolicy
 from services.prefill.worker import PrefillWorker
-from shared.bus import Bus, Endpoint
+from shared.bus import Bus, Context, Endpoint
 from shared.client import build_request
 from shared.schema import (
     BadRequest,
     DecodeJob,
+    GenerateRequest,
     InternalError,
     JobAccepted,
     PrefillDone,
     PrefillJob,
+    Resume,
     RouteDecision,
     SuffixReady,
     TokenChunk,
@@ -233,3 +235,54 @@ async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
         agent.close()
         await outbox.close()
         store.close()
+
+
+async def test_a_continuation_takes_the_place_of_the_attempt_it_continues(
+    bus_factory: BusFactory, tmp_path: Path
+) -> None:
+    """The decode worker died while prefill was handing the request's suffix to it: the
+    caller's continuation (same request id, `resume`) is taken, not refused as a duplicate;
+    the older attempt ends its own handoff and its pages are freed. An attempt older than
+    the one held is still refused."""
+    bus = await bus_factory("prefill", "prefill-0")
+    decode = await bus_factory("decode", "decode-0")
+    gate = asyncio.Event()
+    suffixes: list[SuffixReady] = []
+
+    async def hold_suffix(ready: SuffixReady, ctx: Context) -> JobAccepted:
+        suffixes.append(ready)
+        await gate.wait()
+        return JobAccepted(request_id=ready.request_id, instance_id="decode-0")
+
+    await decode.serve(Endpoint("suffix", decode.subjects.decode_suffix, SuffixReady, hold_suffix))
+    async with prefill_worker(bus, tmp_path, simulated_model) as (worker, config):
+        client = await bus_factory("router")
+        tokens = list(range(3, 103))
+        request = build_request(tokens, model=config.model_name, block_size_tokens=BLOCK)
+        resume = Resume(num_prompt_tokens=100, num_cached_tokens=0, num_output_tokens=0)
+        continuation = msgspec.structs.replace(request, resume=resume)
+
+        def run(attempt: GenerateRequest) -> asyncio.Task[PrefillDone]:
+            job = PrefillJob(request=attempt, decision=decision(request.request_id))
+            subject = client.subjects.instance(client.subjects.prefill_run, "prefill-0")
+            return asyncio.create_task(client.request(subject, job, PrefillDone))
+
+        def num_taken() -> float:
+            return worker.metrics.snapshot()["kvfabric_prefill_jobs_received_total"]
+
+        first = run(request)
+        async with asyncio.timeout(10):
+            while not suffixes:  # the first attempt is handing off
+                await asyncio.sleep(0.01)
+        second = run(continuation)
+        async with asyncio.timeout(10):
+            while num_taken() < 2:  # taken, not refused
+                await asyncio.sleep(0.01)
+        with pytest.raises(BadRequest, match="already being prefilled"):
+            await run(request)  # older than the attempt held
+        assert not second.done()
+        gate.set()
+        await asyncio.gather(first, second)
+        assert len(suffixes) == 2
+        pages = worker.runner.allocator
+        assert pages.num_free_blocks == pages.num_blocks  # both attempts' pages freed
