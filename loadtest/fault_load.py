@@ -304,16 +304,18 @@ class Billing:
     mismatched: list[str]  # billed other tokens than the client was told
 
 
-async def usage_counts(cluster: Cluster, request_ids: set[str], timeout_s: float) -> dict[str, int]:
-    """Usage records per request on JetStream, read to the log's end once every id has one
-    (or `timeout_s` passed)."""
-    bus = await Bus.connect(cluster.nats_url, service="faults", root=cluster.spec.root)
-    counts: dict[str, int] = defaultdict(int)
+async def usage_log(
+    bus: Bus, request_ids: set[str], timeout_s: float
+) -> tuple[dict[str, list[UsageRecord]], bool]:
+    """Every usage record on JetStream, by request id, read to the log's end once each of
+    `request_ids` has one, and whether that happened within `timeout_s` (False: some id has
+    none, or the log was not read to its end)."""
+    records: dict[str, list[UsageRecord]] = defaultdict(list)
     last_read = 0
 
     async def on_record(record: UsageRecord, seq: int) -> None:
         nonlocal last_read
-        counts[record.request_id] += 1
+        records[record.request_id].append(record)
         last_read = seq
 
     subjects = bus.subjects
@@ -322,15 +324,29 @@ async def usage_counts(cluster: Cluster, request_ids: set[str], timeout_s: float
     )
     try:
         deadline = time.monotonic() + timeout_s
-        while not request_ids <= counts.keys() and time.monotonic() < deadline:
+        while not request_ids <= records.keys():
+            if time.monotonic() > deadline:
+                return records, False
             await asyncio.sleep(0.05)
         _, last_seq = await bus.js.stream_bounds(subjects.usage_stream)
-        while last_read < last_seq and time.monotonic() < deadline:
+        while last_read < last_seq:
+            if time.monotonic() > deadline:
+                return records, False
             await asyncio.sleep(0.05)
-        return {rid: counts.get(rid, 0) for rid in request_ids}
+        return records, True
     finally:
         await bus.unsubscribe(subscription)
+
+
+async def usage_counts(cluster: Cluster, request_ids: set[str], timeout_s: float) -> dict[str, int]:
+    """Usage records per request on JetStream, read to the log's end once every id has one
+    (or `timeout_s` passed)."""
+    bus = await Bus.connect(cluster.nats_url, service="faults", root=cluster.spec.root)
+    try:
+        records, _ = await usage_log(bus, request_ids, timeout_s)
+    finally:
         await bus.close()
+    return {rid: len(records.get(rid, ())) for rid in request_ids}
 
 
 def billing(

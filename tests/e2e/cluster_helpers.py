@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from loadtest.fault_load import usage_log
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, Placement
 from shared import kv_index_client as index_client
 from shared.bus import Bus
@@ -138,30 +139,10 @@ async def usage_records(
     when that worker died). Fails the test when one is missing after `timeout_s`, or when a
     request has more than one: the whole log is read, up to its last message, so a
     duplicate is seen, not hidden."""
-    records: dict[str, list[UsageRecord]] = {}
-    last_read = 0
-
-    async def on_record(record: UsageRecord, seq: int) -> None:
-        nonlocal last_read
-        records.setdefault(record.request_id, []).append(record)
-        last_read = seq
-
-    subjects = bus.subjects
-    subscription = await bus.js.consume(
-        subjects.usage_stream, subjects.usage_all, UsageRecord, on_record
-    )
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not request_ids <= records.keys():
-            missing = sorted(request_ids - records.keys())
-            assert time.monotonic() < deadline, f"no usage record for {', '.join(missing)}"
-            await asyncio.sleep(0.05)
-        _, last_seq = await bus.js.stream_bounds(subjects.usage_stream)
-        while last_read < last_seq:
-            assert time.monotonic() < deadline, "the usage log was not read to its end"
-            await asyncio.sleep(0.05)
-        repeated = {r: len(records[r]) for r in request_ids if len(records[r]) != 1}
-        assert not repeated, f"usage records per request, expected exactly one: {repeated}"
-        return {r: records[r][0] for r in request_ids}
-    finally:
-        await bus.unsubscribe(subscription)
+    records, complete = await usage_log(bus, request_ids, timeout_s)
+    missing = sorted(request_ids - records.keys())
+    assert not missing, f"no usage record for {', '.join(missing)}"
+    assert complete, "the usage log was not read to its end"
+    repeated = {r: len(records[r]) for r in request_ids if len(records[r]) != 1}
+    assert not repeated, f"usage records per request, expected exactly one: {repeated}"
+    return {r: records[r][0] for r in request_ids}

@@ -184,6 +184,19 @@ def check_billed(cluster: Cluster, outcomes: list[Outcome]) -> None:
     assert not billed.mismatched, f"billed other tokens than told: {billed.mismatched[:3]}"
 
 
+def served_on(cluster: Cluster, failure: str) -> list[Outcome]:
+    """Agent load until 8 requests are answered, `failure` if not within 30 s; the outcomes."""
+    load = agent_load(cluster).start()
+    try:
+        started = time.monotonic()
+        while load.num_ok_since(started) < 8:
+            assert time.monotonic() - started < 30, failure
+            time.sleep(0.05)
+    finally:
+        outcomes = load.stop()
+    return outcomes
+
+
 def run_fault(cluster: Cluster, inject, *, refused_at: str = "") -> list[Outcome]:  # noqa: ANN001
     """Load before, during and after `inject()`; every request's outcome, checked."""
     load = agent_load(cluster).start()
@@ -481,15 +494,7 @@ def test_a_storm_of_client_disconnects(cluster: Cluster) -> None:
         time.sleep(0.2)
     counts = on_client(cluster, usage_counts(cluster, set(request_ids), 60))
     assert all(n == 1 for n in counts.values()), {r: n for r, n in counts.items() if n != 1}
-    load = agent_load(cluster).start()
-    try:
-        started = time.monotonic()
-        while load.num_ok_since(started) < 8:
-            assert time.monotonic() - started < 30, "the cluster stopped serving after the storm"
-            time.sleep(0.05)
-    finally:
-        outcomes = load.stop()
-    check_outcomes(outcomes)
+    check_outcomes(served_on(cluster, "the cluster stopped serving after the storm"))
 
 
 # Last: it leaves router-1 failed for good.
@@ -511,14 +516,7 @@ def test_a_crash_loop_spends_the_budget_and_the_rest_serve(cluster: Cluster) -> 
     text = render_supervision(state, on_client(cluster, _discover(cluster)))
     assert "FAILED" in text and "degraded: router (router-1)\n" in text + "\n", text
     # The rest serve: router-0 takes every request.
-    load = agent_load(cluster).start()
-    try:
-        started = time.monotonic()
-        while load.num_ok_since(started) < 8:
-            assert time.monotonic() - started < 30, "the cluster stopped serving"
-            time.sleep(0.05)
-    finally:
-        outcomes = load.stop()
+    outcomes = served_on(cluster, "the cluster stopped serving")
     check_outcomes(outcomes)
     assert all(o.ok for o in outcomes), [o for o in outcomes if not o.ok][:3]
     check_billed(cluster, outcomes)
