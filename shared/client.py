@@ -195,15 +195,18 @@ async def generate(
             request,
             on_chunk,
             on_decision,
-            liveness_timeout_s,
-            first_chunk_timeout_s,
-            idle_timeout_s,
-            route_timeout_s,
-            overload_wait_s,
+            _Limits(
+                liveness_timeout_s,
+                first_chunk_timeout_s,
+                idle_timeout_s,
+                route_timeout_s,
+                overload_wait_s,
+                probe_after_s,
+            ),
             outbox,
             router_id,
             router_seq,
-            _Failover(max_failovers, failover_recompute, probe_after_s),
+            _Failover(max_failovers, failover_recompute),
         )
         if span.is_recording():
             decision = result.decision
@@ -227,11 +230,7 @@ async def _generate(
     request: GenerateRequest,
     on_chunk: Callable[[TokenChunk], object] | None,
     on_decision: Callable[[RouteDecision], object] | None,
-    liveness_timeout_s: float,
-    first_chunk_timeout_s: float,
-    idle_timeout_s: float,
-    route_timeout_s: float,
-    overload_wait_s: float,
+    limits: _Limits,
     outbox: UsageOutbox | None,
     router_id: str | None,
     router_seq: int,
@@ -246,14 +245,9 @@ async def _generate(
                 request,
                 on_chunk,
                 on_decision if not delivered.attempts else None,
-                liveness_timeout_s,
-                first_chunk_timeout_s,
-                idle_timeout_s,
-                route_timeout_s,
-                overload_wait_s,
+                limits,
                 router_id if not delivered.attempts else None,
                 router_seq,
-                failover.probe_after_s,
             )
             return delivered.result(result)
         except _DecodeLost as lost:
@@ -283,14 +277,9 @@ async def _send(
     request: GenerateRequest,
     on_chunk: Callable[[TokenChunk], object] | None,
     on_decision: Callable[[RouteDecision], object] | None,
-    liveness_timeout_s: float,
-    first_chunk_timeout_s: float,
-    idle_timeout_s: float,
-    route_timeout_s: float,
-    overload_wait_s: float,
+    limits: _Limits,
     router_id: str | None,
     router_seq: int,
-    probe_after_s: float,
 ) -> GenerateResult:
     """One request (or continuation): sends until the router takes it or the overload wait
     is spent."""
@@ -304,8 +293,8 @@ async def _send(
                 inbox,
                 TokenChunk,
                 f"the stream of {request.request_id}",
-                first_chunk_timeout_s=first_chunk_timeout_s,
-                idle_timeout_s=idle_timeout_s,
+                first_chunk_timeout_s=limits.first_chunk_timeout_s,
+                idle_timeout_s=limits.idle_timeout_s,
                 deadline_ms=request.deadline_ms,
             )
             call = _Generation(
@@ -314,18 +303,16 @@ async def _send(
                 reader,
                 on_chunk,
                 on_decision,
-                liveness_timeout_s,
-                route_timeout_s,
+                limits,
                 router_id,
                 router_seq,
-                probe_after_s,
             )
             return await call.run()
         except Overloaded as exc:
-            wait_s = _overload_wait_s(exc, request.deadline_ms, overload_wait_s - waited_s)
+            wait_s = _overload_wait_s(exc, request.deadline_ms, limits.overload_wait_s - waited_s)
             if call is None or not call.refused_by_router or wait_s is None:
-                if request.resume is not None and (call is None or call.decision is None):
-                    raise _NotRouted(exc) from None
+                if not_routed := _not_routed(exc, request, call):
+                    raise not_routed from None
                 raise
             log.info(
                 "router overloaded: sending again",
@@ -337,13 +324,23 @@ async def _send(
         except (_DecodeLost, asyncio.CancelledError):
             raise
         except Exception as exc:
-            if request.resume is not None and (call is None or call.decision is None):
-                raise _NotRouted(exc) from None  # no worker took the continuation
+            if not_routed := _not_routed(exc, request, call):
+                raise not_routed from None
             raise
         finally:
             await inbox.close()
         await asyncio.sleep(wait_s)
         waited_s += wait_s
+
+
+def _not_routed(
+    exc: Exception, request: GenerateRequest, call: _Generation | None
+) -> _NotRouted | None:
+    """`exc` as `_NotRouted` when it means no worker took a continuation (the caller then
+    bills what was delivered); None when it is the request's own error to raise."""
+    if request.resume is not None and (call is None or call.decision is None):
+        return _NotRouted(exc)
+    return None
 
 
 def _overload_wait_s(exc: Overloaded, deadline_ms: int | None, budget_s: float) -> float | None:
@@ -364,24 +361,20 @@ class _Generation:
         reader: ChunkReader[TokenChunk],
         on_chunk: Callable[[TokenChunk], object] | None,
         on_decision: Callable[[RouteDecision], object] | None,
-        liveness_timeout_s: float,
-        route_timeout_s: float,
+        limits: _Limits,
         router_id: str | None = None,
         router_seq: int = 0,
-        probe_after_s: float = 0.25,
     ) -> None:
         self.bus = bus
         self.router_id = router_id
         self.router_seq = router_seq  # its last heartbeat's seq as the caller knew it
-        self.probe_after_s = probe_after_s
+        self.limits = limits
         self.decision: RouteDecision | None = None
         self.last_chunk_at = time.monotonic()
         self.chunk_interval_s: float | None = None  # between chunks, smoothed
         self.request = request
         self.reader = reader
         self.on_chunk = on_chunk
-        self.liveness_timeout_s = liveness_timeout_s
-        self.route_timeout_s = route_timeout_s
         self.token_ids: list[int] = []
         self.texts: list[str] = []
         self.last_chunk: TokenChunk | None = None
@@ -400,7 +393,7 @@ class _Generation:
                 subject,
                 request,
                 RouteDecision,
-                timeout_s=self.route_timeout_s,
+                timeout_s=self.limits.route_timeout_s,
                 request_id=request.request_id,
                 deadline_ms=request.deadline_ms,
             )
@@ -418,7 +411,7 @@ class _Generation:
         before answering (killed while routing), or beats again as a new process (its seq
         starts over: restarted within the timeout, it never saw our request); runs for as
         long as `route` does."""
-        liveness = _Liveness(self.liveness_timeout_s, self.router_seq)
+        liveness = _Liveness(self.limits.liveness_timeout_s, self.router_seq)
         subscription = await self.bus.subscribe(
             self.bus.subjects.load(ROUTER, self.router_id or ""), LoadReport, liveness.on_beat
         )
@@ -446,7 +439,8 @@ class _Generation:
             if router_watch is not None and router_watch.done() and not route.done():
                 raise Unavailable(
                     f"router {self.router_id} stopped responding (no heartbeat for "
-                    f"{self.liveness_timeout_s:.1f}s, or restarted) before it routed the request",
+                    f"{self.limits.liveness_timeout_s:.1f}s, or restarted) before it routed the "
+                    "request",
                     retry_after_s=1.0,
                 )
             if not route.done():  # the stream ended first: an error, or a very short answer
@@ -455,7 +449,7 @@ class _Generation:
             if self.on_decision is not None:
                 self.on_decision(decision)
             if not read.done():
-                liveness = _Liveness(self.liveness_timeout_s)
+                liveness = _Liveness(self.limits.liveness_timeout_s)
                 streamer = VLLM_WORKER if decision.aggregated else DECODE
                 heartbeats = await bus.subscribe(
                     bus.subjects.load(streamer, decision.decode_worker_id),
@@ -547,15 +541,15 @@ class _Generation:
                 backoff *= 2
         if liveness.restarted:
             return "restarted"
-        return f"no heartbeat for {self.liveness_timeout_s:.1f}s"
+        return f"no heartbeat for {self.limits.liveness_timeout_s:.1f}s"
 
     def _probe_after_s(self) -> float:
         """How long a stall is before the worker is probed: four of its usual intervals
         between chunks (a stream of 20 ms steps is probed after 80 ms), at most
         `probe_after_s`; `probe_after_s` until two chunks have come."""
         if self.chunk_interval_s is None:
-            return self.probe_after_s
-        return min(self.probe_after_s, max(PROBE_MIN_S, 4 * self.chunk_interval_s))
+            return self.limits.probe_after_s
+        return min(self.limits.probe_after_s, max(PROBE_MIN_S, 4 * self.chunk_interval_s))
 
     async def _cancel(self, cancel: CancelRequest) -> None:
         try:
@@ -635,10 +629,21 @@ class _Delivered:
 
 
 @dataclass(frozen=True)
+class _Limits:
+    """How long a `generate` call waits for each thing (see `generate`'s arguments)."""
+
+    liveness_timeout_s: float
+    first_chunk_timeout_s: float
+    idle_timeout_s: float
+    route_timeout_s: float
+    overload_wait_s: float
+    probe_after_s: float
+
+
+@dataclass(frozen=True)
 class _Failover:
     max_failovers: int
     recompute: bool  # the continuation misses the cache (the peers' migration)
-    probe_after_s: float
 
     def continuation(
         self, request: GenerateRequest, lost: _DecodeLost, delivered: _Delivered
