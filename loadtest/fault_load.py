@@ -16,7 +16,7 @@ import contextlib
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -283,15 +283,18 @@ def wrong_answers(outcomes: list[Outcome]) -> dict[tuple[int, int], set[str]]:
     return {k: v for k, v in answers.items() if len(v) > 1}
 
 
-def outside_protocol(outcomes: list[Outcome], refused_at: str = "") -> list[Outcome]:
+def outside_protocol(
+    outcomes: list[Outcome], refused_at: str | Collection[str] = ()
+) -> list[Outcome]:
     """Failures that are not the protocol's retryable errors (a refused connection counts
-    only at `refused_at`, an ingress that was killed)."""
+    only at `refused_at`: the URL of an ingress that was killed, or several)."""
+    refused = {refused_at} if isinstance(refused_at, str) else set(refused_at)
     return [
         o
         for o in outcomes
         if not o.ok
         and o.status not in PROTOCOL_ERRORS
-        and not (o.status == 0 and o.ingress == refused_at and "Connection" in o.error)
+        and not (o.status == 0 and o.ingress in refused and "Connection" in o.error)
     ]
 
 

@@ -141,8 +141,11 @@ class DecodeWorker:
         )
         if not request.stream_inbox:
             raise BadRequest("stream_inbox is required")
-        if request.request_id in self.requests:
-            raise BadRequest(f"request {request.request_id} is already decoding here")
+        held = self.requests.get(request.request_id)
+        if held is not None:
+            if request.failover_attempt <= held.job.request.failover_attempt:
+                raise BadRequest(f"request {request.request_id} is already decoding here")
+            await self._supersede(held)
         sampling = request.sampling
         params = engine_sampling(sampling)  # BadRequest for what the sampler cannot do
         # The prompt and the first token; later ones may preempt, as the engine schedules.
@@ -343,6 +346,23 @@ class DecodeWorker:
             self._by_seq.pop(state.seq_id, None)
         await self._release(state)
         await self.finisher.end(state, None, error)
+
+    async def _supersede(self, held: DecodeRequest) -> None:
+        """A failover's continuation reached the worker still holding the attempt it
+        continues (alive, but cut off from its caller for a while): the older attempt ends
+        here without a word. Its stream's reader is gone, and the continuation's usage
+        record bills the whole request, so this one writes neither."""
+        if self.requests.pop(held.request_id, None) is None:
+            return
+        if held.seq_id is not None:
+            await self._abort_seq(held.seq_id)
+            self._by_seq.pop(held.seq_id, None)
+        await self._release(held)
+        log.info(
+            "superseded by a continuation",
+            request_id=held.request_id,
+            attempt=held.job.request.failover_attempt,
+        )
 
     async def _abort_seq(self, seq_id: int) -> None:
         """Take the sequence out of the engine's batch; its pages are freed at once."""

@@ -10,10 +10,14 @@
 
 PostgreSQL refuses to run as root; as root the server runs as the `postgres` user (runuser),
 in a directory under the system temp dir that it owns (pytest's own temp dirs are 0700 root).
+
+`PostgresServer(host=...)` runs one on a test host (shared/testing/hosts.py), listening on
+that host's address only: the database machine of a cluster split over hosts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
@@ -24,9 +28,13 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import pytest
+
+if TYPE_CHECKING:
+    from shared.testing.hosts import Host
 
 SERVER_USER = "postgres"
 DATABASE = "kvfabric_test"
@@ -54,30 +62,39 @@ def find_bin_dir() -> Path:
     return max(versions, key=lambda d: int(d.parent.name))
 
 
-def free_port() -> int:
+def free_port(address: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((address, 0))
         return int(sock.getsockname()[1])
 
 
 class PostgresServer:
     """`server.start()`, `server.url`, `server.stop()` (safe to call twice)."""
 
-    def __init__(self, *, fsync: bool = False, port: int | None = None) -> None:
+    def __init__(
+        self, *, fsync: bool = False, port: int | None = None, host: Host | None = None
+    ) -> None:
         self.bin_dir = find_bin_dir()
         self.fsync = fsync  # off for tests (nothing to keep); on for honest benchmark figures
-        self.port = port or free_port()
+        self.host = host
+        self.address = host.address if host is not None else "127.0.0.1"
+        if port is None:
+            with host.inside() if host is not None else contextlib.nullcontext():
+                port = free_port(self.address)
+        self.port = port
         self.as_root = os.geteuid() == 0
         self.root_dir: Path | None = None
 
     @property
     def url(self) -> str:
-        return f"postgresql://{SERVER_USER}@127.0.0.1:{self.port}/{DATABASE}"
+        return f"postgresql://{SERVER_USER}@{self.address}:{self.port}/{DATABASE}"
 
     def _run(self, *args: str, timeout_s: float = 60.0) -> None:
         command = [str(self.bin_dir / args[0]), *args[1:]]
         if self.as_root:
             command = ["runuser", "-u", SERVER_USER, "--", *command]
+        if self.host is not None:
+            command = self.host.command(command)
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
         )
@@ -115,8 +132,11 @@ class PostgresServer:
             "--locale=C",
             "--no-sync",
         )
+        if self.host is not None:  # the other hosts on its bridge, the cluster's clients
+            with (data / "pg_hba.conf").open("a") as hba:
+                hba.write("host all all samenet trust\n")
         options = (
-            f"-c listen_addresses=127.0.0.1 -p {self.port} -k {root} "
+            f"-c listen_addresses={self.address} -p {self.port} -k {root} "
             f"-c fsync={'on' if self.fsync else 'off'}"
         )
         self._run(
@@ -135,9 +155,12 @@ class PostgresServer:
         )
         import psycopg
 
-        admin = f"postgresql://{SERVER_USER}@127.0.0.1:{self.port}/postgres"
+        admin = f"postgresql://{SERVER_USER}@{self.address}:{self.port}/postgres"
         try:
-            with psycopg.connect(admin, autocommit=True, connect_timeout=10) as conn:
+            with (
+                self.host.inside() if self.host is not None else contextlib.nullcontext(),
+                psycopg.connect(admin, autocommit=True, connect_timeout=10) as conn,
+            ):
                 conn.execute(f'CREATE DATABASE "{DATABASE}"')
         except psycopg.Error as exc:
             raise PostgresError(f"creating the database failed: {exc}") from exc

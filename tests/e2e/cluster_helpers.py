@@ -34,6 +34,18 @@ def two_nodes(instance_id: str) -> str:
     return "ctl"
 
 
+def apart(instance_id: str) -> str:
+    """A split for `run_cluster(hosts=...)` of a cluster with one worker of each kind: prefill
+    (with its swa-memcache and any vllm-worker) on node-a, decode on node-b, the control plane
+    on ctl, so every handoff's KV crosses hosts."""
+    service, _, number = instance_id.rpartition("-")
+    if number.isdigit() and service == DECODE:
+        return "node-b"
+    if number.isdigit() and service.startswith(NODE_SERVICES):
+        return "node-a"
+    return "ctl"
+
+
 def placement(host: Host) -> Placement:
     """Where the launcher runs a process on `host`: inside its namespace, with its address
     and the environment it adds (its node id, KV over TCP)."""
@@ -55,6 +67,7 @@ def run_cluster(
     instance_args: dict[str, list[str]] | None = None,
     models: tuple[str, ...] = ("tiny-coder",),
     hosts: dict[str, str] | Callable[[str], str] | None = None,
+    network: HostNetwork | None = None,
 ) -> Iterator[Cluster]:
     """A module fixture's body (`yield from run_cluster(...)`): start every service as its own
     process under a fresh subject root, wait until all are ready, yield the cluster, and stop
@@ -67,8 +80,10 @@ def run_cluster(
     allows them (root), each instance on its host and the rest, NATS included, on "ctl";
     the tests then reach it from the `CLIENT_HOST` host (`cluster.client`, entered for each
     test by tests/e2e/conftest.py). Where namespaces cannot be made, everything runs on
-    127.0.0.1 as without `hosts`."""
-    use_hosts = hosts is not None and unavailable_reason() is None
+    127.0.0.1 as without `hosts`. `network`: hosts the caller made (and closes), for what
+    must run on them before the cluster starts (a database on ctl); it must have every host
+    `hosts` names, "ctl" and the client's."""
+    use_hosts = network is not None or (hosts is not None and unavailable_reason() is None)
     mapping = hosts or {}
     host_of = mapping if callable(mapping) else (lambda i: mapping.get(i, "ctl"))
     spec = ClusterSpec(
@@ -84,7 +99,11 @@ def run_cluster(
     )
     instance_ids = [i for service in START_ORDER for i, _ in spec.instances(service)]
     names = {"ctl", CLIENT_HOST, *(host_of(i) for i in instance_ids)}
-    with HostNetwork(sorted(names)) if use_hosts else contextlib.nullcontext() as net:
+    if network is not None:
+        own: contextlib.AbstractContextManager = contextlib.nullcontext(network)
+    else:
+        own = HostNetwork(sorted(names)) if use_hosts else contextlib.nullcontext()
+    with own as net:
         if net is not None:
             spec.nats_placement = placement(net["ctl"])
             spec.placement = {i: placement(net[host_of(i)]) for i in instance_ids}

@@ -8,7 +8,7 @@ import pytest
 
 from services.admin.launcher import Cluster
 from shared.subjects import DECODE, INGRESS, PREFILL
-from tests.e2e.cluster_helpers import on_the_client_host, run_cluster
+from tests.e2e.cluster_helpers import apart, on_the_client_host, run_cluster
 
 MOCK_ARGS = ["--engine", "mock", "--store-file-nbytes", str(8 << 20)]
 
@@ -35,4 +35,5 @@ def observed_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clust
         replicas={},
         extra_args={PREFILL: MOCK_ARGS, DECODE: MOCK_ARGS, INGRESS: ["--require-api-key", "false"]},
         ready_timeout_s=120,
+        hosts=apart,
     )

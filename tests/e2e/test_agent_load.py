@@ -26,7 +26,7 @@ from loadtest.bench_agent import QUICK
 from loadtest.results import BenchResult, Figure, Ratio
 from services.admin.launcher import Cluster
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
-from tests.e2e.cluster_helpers import run_cluster
+from tests.e2e.cluster_helpers import apart, run_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -112,6 +112,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             INGRESS: ["--dev-api-key", KEY],
         },
         ready_timeout_s=120,
+        hosts=apart,
     )
 
 

@@ -11,6 +11,7 @@ Every test runs twice: over the embedded SQLite ledger and over a real PostgreSQ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import time
 import uuid
@@ -19,16 +20,22 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from services.admin.launcher import Cluster
+from services.admin.launcher import Cluster, Placement
 from services.billing.consumer import DURABLE as BILLING_DURABLE
 from services.billing.ledger import open_ledger
 from shared.bus import Bus
 from shared.natsd import die_with_parent
 from shared.schema import DeadLetter, UsageRecord, decode
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL
-from shared.testing.postgres import postgres_url, schema_url  # noqa: F401 (a fixture)
+from shared.testing.hosts import HostNetwork, unavailable_reason
+from shared.testing.postgres import (  # noqa: F401 (postgres_url: a fixture)
+    PostgresServer,
+    PostgresUnavailable,
+    postgres_url,
+    schema_url,
+)
 from shared.usage import usage_publisher
-from tests.e2e.cluster_helpers import connect, run_cluster
+from tests.e2e.cluster_helpers import CLIENT_HOST, apart, connect, run_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -41,32 +48,58 @@ def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     """The same cluster over either ledger: the embedded SQLite file `kvfabric up` keeps, or
-    a real PostgreSQL server started from the machine's binaries (a schema of its own)."""
+    a real PostgreSQL server started from the machine's binaries (a schema of its own), on
+    the control-plane host of a cluster split over hosts."""
     state_dir = tmp_path_factory.mktemp(f"billing-{request.param}")
-    if request.param == "sqlite":
-        url = f"sqlite:///{(state_dir / 'billing' / 'ledger.db').resolve()}"
-    else:
-        import psycopg
+    with contextlib.ExitStack() as stack:
+        hosts = ["ctl", "node-a", "node-b", CLIENT_HOST]
+        net = stack.enter_context(HostNetwork(hosts)) if unavailable_reason() is None else None
+        if request.param == "sqlite":
+            url = f"sqlite:///{(state_dir / 'billing' / 'ledger.db').resolve()}"
+        else:
+            url = postgres_schema(request, stack, net)
+        for cluster in run_cluster(
+            state_dir,
+            replicas={BILLING: 1},
+            extra_args={
+                PREFILL: MOCK,
+                DECODE: MOCK,
+                INGRESS: ["--dev-api-key", KEY],
+                # What the killed replica held comes back after 3 s, not JetStream's default 30.
+                BILLING: ["--batch-size", "200", "--ack-wait-s", "3", "--ledger-url", url],
+            },
+            ready_timeout_s=120,
+            hosts=apart,
+            network=net,
+        ):
+            cluster.ledger_url = url  # type: ignore[attr-defined]
+            yield cluster
 
+
+def postgres_schema(
+    request: pytest.FixtureRequest, stack: contextlib.ExitStack, net: HostNetwork | None
+) -> str:
+    """A fresh schema's URL on a PostgreSQL server: one of its own on ctl where the cluster
+    is split over hosts (stopped before the hosts go), else the session's on 127.0.0.1."""
+    import psycopg
+
+    if net is None:
         server_url = request.getfixturevalue("postgres_url")
-        schema = f"billing_{uuid.uuid4().hex[:10]}"
-        with psycopg.connect(server_url, autocommit=True) as conn:
-            conn.execute(f"CREATE SCHEMA {schema}")
-        url = schema_url(server_url, schema)
-    for cluster in run_cluster(
-        state_dir,
-        replicas={BILLING: 1},
-        extra_args={
-            PREFILL: MOCK,
-            DECODE: MOCK,
-            INGRESS: ["--dev-api-key", KEY],
-            # What the killed replica held comes back after 3 s, not JetStream's default 30.
-            BILLING: ["--batch-size", "200", "--ack-wait-s", "3", "--ledger-url", url],
-        },
-        ready_timeout_s=120,
+    else:
+        try:
+            server = PostgresServer(host=net["ctl"])
+            stack.callback(server.stop)
+            server.start()
+        except PostgresUnavailable as exc:
+            pytest.skip(f"no PostgreSQL server: {exc}")
+        server_url = server.url
+    schema = f"billing_{uuid.uuid4().hex[:10]}"
+    with (
+        net[CLIENT_HOST].inside() if net is not None else contextlib.nullcontext(),
+        psycopg.connect(server_url, autocommit=True) as conn,
     ):
-        cluster.ledger_url = url  # type: ignore[attr-defined]
-        yield cluster
+        conn.execute(f"CREATE SCHEMA {schema}")
+    return schema_url(server_url, schema)
 
 
 def ledger_url(cluster: Cluster) -> str:
@@ -252,7 +285,8 @@ def test_through_kill_restarts_and_duplicates_each_request_is_one_row(cluster: C
     # the NATS server restarts under it (JetStream keeps the log and the consumer)
     assert cluster.nats is not None
     cluster.nats.stop()
-    cluster.nats.start()  # the same port and store
+    with (cluster.spec.nats_placement or Placement()).entered():  # on its own host
+        cluster.nats.start()  # the same port and store
     rows = ledger_rows(cluster, [r.request_id for r in records], timeout_s=90)
     missing = [rid for rid, row in rows.items() if row is None]
     assert not missing, f"{len(missing)} requests missing, e.g. {missing[:3]}"

@@ -24,6 +24,7 @@ import yaml
 
 from services.admin.launcher import Cluster
 from shared.models import BUNDLED_MODEL_DIR
+from tests.e2e.cluster_helpers import on_the_client_host
 from tests.unit.test_dashboards import (
     HISTOGRAM_SERIES,
     dashboards,
@@ -53,15 +54,23 @@ def cluster(observed_cluster: Cluster) -> Cluster:
     return observed_cluster
 
 
-def free_port() -> int:
+def client_address(cluster: Cluster) -> str:
+    """Where the test's own servers listen: the client host's address on a cluster split
+    over hosts, else loopback."""
+    client = getattr(cluster, "client", None)
+    return client.address if client is not None else "127.0.0.1"
+
+
+def free_port(address: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def prometheus(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real Prometheus scraping every process each second; yields its URL."""
+    """A real Prometheus on the client host scraping every process each second (from their
+    hosts' addresses); yields its URL."""
     workdir = tmp_path_factory.mktemp("prometheus")
     targets: dict[str, list[str]] = {}
     for instance_id, url in cluster.metrics_urls.items():
@@ -78,22 +87,25 @@ def prometheus(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         ],
     }
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
+    address = client_address(cluster)
     log = (workdir / "prometheus.log").open("wb")
-    process = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={workdir / 'prometheus.yml'}",
-            f"--storage.tsdb.path={workdir / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
+    with on_the_client_host(cluster):  # module fixtures run before the per-test client host
+        port = free_port(address)
+        process = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address={address}:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    url = f"http://{address}:{port}"
     try:
-        wait_until(lambda: http_ok(f"{url}/-/ready"), 30, "prometheus never got ready", workdir)
+        with on_the_client_host(cluster):
+            wait_until(lambda: http_ok(f"{url}/-/ready"), 30, "prometheus never got ready", workdir)
         yield url
     finally:
         process.terminate()
@@ -198,6 +210,11 @@ SCRAPE_INTERVAL_S = 1
 @pytest.fixture(scope="module")
 def loaded(cluster: Cluster, prometheus: str) -> float:
     """Load sent and scraped: the time (unix s) to evaluate the dashboards at."""
+    with on_the_client_host(cluster):  # module fixtures run before the per-test client host
+        return _load_and_scrape(cluster, prometheus)
+
+
+def _load_and_scrape(cluster: Cluster, prometheus: str) -> float:
     num_processes = len(cluster.metrics_urls)
     wait_until(
         lambda: len(query(prometheus, "up == 1")) == num_processes,

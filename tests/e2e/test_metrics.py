@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -75,6 +76,9 @@ def chat(cluster: Cluster) -> dict:
 
 def test_every_process_has_a_metrics_url_with_its_constant_labels(cluster: Cluster) -> None:
     assert sorted(cluster.metrics_urls) == sorted(c.instance_id for c in cluster.children)
+    if getattr(cluster, "client", None) is not None:  # split over hosts: each on its own
+        hosts = {urllib.parse.urlsplit(u).hostname for u in cluster.metrics_urls.values()}
+        assert len(hosts) == 3 and "127.0.0.1" not in hosts, hosts
     for instance_id, url in cluster.metrics_urls.items():
         service = instance_id.rsplit("-", 1)[0]
         assert service in SERVICES

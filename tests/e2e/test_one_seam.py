@@ -27,7 +27,13 @@ from shared.client import GenerateResult, build_request, generate
 from shared.models import BUNDLED_MODEL_DIR
 from shared.schema import SuffixReady
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
-from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster
+from tests.e2e.cluster_helpers import (
+    apart,
+    connect,
+    num_indexed_blocks,
+    on_the_client_host,
+    run_cluster,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -136,6 +142,7 @@ def serve(engine: str, state_dir: Path) -> tuple[list[GenerateResult], list[Suff
                 ROUTER: ["--decode-page-size-tokens", str(BLOCK)],
             },
             ready_timeout_s=120,
+            hosts=apart,
         )
         cluster = next(fixture)
     finally:  # later clusters: as before
@@ -161,7 +168,8 @@ def serve(engine: str, state_dir: Path) -> tuple[list[GenerateResult], list[Suff
             finally:
                 await bus.close()
 
-        results, handoffs = asyncio.run(run())
+        with on_the_client_host(cluster):
+            results, handoffs = asyncio.run(run())
     finally:
         next(fixture, None)  # stops the cluster: each process writes its coverage data
     return results, handoffs, functions_run(data_dir)

@@ -47,7 +47,7 @@ from shared.discovery import discover
 from shared.models import model_path
 from shared.schema.control import InstanceState
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, VLLM_WORKER
-from tests.e2e.cluster_helpers import connect, run_cluster, usage_records
+from tests.e2e.cluster_helpers import connect, run_cluster, two_nodes, usage_records
 from worker.engine.checkpoint import Checkpoint
 
 # serial: two vLLM servers starting beside another test's cluster starve the kvfabric
@@ -93,6 +93,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         },
         models=(MODEL,),
         ready_timeout_s=900,
+        hosts=two_nodes,  # the vLLM workers on two hosts, sharing only the store and NATS
     )
     for cluster in fixture:
         cluster.ledger_url = ledger_url  # type: ignore[attr-defined]

@@ -1,7 +1,8 @@
 """Faults a supervised cluster must ride out, under agent load through the official SDKs:
-`kill -9` of each service kind (one instance of several, or the only one), one NATS server of
-three and then all three, a host cut off and back, a rolling restart with `kvfabric drain`, a
-crash loop that spends an instance's restart budget.
+`kill -9` of each service kind (one instance of several, or the only one) and of every
+instance of each replicated kind at once, one NATS server of three and then all three, a
+host cut off and back, a rolling restart with `kvfabric drain`, a crash loop that spends an
+instance's restart budget.
 
 The cluster is split over hosts (network namespaces, shared/testing/hosts.py): `ctl` runs
 the NATS cluster (R3) and the control plane, `node-a` and `node-b` a prefill and a decode
@@ -25,7 +26,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import httpx
@@ -164,9 +166,9 @@ def until_full_service(cluster: Cluster, since: float, load: AgentLoad) -> float
     return seconds
 
 
-def check_outcomes(outcomes: list[Outcome], *, refused_at: str = "") -> None:
+def check_outcomes(outcomes: list[Outcome], *, refused_at: Collection[str] = ()) -> None:
     """Answered or a protocol error, in time; the same prompt always the same answer.
-    `refused_at`: the ingress that was killed (its clients may find no one listening)."""
+    `refused_at`: the ingresses that were killed (their clients may find no one listening)."""
     assert outcomes, "the load sent nothing"
     slow = [o for o in outcomes if o.seconds > REQUEST_BOUND_S]
     assert not slow, f"{len(slow)} requests took over {REQUEST_BOUND_S}s: {slow[:2]}"
@@ -197,7 +199,7 @@ def served_on(cluster: Cluster, failure: str) -> list[Outcome]:
     return outcomes
 
 
-def run_fault(cluster: Cluster, inject, *, refused_at: str = "") -> list[Outcome]:  # noqa: ANN001
+def run_fault(cluster: Cluster, inject, *, refused_at: Collection[str] = ()) -> list[Outcome]:  # noqa: ANN001
     """Load before, during and after `inject()`; every request's outcome, checked."""
     load = agent_load(cluster).start()
     try:
@@ -214,6 +216,9 @@ def run_fault(cluster: Cluster, inject, *, refused_at: str = "") -> list[Outcome
             time.sleep(0.05)
     finally:
         outcomes = load.stop()
+    failed = Counter(o.status for o in outcomes if not o.ok)  # 0: no HTTP answer
+    print(f"{sum(failed.values())} of {len(outcomes)} failed, by status {dict(failed)}; ", end="")
+    print(f"full service after {recovered_s:.2f} s")  # what docs/guarantees.md states (-s)
     check_outcomes(outcomes, refused_at=refused_at)
     check_billed(cluster, outcomes)
     assert recovered_s < RECOVERY_BOUND_S
@@ -235,13 +240,34 @@ def run_fault(cluster: Cluster, inject, *, refused_at: str = "") -> list[Outcome
 def test_kill_9_of_an_instance(cluster: Cluster, instance_id: str) -> None:
     restarts = cluster.supervisor.records[instance_id].restarts
     child = cluster.child(instance_id)
-    refused_at = ""
-    if child.service == INGRESS:
-        port = cluster.pinned_ports[instance_id]["http"]
-        refused_at = next(u for u in cluster.http_urls if u.endswith(f":{port}"))
-    run_fault(cluster, lambda: _kill(child.process.pid), refused_at=refused_at)
+    run_fault(cluster, lambda: _kill(child.process.pid), refused_at=_http_urls(cluster, [child]))
     record = cluster.supervisor.records[instance_id]
     assert record.restarts == restarts + 1 and record.last_exit_code == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("service", [ROUTER, PREFILL, DECODE, INGRESS])
+def test_kill_9_of_every_instance_of_a_replicated_kind(cluster: Cluster, service: str) -> None:
+    """Both at once: until the supervisor has one back, requests fail with the protocol's
+    retryable error (refused connections where no ingress listens); none is billed twice,
+    and every instance serves again by itself."""
+    children = [c for c in cluster.children if c.service == service]
+    assert len(children) == 2
+    restarts = {c.instance_id: cluster.supervisor.records[c.instance_id].restarts for c in children}
+
+    def kill_all() -> None:
+        for child in children:
+            _kill(child.process.pid)
+
+    run_fault(cluster, kill_all, refused_at=_http_urls(cluster, children))
+    for instance_id, before in restarts.items():
+        record = cluster.supervisor.records[instance_id]
+        assert record.restarts == before + 1 and record.last_exit_code == -signal.SIGKILL
+
+
+def _http_urls(cluster: Cluster, children: list) -> list[str]:  # noqa: ANN001
+    """The HTTP URLs of those of `children` that are ingresses."""
+    ports = {cluster.pinned_ports[c.instance_id]["http"] for c in children if c.service == INGRESS}
+    return [u for u in cluster.http_urls if int(u.rsplit(":", 1)[1]) in ports]
 
 
 KILL_AT_CHUNK = 150  # past two blocks of output written through
@@ -500,7 +526,9 @@ def test_a_storm_of_client_disconnects(cluster: Cluster) -> None:
 # Last: it leaves router-1 failed for good.
 def test_a_crash_loop_spends_the_budget_and_the_rest_serve(cluster: Cluster) -> None:
     victim = "router-1"
-    for _ in range(BUDGET + 1):
+    for _ in range(BUDGET + 1):  # fewer where earlier faults charged it within the window
+        if cluster.supervisor.records[victim].state == "failed":
+            break
         pid = cluster.child(victim).process.pid
         _kill(pid)
         deadline = time.monotonic() + 30
@@ -514,7 +542,9 @@ def test_a_crash_loop_spends_the_budget_and_the_rest_serve(cluster: Cluster) -> 
     state = load_state(cluster.spec.state_dir)
     assert state is not None
     text = render_supervision(state, on_client(cluster, _discover(cluster)))
-    assert "FAILED" in text and "degraded: router (router-1)\n" in text + "\n", text
+    # (Earlier faults may leave other instances crash-looping within the window: listed too.)
+    routers = [line for line in text.splitlines() if line.startswith("degraded: router (")]
+    assert "FAILED" in text and len(routers) == 1 and "router-1" in routers[0], text
     # The rest serve: router-0 takes every request.
     outcomes = served_on(cluster, "the cluster stopped serving")
     check_outcomes(outcomes)

@@ -163,10 +163,12 @@ async def test_a_token_outside_the_vocabulary_is_a_bad_request(
             )
 
 
-async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
-    bus_factory: BusFactory, tmp_path: Path
-) -> None:
-    bus = await bus_factory("decode", "decode-0")
+@contextlib.asynccontextmanager
+async def decode_worker(
+    bus: Bus, tmp_path: Path
+) -> AsyncIterator[tuple[DecodeWorker, DecodeConfig]]:
+    """A real decode worker over the simulated model, its usage outbox under `tmp_path`;
+    started, its endpoints not yet served."""
     config = DecodeConfig(engine="mock", store_dir=tmp_path, kv_block_size_tokens=BLOCK)
     runner: ModelRunner = build_runner(config, simulated_model)
     store = await open_store(config, bus.instance_id, runner.layout.block_nbytes)
@@ -189,19 +191,38 @@ async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
         model_thread=thread,
     )
 
-    async def broken_join(state: object, ready: object) -> int:
-        raise RuntimeError(SECRET)
-
-    worker._join = broken_join  # type: ignore[method-assign]
     worker.start()
-    subjects = bus.subjects
-    await bus.serve(Endpoint("run", subjects.decode_run, DecodeJob, worker.handle_job))
-    await bus.serve(Endpoint("suffix", subjects.decode_suffix, SuffixReady, worker.handle_suffix))
-    caller = await bus_factory("ingress")
-    inbox = await caller.open_inbox()
-    request = build_request(list(range(3, 103)), model=config.model_name, block_size_tokens=BLOCK)
-    request = msgspec.structs.replace(request, stream_inbox=inbox.subject)
     try:
+        yield worker, config
+    finally:
+        await worker.stop()
+        await thread.close()
+        agent.close()
+        await outbox.close()
+        store.close()
+
+
+async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
+    bus_factory: BusFactory, tmp_path: Path
+) -> None:
+    bus = await bus_factory("decode", "decode-0")
+    async with decode_worker(bus, tmp_path) as (worker, config):
+
+        async def broken_join(state: object, ready: object) -> int:
+            raise RuntimeError(SECRET)
+
+        worker._join = broken_join  # type: ignore[method-assign]
+        subjects = bus.subjects
+        await bus.serve(Endpoint("run", subjects.decode_run, DecodeJob, worker.handle_job))
+        await bus.serve(
+            Endpoint("suffix", subjects.decode_suffix, SuffixReady, worker.handle_suffix)
+        )
+        caller = await bus_factory("ingress")
+        inbox = await caller.open_inbox()
+        request = build_request(
+            list(range(3, 103)), model=config.model_name, block_size_tokens=BLOCK
+        )
+        request = msgspec.structs.replace(request, stream_inbox=inbox.subject)
         await caller.request(
             subjects.instance(subjects.decode_run, "decode-0"),
             DecodeJob(request=request, decision=decision(request.request_id)),
@@ -214,7 +235,7 @@ async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
             num_computed_tokens=99,
             first_block_index=0,
             num_blocks=0,
-            block_nbytes=runner.layout.block_nbytes,
+            block_nbytes=worker.runner.layout.block_nbytes,
             region_offset=0,
             window_nbytes=0,
         )
@@ -227,14 +248,51 @@ async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
         with pytest.raises(InternalError) as ended:
             await reader.next()
         assert ended.value.message == "joining the suffix failed"
-        assert await outbox.flush(timeout_s=5)  # the failed request is billed all the same
+        # the failed request is billed all the same
+        assert await worker.finisher.outbox.flush(timeout_s=5)
         one_traceback(events)
-    finally:
-        await worker.stop()
-        await thread.close()
-        agent.close()
-        await outbox.close()
-        store.close()
+
+
+async def test_a_continuation_replaces_the_attempt_a_live_decode_worker_holds(
+    bus_factory: BusFactory, tmp_path: Path
+) -> None:
+    """The caller lost sight of a decode worker that is still alive (its host cut off and
+    back) and its continuation is routed there: taken, the older attempt ended without a
+    usage record of its own (the continuation bills the whole request) and its prefix read
+    stopped. An attempt older than the one held is still refused."""
+    bus = await bus_factory("decode", "decode-0")
+    async with decode_worker(bus, tmp_path) as (worker, config):
+        subjects = bus.subjects
+        await bus.serve(Endpoint("run", subjects.decode_run, DecodeJob, worker.handle_job))
+        caller = await bus_factory("ingress")
+        tokens = list(range(3, 103))
+        request = build_request(tokens, model=config.model_name, block_size_tokens=BLOCK)
+        resume = Resume(num_prompt_tokens=100, num_cached_tokens=0, num_output_tokens=0)
+        ended: list[str] = []
+        end = worker.finisher.end
+
+        async def seen_end(state, *args):  # noqa: ANN001, ANN002, ANN202
+            ended.append(state.request_id)
+            return await end(state, *args)
+
+        worker.finisher.end = seen_end  # type: ignore[method-assign]
+
+        async def send(attempt: GenerateRequest) -> JobAccepted:
+            inbox = await caller.open_inbox()
+            attempt = msgspec.structs.replace(attempt, stream_inbox=inbox.subject)
+            job = DecodeJob(request=attempt, decision=decision(request.request_id))
+            subject = subjects.instance(subjects.decode_run, "decode-0")
+            return await caller.request(subject, job, JobAccepted)
+
+        await send(request)
+        first = worker.requests[request.request_id]
+        await send(msgspec.structs.replace(request, resume=resume))
+        second = worker.requests[request.request_id]
+        assert second is not first and second.job.request.failover_attempt == 1
+        assert request.request_id not in ended  # the older attempt billed nothing
+        with pytest.raises(BadRequest, match="already decoding"):
+            await send(request)
+        assert worker.requests[request.request_id] is second
 
 
 async def test_a_continuation_takes_the_place_of_the_attempt_it_continues(
