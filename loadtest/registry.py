@@ -120,6 +120,12 @@ BENCHMARKS = {
             "requests/s and p50 with tracing (1% and 100%) and metrics scraped against neither",
         ),
         Benchmark(
+            "limits",
+            "loadtest.bench_limits",
+            "rate limits: two ingress replicas offered 3x a limit against the limit; a "
+            "request's bus round trip with the limiter against without",
+        ),
+        Benchmark(
             "ledger",
             "loadtest.bench_ledger",
             "usage records into the ledger against a bare batched INSERT",

@@ -160,6 +160,31 @@ class Subjects:
         return f"KVF_RESPONSES_{self.root.replace('.', '_').replace('-', '_')}"
 
     @property
+    def accounts_bucket(self) -> str:
+        """KV bucket: account settings by name (`kvfabric accounts`), read by every ingress."""
+        return f"KVF_ACCOUNTS_{self.root.replace('.', '_').replace('-', '_')}"
+
+    @property
+    def limits_use(self) -> str:
+        """ingress -> every ingress: `LimitUse`, what each admitted (kept by `limits_stream`
+        for one window, so a replica that starts late sees the window it joins)."""
+        return f"{self.root}.ingress.limits.use"
+
+    @property
+    def limits_stream(self) -> str:
+        return f"KVF_LIMITS_{self.root.replace('.', '_').replace('-', '_')}"
+
+    @property
+    def limits_open(self) -> str:
+        """ingress -> every ingress, each second: `OpenStreams`, its streams open per scope."""
+        return f"{self.root}.ingress.limits.open"
+
+    @property
+    def quota_bucket(self) -> str:
+        """KV bucket: tokens used per scope and quota period, added to by every ingress."""
+        return f"KVF_QUOTA_{self.root.replace('.', '_').replace('-', '_')}"
+
+    @property
     def api_keys_bucket(self) -> str:
         """KV bucket: API keys by hash -> account (`kvfabric keys`), read by every ingress."""
         return f"KVF_API_KEYS_{self.root.replace('.', '_').replace('-', '_')}"

@@ -19,6 +19,7 @@ import typer
 from aiohttp import web
 
 from services.admin import (
+    accounts_cli,
     bench_cli,
     billing_cli,
     cache_cli,
@@ -63,6 +64,11 @@ app.add_typer(
     billing_cli.app,
     name="billing",
     short_help="The ledger: revenue and tokens by account, model, hour or day; one account.",
+)
+app.add_typer(
+    accounts_cli.app,
+    name="accounts",
+    short_help="Settings of the accounts keys bill to (cache scope): set, list.",
 )
 app.add_typer(
     keys_cli.app,

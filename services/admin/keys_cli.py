@@ -5,6 +5,7 @@ cluster (shared.api_keys); a new key is printed once and cannot be shown again."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -12,6 +13,7 @@ from typing import TypeVar
 
 import typer
 
+from shared.accounts import AccountStore, Limits
 from shared.api_keys import KeyStore
 from shared.bus import Bus
 from shared.schema import ServiceError
@@ -29,17 +31,56 @@ JS_REPLICAS = typer.Option(
     help="copies JetStream keeps of the keys bucket: 3 on a three-server NATS cluster",
     envvar="KVF_JS_REPLICAS",
 )
+LIMITS = typer.Option(
+    [],
+    "--limit",
+    help="NAME=VALUE, repeatable; names: "
+    + ", ".join(f.name for f in dataclasses.fields(Limits))
+    + " (period: day or month; 0 removes a limit)",
+)
 T = TypeVar("T")
 
 
-def _run(
-    nats_url: str, root: str, js_replicas: int, action: Callable[[KeyStore], Awaitable[T]]
+def parse_limits(pairs: list[str]) -> dict[str, int | str]:
+    """`--limit NAME=VALUE` options -> Limits fields; BadParameter naming the bad one."""
+    names = {f.name for f in dataclasses.fields(Limits)}
+    out: dict[str, int | str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or name not in names:
+            raise typer.BadParameter(f"{pair!r}: use NAME=VALUE with NAME one of {sorted(names)}")
+        if name == "period":
+            out[name] = value
+        elif value.isdigit():
+            out[name] = int(value)
+        else:
+            raise typer.BadParameter(f"{pair!r}: the value must be a whole number")
+    try:
+        Limits().merged(**out)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    return out
+
+
+S = TypeVar("S", KeyStore, AccountStore)
+
+
+def run_on_store(
+    nats_url: str,
+    root: str,
+    js_replicas: int,
+    make_store: Callable[[Bus], S],
+    action: Callable[[S], Awaitable[T]],
+    command: str = "keys",
 ) -> T:
+    """`action` on the store `make_store` opens on the cluster's bus (keys, accounts); a
+    cluster error is printed after `command` and exits 1."""
+
     async def run() -> T:
         bus = await Bus.connect(nats_url, service="admin", root=root, connect_timeout_s=3.0)
         bus.js.replicas = js_replicas
         try:
-            store = KeyStore(bus)
+            store = make_store(bus)
             await store.start()
             return await action(store)
         finally:
@@ -48,24 +89,76 @@ def _run(
     try:
         return asyncio.run(run())
     except ServiceError as exc:
-        typer.echo(f"keys: {exc.message}", err=True)
+        typer.echo(f"{command}: {exc.message}", err=True)
         raise typer.Exit(1) from exc
+
+
+def _run(
+    nats_url: str, root: str, js_replicas: int, action: Callable[[KeyStore], Awaitable[T]]
+) -> T:
+    return run_on_store(nats_url, root, js_replicas, KeyStore, action)
 
 
 @app.command()
 def create(
     account: str = typer.Option(..., help="the account billed for this key's usage"),
     name: str = typer.Option("", help="a label to tell keys apart"),
+    limit: list[str] = LIMITS,
+    expires_in_s: int = typer.Option(
+        0, min=0, help="seconds until the key stops working (0: never)"
+    ),
     nats_url: str = NATS_URL,
     root: str = ROOT,
     js_replicas: int = JS_REPLICAS,
 ) -> None:
     """Create a key; it is printed once (only its hash is stored)."""
+    limits = Limits().merged(**parse_limits(limit))
+    expires_s = int(time.time()) + expires_in_s if expires_in_s else 0
+
+    def action(store: KeyStore):  # noqa: ANN202
+        return store.create(account, name, limits=limits, expires_s=expires_s)
+
     try:
-        key, record = _run(nats_url, root, js_replicas, lambda store: store.create(account, name))
+        key, record = _run(nats_url, root, js_replicas, action)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--account") from exc
     typer.echo(f"{record.key_id} for account {record.account}: {key}")
+
+
+@app.command("limit")
+def limit_key(
+    key_id: str = typer.Argument(..., help="the key's id, as `keys list` shows it"),
+    limit: list[str] = LIMITS,
+    nats_url: str = NATS_URL,
+    root: str = ROOT,
+    js_replicas: int = JS_REPLICAS,
+) -> None:
+    """Set a key's own limits (its account's hold too); ingresses apply them within 2 s."""
+    changes = parse_limits(limit)
+    record = _run(nats_url, root, js_replicas, lambda store: store.set_limits(key_id, **changes))
+    if record is None:
+        typer.echo(f"no key {key_id!r}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{key_id}: limits {record.limits.describe()}")
+
+
+@app.command()
+def rotate(
+    key_id: str = typer.Argument(..., help="the key's id, as `keys list` shows it"),
+    grace_s: int = typer.Option(86400, min=0, help="seconds the old key keeps working"),
+    nats_url: str = NATS_URL,
+    root: str = ROOT,
+    js_replicas: int = JS_REPLICAS,
+) -> None:
+    """A new key for the same account, label and limits (printed once); the old one ends."""
+    rotated = _run(nats_url, root, js_replicas, lambda store: store.rotate(key_id, grace_s))
+    if rotated is None:
+        typer.echo(f"no live key {key_id!r}", err=True)
+        raise typer.Exit(1)
+    key, new, old = rotated
+    ends = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(old.expires_s))
+    typer.echo(f"{new.key_id} for account {new.account}: {key}")
+    typer.echo(f"{old.key_id} works until {ends}")
 
 
 @app.command("list")
@@ -78,16 +171,24 @@ def list_keys(
     """Every key's id, account, label, creation time and state (never the key)."""
     records = _run(nats_url, root, js_replicas, lambda store: store.list())
     if as_json:
-        typer.echo(json.dumps([r.__dict__ for r in records], indent=2))
+        typer.echo(json.dumps([dataclasses.asdict(r) for r in records], indent=2))
         return
     if not records:
         typer.echo("no API keys")
         return
-    typer.echo(f"{'KEY ID':<18} {'ACCOUNT':<16} {'NAME':<16} {'CREATED (UTC)':<20} STATE")
+    typer.echo(
+        f"{'KEY ID':<18} {'ACCOUNT':<16} {'NAME':<16} {'CREATED (UTC)':<20} {'STATE':<8} LIMITS"
+    )
+    now = time.time()
     for r in records:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.created_s))
-        state = "revoked" if r.revoked else "active"
-        typer.echo(f"{r.key_id:<18} {r.account:<16} {r.name:<16} {created:<20} {state}")
+        state = "revoked" if r.revoked else ("expired" if not r.is_live(now) else "active")
+        if r.is_live(now) and r.expires_s:
+            state = "expiring"
+        typer.echo(
+            f"{r.key_id:<18} {r.account:<16} {r.name:<16} {created:<20} {state:<8} "
+            f"{r.limits.describe()}"
+        )
 
 
 @app.command()
@@ -97,7 +198,7 @@ def revoke(
     root: str = ROOT,
     js_replicas: int = JS_REPLICAS,
 ) -> None:
-    """Revoke a key: ingress refuses it within seconds (it caches lookups for 5 s)."""
+    """Revoke a key: ingress refuses it within seconds (it caches lookups for 2 s)."""
     if not _run(nats_url, root, js_replicas, lambda store: store.revoke(key_id)):
         typer.echo(f"no key {key_id!r}", err=True)
         raise typer.Exit(1)

@@ -51,7 +51,8 @@ class _Open(BaseModel):
 
 
 class Block(_Open):
-    type: str
+    # Declared in the OpenAPI document; the handlers say which role may send which.
+    type: str = Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result"]})
     text: str | None = None
     id: str | None = None
     name: str | None = None
@@ -61,13 +62,18 @@ class Block(_Open):
     is_error: bool | None = None
 
 
+class SystemBlock(_Open):
+    type: str = Field(json_schema_extra={"enum": ["text"]})
+    text: str | None = None
+
+
 class AnthropicMessage(_Open):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
 class AnthropicTool(_Open):
-    name: str
+    name: str = Field(json_schema_extra={"pattern": "^[a-zA-Z0-9_.-]{1,64}$"})
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=dict)
 
@@ -81,7 +87,7 @@ class AnthropicToolChoice(_Open):
 class CountTokensRequest(_Open):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[Block] | None = None
+    system: str | list[SystemBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
 
@@ -94,6 +100,9 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, ge=1)
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    # kvfabric's (as vLLM's): a namespace of its own inside the account's cache, where
+    # this request's prefix hits only requests with the same salt (docs/security.md)
+    cache_salt: str | None = Field(default=None, pattern=r"^[\x21-\x7e]{1,128}$")
 
 
 def to_chat(body: CountTokensRequest) -> Chat:

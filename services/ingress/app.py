@@ -20,11 +20,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.ingress import anthropic_messages, openai_chat, openai_responses, sse
+from services.ingress import anthropic_messages, openai_chat, openai_responses, openapi, sse
 from services.ingress.errors import ApiError
+from services.ingress.limits import Admission, Limiter, Scope, scopes_of
 from services.ingress.metrics import CountRequests
 from services.ingress.pipeline import Completion, Generation, Pipeline, Prepared
 from services.ingress.tracing import TraceRequests
+from shared.accounts import SCOPE_SHARED, Account, AccountStore, Limits
 from shared.api_keys import KeyStore
 from shared.logging import get_logger
 
@@ -34,11 +36,21 @@ log = get_logger(__name__)
 @dataclass
 class Caller:
     key_id: str
-    account: str
+    account: Account
+    key_limits: Limits = Limits()
 
-    def bill(self, completion: Completion) -> Completion:
-        """The completion charged to this caller's account."""
-        return dataclasses.replace(completion, api_key_id=self.key_id, account=self.account)
+    def scopes(self) -> list[Scope]:
+        return scopes_of(self.key_id, self.key_limits, self.account.name, self.account.limits)
+
+    def bill(self, completion: Completion, cache_salt: str | None = None) -> Completion:
+        """The completion charged to this caller's account, cached in its namespace
+        (`cache_salt`: the request's own, inside that namespace)."""
+        return dataclasses.replace(
+            completion,
+            api_key_id=self.key_id,
+            account=self.account.name,
+            cache_salt=self.account.cache_salt(cache_salt or ""),
+        )
 
 
 @dataclass
@@ -48,6 +60,8 @@ class Services:
     pipeline: Pipeline
     responses: openai_responses.ResponseStore
     keys: KeyStore | None  # None: no key needed (a dev cluster told so)
+    accounts: AccountStore | None  # settings of the keys' accounts (None with keys None)
+    limiter: Limiter | None  # rate limits and quotas (None with keys None)
     dev_api_key: str | None
     max_body_bytes: int
     health: Callable[[], tuple[int, dict[str, Any]]]
@@ -67,7 +81,12 @@ def build_app(services: Services) -> FastAPI:
     # ~1 ms a request here; the request's span is TraceRequests' (tracing.py).
     telemetry = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
     app = FastAPI(
-        title="kvfabric ingress", version="1", docs_url=None, redoc_url=None, telemetry=telemetry
+        title="kvfabric ingress",
+        version="1",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,  # openapi.install serves it, with the models served now
+        telemetry=telemetry,
     )
     pipeline = services.pipeline
 
@@ -110,10 +129,12 @@ def build_app(services: Services) -> FastAPI:
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else ""
         key = key or request.headers.get("x-api-key", "").strip()
+        # A cluster without keys, and its dev key, are one tenant: the operator's, in the
+        # unsalted namespace `kvfabric generate` uses too.
         if services.keys is None:
-            return Caller("", "anonymous")
+            return Caller("", Account("anonymous", SCOPE_SHARED))
         if services.dev_api_key and key == services.dev_api_key:
-            return Caller("key_dev", "dev")
+            return Caller("key_dev", Account("dev", SCOPE_SHARED))
         if not key:
             raise ApiError(
                 "authentication",
@@ -123,14 +144,37 @@ def build_app(services: Services) -> FastAPI:
         record = await services.keys.lookup(key)
         if record is None:
             raise ApiError("authentication", "invalid or revoked API key", code="invalid_api_key")
-        return Caller(record.key_id, record.account)
+        assert services.accounts is not None  # built with the key store
+        who = Caller(record.key_id, await services.accounts.get(record.account), record.limits)
+        _check_body_size(request, who)
+        return who
 
-    @app.get("/health")
+    async def start(prepared: list[Prepared], who: Caller, protocol: str) -> Started:
+        """Admit the request under its caller's limits (429 before anything is queued), then
+        send every choice to the cluster; the generations and what they hold."""
+        admission = None
+        if services.limiter is not None:
+            first = prepared[0]
+            admission = await services.limiter.admit(
+                who.scopes(),
+                num_prompt_tokens=first.num_prompt_tokens,
+                max_output_tokens=first.request.sampling.max_tokens * len(prepared),
+                protocol=protocol,
+            )
+        started = Started([pipeline.generation(p) for p in prepared], services.limiter, admission)
+        try:
+            await asyncio.gather(*(g.start() for g in started.generations))
+        except BaseException:
+            await started.close()
+            raise
+        return started
+
+    @app.get("/health", responses={503: {"description": "not ready: the body says why"}})
     async def health() -> JSONResponse:
         status, body = services.health()
         return JSONResponse(body, status_code=status)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.responses("openai", (401, 503)))
     async def list_models(request: Request, _: Caller = Depends(caller)) -> dict[str, Any]:
         await pipeline.models.refresh()
         served = pipeline.models.served()
@@ -164,52 +208,64 @@ def build_app(services: Services) -> FastAPI:
             ],
         }
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        responses=openapi.responses("openai", openapi.GENERATE, streams=True),
+    )
     async def chat_completions(
         body: openai_chat.ChatCompletionRequest, who: Caller = Depends(caller)
     ) -> Response:
-        prepared = await pipeline.prepare(who.bill(openai_chat.to_completion(body, who.key_id)))
-        generations = await _start([pipeline.fork(prepared, i) for i in range(body.n)], pipeline)
-        rid = prepared.request.request_id
+        completion = openai_chat.to_completion(body, who.key_id)
+        prepared = await pipeline.prepare(who.bill(completion, body.cache_salt))
+        choices = [pipeline.fork(prepared, i) for i in range(body.n)]
+        started = await start(choices, who, "openai")
+        generations, rid = started.generations, prepared.request.request_id
         if body.stream:
-            return _streaming(openai_chat.stream(body, generations, rid), generations)
+            return _streaming(openai_chat.stream(body, generations, rid), started)
         try:
             results = await asyncio.gather(*(g.run_to_end() for g in generations))
         finally:
-            await _close(generations)
-        return _json(openai_chat.response(body, list(results), rid))
+            await started.close()
+        return _json(openai_chat.response(body, list(results), rid), started.headers)
 
-    @app.post("/v1/messages")
+    @app.post(
+        "/v1/messages", responses=openapi.responses("anthropic", openapi.GENERATE, streams=True)
+    )
     async def messages(
         body: anthropic_messages.MessagesRequest, who: Caller = Depends(caller)
     ) -> Response:
         prepared = await pipeline.prepare(
-            who.bill(anthropic_messages.to_completion(body, who.key_id))
+            who.bill(anthropic_messages.to_completion(body, who.key_id), body.cache_salt)
         )
-        (generation,) = await _start([prepared], pipeline)
-        rid = prepared.request.request_id
+        started = await start([prepared], who, "anthropic")
+        (generation,), rid = started.generations, prepared.request.request_id
         if body.stream:
-            return _streaming(anthropic_messages.stream(body, generation, rid), [generation])
+            return _streaming(anthropic_messages.stream(body, generation, rid), started)
         try:
             events, finished = await generation.run_to_end()
         finally:
-            await generation.close()
-        return _json(anthropic_messages.response(body, events, finished, rid))
+            await started.close()
+        return _json(anthropic_messages.response(body, events, finished, rid), started.headers)
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post(
+        "/v1/messages/count_tokens",
+        responses=openapi.responses("anthropic", (400, 401, 404, 413, 503)),
+    )
     async def count_tokens(
         body: anthropic_messages.CountTokensRequest, _: Caller = Depends(caller)
     ) -> dict[str, int]:
         chat = anthropic_messages.to_chat(body)
         return {"input_tokens": await pipeline.count_tokens(body.model, chat)}
 
-    @app.post("/v1/responses")
+    @app.post(
+        "/v1/responses", responses=openapi.responses("openai", openapi.GENERATE, streams=True)
+    )
     async def responses(
         body: openai_responses.ResponsesRequest, who: Caller = Depends(caller)
     ) -> Response:
         context = []
         if body.previous_response_id:
-            stored = await services.responses.get(body.previous_response_id)
+            stored = await services.responses.get(body.previous_response_id, who.account.name)
             if stored is None:
                 raise ApiError(
                     "not_found",
@@ -219,36 +275,46 @@ def build_app(services: Services) -> FastAPI:
                 )
             context = stored[1]
         prompt = [*context, *openai_responses.input_messages(body.input)]
-        completion = who.bill(openai_responses.to_completion(body, prompt, who.key_id))
+        completion = who.bill(
+            openai_responses.to_completion(body, prompt, who.key_id), body.cache_salt
+        )
         prepared = await pipeline.prepare(completion)
-        (generation,) = await _start([prepared], pipeline)
+        started = await start([prepared], who, "openai")
+        (generation,) = started.generations
         output = openai_responses.Output(body, prepared.request.request_id, prompt)
 
         async def store() -> None:
             if body.store and output.status in ("completed", "incomplete"):
                 try:
-                    await services.responses.put(output.response(), output.context(prompt))
+                    await services.responses.put(
+                        output.response(), output.context(prompt), who.account.name
+                    )
                 except Exception:  # the answer is out; only a later chaining suffers
                     log.exception("storing a response failed", response_id=output.id)
 
         if body.stream:
-            return _streaming(openai_responses.stream(output, generation), [generation], store)
+            return _streaming(openai_responses.stream(output, generation), started, store)
         try:
             for event in (await generation.run_to_end())[0]:
                 for _ in output.take(event):
                     pass
         finally:
-            await generation.close()
+            await started.close()
         await store()
-        return _json(output.response())
+        return _json(output.response(), started.headers)
 
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str, _: Caller = Depends(caller)) -> Response:
-        stored = await services.responses.get(response_id)
+    @app.get("/v1/responses/{response_id}", responses=openapi.responses("openai", (401, 404, 503)))
+    async def get_response(response_id: str, who: Caller = Depends(caller)) -> Response:
+        stored = await services.responses.get(response_id, who.account.name)
         if stored is None:
             raise ApiError("not_found", f"response {response_id!r} not found", param="response_id")
         return _json(stored[0])
 
+    async def served_models() -> list[str]:
+        await pipeline.models.refresh()
+        return [m.name for m in pipeline.models.served()]
+
+    openapi.install(app, served_models)
     # C-05: an OpenAI client whose base_url lacks /v1 reaches the same routes.
     for route in list(app.routes):
         path = getattr(route, "path", "")
@@ -302,23 +368,42 @@ async def _no_receive() -> dict:
     return {"type": "http.disconnect"}
 
 
-async def _start(prepared: list[Prepared], pipeline: Pipeline) -> list[Generation]:
-    generations = [pipeline.generation(p) for p in prepared]
-    try:
-        await asyncio.gather(*(g.start() for g in generations))
-    except BaseException:
-        await _close(generations)
-        raise
-    return generations
+@dataclass
+class Started:
+    """A request's generations (one per choice) and its admission under the rate limits:
+    `close()` stops what still runs and gives back or settles what the admission holds."""
+
+    generations: list[Generation]
+    limiter: Limiter | None
+    admission: Admission | None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.admission.headers if self.admission is not None else {}
+
+    async def close(self) -> None:
+        await asyncio.gather(*(g.close() for g in self.generations), return_exceptions=True)
+        if self.limiter is not None and self.admission is not None:
+            outputs = [g.num_output_tokens for g in self.generations]
+            known = None if None in outputs else sum(o or 0 for o in outputs)
+            await self.limiter.end(self.admission, known)
 
 
-async def _close(generations: list[Generation]) -> None:
-    await asyncio.gather(*(g.close() for g in generations), return_exceptions=True)
+def _check_body_size(request: Request, who: Caller) -> None:
+    """413 for a body over the caller's own limit (its key's or its account's); the
+    service-wide limit is BodyLimit's."""
+    limits = [x for x in (who.key_limits.max_body_bytes, who.account.limits.max_body_bytes) if x]
+    length = request.headers.get("content-length", "")
+    if limits and length.isdigit() and int(length) > min(limits):
+        raise ApiError(
+            "request_too_large",
+            f"request body of {int(length)} bytes exceeds this key's limit of {min(limits)} bytes",
+        )
 
 
 def _streaming(
     frames: AsyncIterator[bytes],
-    generations: list[Generation],
+    started: Started,
     after: Callable[[], Awaitable[None]] | None = None,
 ) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
@@ -328,9 +413,10 @@ def _streaming(
             if after is not None:
                 await after()
         finally:  # also when the client went away: the request is cancelled downstream
-            await _close(generations)
+            await started.close()
 
-    return _StreamingResponse(body(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+    headers = sse.HEADERS | started.headers
+    return _StreamingResponse(body(), media_type=sse.MEDIA_TYPE, headers=headers)
 
 
 class _StreamingResponse(StreamingResponse):
@@ -358,8 +444,8 @@ class _StreamingResponse(StreamingResponse):
             await self.background()
 
 
-def _json(payload: dict[str, Any]) -> Response:
-    return Response(msgspec.json.encode(payload), media_type="application/json")
+def _json(payload: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(payload), media_type="application/json", headers=headers)
 
 
 def _rfc3339(epoch_s: int) -> str:

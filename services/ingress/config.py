@@ -20,6 +20,8 @@ class IngressConfig(ServiceConfig):
     require_api_key: bool = True
     dev_api_key: str | None = None
     max_body_bytes: int = 32 << 20  # 413 past this; a 200K-token context is ~1 MB of JSON
+    # The rate limits' sliding window ("per minute"); shorter only for tests and demos.
+    limit_window_s: float = 60.0
     default_max_tokens: int = 1024  # when the request names none (capped by the context)
     keepalive_s: float = 10.0  # an SSE comment (Anthropic: ping) after this much silence
     responses_ttl_s: float = 7 * 86400.0  # stored Responses, for previous_response_id
@@ -34,7 +36,7 @@ class IngressConfig(ServiceConfig):
         for name in ("max_body_bytes", "default_max_tokens", "segment_cache_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("keepalive_s", "responses_ttl_s"):
+        for name in ("keepalive_s", "responses_ttl_s", "limit_window_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.dev_api_key is not None and len(self.dev_api_key) < 8:

@@ -9,7 +9,8 @@ ApiError through `from_service_error`, so nothing below ingress knows about HTTP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shared.schema import ErrorCode, ServiceError
@@ -84,6 +85,7 @@ class ApiError(Exception):
     param: str | None = None
     code: str | None = None  # OpenAI's machine-readable code (e.g. "model_not_found")
     retry_after_s: float | None = None
+    extra_headers: dict[str, str] = field(default_factory=dict)  # a rate limit's, say
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -94,8 +96,8 @@ class ApiError(Exception):
     def headers(self) -> dict[str, str]:
         headers = {"x-should-retry": "true" if self.kind in _RETRYABLE else "false"}
         if self.retry_after_s is not None:
-            headers["retry-after"] = str(max(1, round(self.retry_after_s)))
-        return headers
+            headers["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
+        return headers | self.extra_headers
 
     def openai_body(self) -> dict[str, Any]:
         return {

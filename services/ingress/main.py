@@ -21,14 +21,18 @@ import uvicorn
 from services.ingress.app import Services, build_app
 from services.ingress.config import IngressConfig
 from services.ingress.http import NoDelayH11Protocol
+from services.ingress.limits import Limiter
 from services.ingress.models import ModelTable
 from services.ingress.openai_responses import ResponseStore
 from services.ingress.pipeline import Pipeline
+from shared.accounts import AccountStore
 from shared.api_keys import KeyStore
 from shared.runtime import ServiceRuntime, service_main
 from shared.subjects import INGRESS
 from shared.usage import open_usage_outbox
 from worker.serving.metrics import observe_outbox
+
+MAX_HEADER_BYTES = 64 * 1024
 
 
 async def setup(runtime: ServiceRuntime) -> None:
@@ -55,11 +59,23 @@ async def setup(runtime: ServiceRuntime) -> None:
     responses = ResponseStore(bus, config.responses_ttl_s)
     await responses.start()
     keys = KeyStore(bus) if config.require_api_key else None
-    if keys is not None:
+    accounts = AccountStore(bus) if keys is not None else None
+    limiter = Limiter(bus, window_s=config.limit_window_s) if keys is not None else None
+    if keys is not None and accounts is not None and limiter is not None:
         await keys.start()
+        await accounts.start()
+        await limiter.start()
+        runtime.on_stop(limiter.stop)
     app = build_app(
         Services(
-            pipeline, responses, keys, config.dev_api_key, config.max_body_bytes, runtime.health
+            pipeline,
+            responses,
+            keys,
+            accounts,
+            limiter,
+            config.dev_api_key,
+            config.max_body_bytes,
+            runtime.health,
         )
     )
 
@@ -73,6 +89,9 @@ async def setup(runtime: ServiceRuntime) -> None:
             access_log=False,
             lifespan="off",
             http=NoDelayH11Protocol,
+            # Request line and headers past this: 400 and the connection closed (a client
+            # still sending may see the close first); the same on every network.
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
             timeout_graceful_shutdown=int(config.shutdown_grace_s),
         )
     )

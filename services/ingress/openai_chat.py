@@ -46,13 +46,19 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+# What the handlers accept, declared in the OpenAPI document (json_schema_extra) while the
+# handlers keep their own, clearer, error messages for the rest.
+TEXT_ONLY = {"enum": ["text"]}  # the served models read text only
+TOOL_NAME = {"pattern": "^[a-zA-Z0-9_.-]{1,64}$"}
+
+
 class ContentPart(_Open):
-    type: str
+    type: str = Field(json_schema_extra=TEXT_ONLY)
     text: str | None = None
 
 
 class FunctionSpec(_Open):
-    name: str
+    name: str = Field(json_schema_extra=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -75,6 +81,18 @@ class ChatToolCall(_Open):
 
 
 class ChatMessage(_Open):
+    # A tool message names the call it answers.
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "if": {"properties": {"role": {"const": "tool"}}},
+            "then": {
+                "required": ["tool_call_id"],
+                "properties": {"tool_call_id": {"type": "string"}},
+            },
+        },
+    )
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     tool_calls: list[ChatToolCall] | None = None
@@ -111,6 +129,9 @@ class ChatCompletionRequest(_Open):
     n: int = Field(default=1, ge=1, le=8)
     seed: int | None = None
     user: str | None = None
+    # kvfabric's (as vLLM's): a namespace of its own inside the account's cache, where
+    # this request's prefix hits only requests with the same salt (docs/security.md)
+    cache_salt: str | None = Field(default=None, pattern=r"^[\x21-\x7e]{1,128}$")
 
 
 def to_completion(body: ChatCompletionRequest, api_key_id: str) -> Completion:

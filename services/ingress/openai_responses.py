@@ -16,6 +16,7 @@ are not carried over (as the API documents).
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
@@ -66,6 +67,9 @@ class ResponsesRequest(_Open):
     store: bool = True
     stream: bool = False
     metadata: dict[str, str] | None = None
+    # kvfabric's (as vLLM's): a namespace of its own inside the account's cache, where
+    # this request's prefix hits only requests with the same salt (docs/security.md)
+    cache_salt: str | None = Field(default=None, pattern=r"^[\x21-\x7e]{1,128}$")
 
 
 # -- the stored context -------------------------------------------------------------------
@@ -86,6 +90,9 @@ def _message_of(d: dict[str, Any]) -> Message:
     )
 
 
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{1,64}")
+
+
 class ResponseStore:
     def __init__(self, bus: Bus, ttl_s: float) -> None:
         self.bus, self.ttl_s = bus, ttl_s
@@ -94,17 +101,27 @@ class ResponseStore:
     async def start(self) -> None:
         await self.bus.js.ensure_kv(self.bucket, ttl_s=self.ttl_s)
 
-    async def put(self, response: dict[str, Any], context: list[Message]) -> None:
-        record = {"response": response, "context": [_message_json(m) for m in context]}
+    async def put(self, response: dict[str, Any], context: list[Message], account: str) -> None:
+        record = {
+            "response": response,
+            "context": [_message_json(m) for m in context],
+            "account": account,
+        }
         await self.bus.js.kv_put(self.bucket, response["id"], json.dumps(record).encode())
 
-    async def get(self, response_id: str) -> tuple[dict[str, Any], list[Message]] | None:
-        if not response_id.replace("_", "").isalnum():
+    async def get(
+        self, response_id: str, account: str
+    ) -> tuple[dict[str, Any], list[Message]] | None:
+        """The response and its context, if stored by `account`: another account's is as
+        absent as one never stored."""
+        if not RESPONSE_ID.fullmatch(response_id):  # not one of ours (nor a valid KV key)
             return None
         raw = await self.bus.js.kv_get(self.bucket, response_id)
         if raw is None:
             return None
         record = json.loads(raw)
+        if record.get("account") != account:
+            return None
         return record["response"], [_message_of(d) for d in record["context"]]
 
 

@@ -89,6 +89,7 @@ class Completion:
     stop: tuple[str, ...] = ()
     api_key_id: str = ""
     account: str = ""
+    cache_salt: str = ""  # the namespace of its block hashes: its account's (shared/accounts.py)
     tool_id_prefix: str = "call_"  # Anthropic's tool_use ids are toolu_...
 
 
@@ -217,6 +218,7 @@ class Pipeline:
             request_id=uuid.uuid4().hex,
             api_key_id=completion.api_key_id,
             account=completion.account,
+            cache_salt=completion.cache_salt,
         )
         forced = model.chat_format.forced_prefix(chat)
         parse_tools = bool(chat.tools) and chat.tool_choice.mode != "none"
@@ -383,6 +385,12 @@ class Generation:
                     continue
                 self._arguments[event.index] = event.arguments  # whole, with no delta before
             self._events.append(event)
+
+    @property
+    def num_output_tokens(self) -> int | None:
+        """What the cluster produced for it, once it has ended with its usage; else None."""
+        result = getattr(self, "_result", None)
+        return result.usage.num_output_tokens if result is not None and result.usage else None
 
     def _finish(self) -> None:
         assert self._task is not None and self._task.done()

@@ -432,6 +432,28 @@ class JetStream:
             return None
         return entry.value
 
+    async def kv_add(self, bucket: str, key: str, amount: int, *, tries: int = 20) -> int:
+        """Add `amount` to the integer stored at `key` (0 when absent) by compare-and-set, so
+        concurrent adders from any replica lose nothing; the new total. (A try whose answer
+        was lost and is made again may add twice: counters, not ledgers.)"""
+        js = self._nc.jetstream()
+        for _ in range(tries):
+            kv = await js.key_value(bucket)
+            try:
+                entry = await kv.get(key)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                entry = None
+            total = (int(entry.value or b"0") if entry is not None else 0) + amount
+            try:
+                if entry is None:
+                    await kv.create(key, str(total).encode())
+                else:
+                    await kv.update(key, str(total).encode(), last=entry.revision)
+                return total
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue  # another replica added first: read again
+        raise Unavailable(f"{bucket}/{key}: {tries} concurrent updates in a row, none landed")
+
     @_through_elections
     async def kv_delete(self, bucket: str, key: str) -> None:
         js = self._nc.jetstream()

@@ -7,7 +7,9 @@ from shared.schema.control import (
     DrainRequest,
     InflightNotice,
     InstanceState,
+    LimitUse,
     LoadReport,
+    OpenStreams,
 )
 from shared.schema.errors import (
     BadRequest,
@@ -108,7 +110,9 @@ __all__ = [
     "KvEvent",
     "KvEventBatch",
     "KvTransfer",
+    "LimitUse",
     "LoadReport",
+    "OpenStreams",
     "DrainAccepted",
     "DrainRequest",
     "MatchReply",

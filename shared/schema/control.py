@@ -57,3 +57,22 @@ class DrainAccepted(Message, tag="drain_accepted"):
 
     instance_id: str
     num_in_flight: int  # requests and streams it is finishing
+
+
+class LimitUse(Message, tag="limit_use"):
+    """ingress replica -> every replica (through the limits stream): what it admitted or
+    settled against rate limits since its last batch. Each use is (scope, dimension,
+    amount, unix time): scope "key:<key id>" or "account:<name>", dimension "requests",
+    "input_tokens" or "output_tokens"; a negative amount returns what a request reserved
+    and did not use."""
+
+    replica: str
+    uses: list[tuple[str, str, float, float]]
+
+
+class OpenStreams(Message, tag="open_streams"):
+    """ingress replica -> every replica, each second: its requests open per scope (for the
+    concurrency limits; a replica whose reports stop is forgotten after a few seconds)."""
+
+    replica: str
+    open: dict[str, int]

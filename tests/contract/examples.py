@@ -30,10 +30,12 @@ from shared.schema import (
     JobAccepted,
     KvEventBatch,
     KvTransfer,
+    LimitUse,
     LoadReport,
     MatchReply,
     MatchRequest,
     Message,
+    OpenStreams,
     PrefillDone,
     PrefillJob,
     PrefillTimings,
@@ -182,6 +184,14 @@ EXAMPLES: dict[str, Message] = {
     "PrefillDone": PrefillDone(request_id="req-0001", timings=_TIMINGS),
     "DrainRequest": DrainRequest(grace_s=30.0),
     "DrainAccepted": DrainAccepted(instance_id="decode-0", num_in_flight=3),
+    "LimitUse": LimitUse(
+        replica="ingress-0",
+        uses=[
+            ("key:key_0123456789ab", "requests", 1.0, 1767225600.25),
+            ("account:acme", "output_tokens", -96.0, 1767225601.5),
+        ],
+    ),
+    "OpenStreams": OpenStreams(replica="ingress-1", open={"account:acme": 3}),
     "CancelRequest": CancelRequest(
         request_id="req-0001",
         reason="decode worker lost",

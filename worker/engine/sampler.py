@@ -88,6 +88,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         # Keep the smallest head whose mass reaches top_p; the first token always stays.
         keep_sorted = mass_before < params.top_p
+        # Even where top_p is below float32's smallest number (it compares as 0 there).
+        keep_sorted[..., 0] = True
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         probs = probs * keep
         probs = probs / probs.sum(-1, keepdim=True)

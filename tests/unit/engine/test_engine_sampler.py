@@ -59,6 +59,15 @@ def test_top_p_keeps_smallest_head_reaching_p() -> None:
     assert float(filtered[3:].sum()) == 0.0
 
 
+@pytest.mark.parametrize("top_p", [1e-3, 1e-30, 5.98e-52, 5e-324])
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(top_p: float) -> None:
+    """Found by fuzzing the HTTP API: a top_p that float32 reads as 0 once removed every
+    token (NaN probabilities, a failed forward pass for the whole batch)."""
+    filtered = target_probs(LOGITS, SamplingParams(temperature=1.0, top_p=top_p))
+    assert filtered.tolist() == [1.0] + [0.0] * (len(LOGITS) - 1)
+    assert set(draw(SamplingParams(temperature=1.0, top_p=top_p, seed=0), 50)) == {0}
+
+
 def test_temperature_sampling_follows_softmax() -> None:
     draws = torch.tensor(draw(SamplingParams(temperature=0.7, seed=3), 20000))
     freq = torch.bincount(draws, minlength=8).float() / len(draws)

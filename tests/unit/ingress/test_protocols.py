@@ -168,7 +168,8 @@ def test_responses_input_items_become_messages() -> None:
 def test_error_shapes_and_retry_headers() -> None:
     error = from_service_error(Overloaded("busy", retry_after_s=2.4))
     assert (error.status("openai"), error.status("anthropic")) == (429, 529)
-    assert error.headers() == {"x-should-retry": "true", "retry-after": "2"}
+    # Retry-After rounds up: a client told 2.4 s must not come back after 2.
+    assert error.headers() == {"x-should-retry": "true", "retry-after": "3"}
     assert error.anthropic_body("r1") == {
         "type": "error",
         "error": {"type": "overloaded_error", "message": "busy"},

@@ -1,0 +1,68 @@
+"""`kvfabric accounts set|list`: settings of the accounts API keys bill to (cache scope, rate
+limits and quotas), kept in a JetStream key-value bucket of the cluster (shared.accounts)
+that every ingress reads. An account without settings has the defaults: its prompts cached
+in a namespace of its own, no limits."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import typer
+
+from services.admin.keys_cli import JS_REPLICAS, LIMITS, NATS_URL, ROOT, parse_limits, run_on_store
+from shared.accounts import AccountStore
+
+app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
+
+
+@app.command("set")
+def set_account(
+    account: str = typer.Argument(..., help="the account's name, as `keys create` gave it"),
+    cache_scope: str | None = typer.Option(
+        None,
+        help="where its prompts' KV is cached: 'account' (its own namespace, the default), "
+        "'group:NAME' (shared with every account of that group) or 'shared' (the cluster's)",
+    ),
+    limit: list[str] = LIMITS,
+    nats_url: str = NATS_URL,
+    root: str = ROOT,
+    js_replicas: int = JS_REPLICAS,
+) -> None:
+    """Set an account's cache scope and limits (the rest stays); applied within 5 s."""
+    changes = parse_limits(limit)
+
+    async def action(store: AccountStore):  # noqa: ANN202
+        return await store.set(account, cache_scope=cache_scope, **changes)
+
+    try:
+        saved = run_on_store(nats_url, root, js_replicas, AccountStore, action, "accounts")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    typer.echo(
+        f"account {saved.name}: cache scope {saved.cache_scope}, limits {saved.limits.describe()}"
+    )
+
+
+@app.command("list")
+def list_accounts(
+    nats_url: str = NATS_URL,
+    root: str = ROOT,
+    js_replicas: int = JS_REPLICAS,
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """The accounts with settings of their own (the rest have the defaults)."""
+    accounts = run_on_store(
+        nats_url, root, js_replicas, AccountStore, lambda s: s.list(), "accounts"
+    )
+    if as_json:
+        typer.echo(json.dumps([dataclasses.asdict(a) for a in accounts], indent=2))
+        return
+    if not accounts:
+        typer.echo("no account settings: every account has the defaults (cache scope 'account')")
+        return
+    typer.echo(f"{'ACCOUNT':<24} {'CACHE SCOPE':<24} {'UPDATED (UTC)':<20} LIMITS")
+    for a in accounts:
+        updated = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(a.updated_s))
+        typer.echo(f"{a.name:<24} {a.cache_scope:<24} {updated:<20} {a.limits.describe()}")
