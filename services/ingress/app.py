@@ -65,6 +65,8 @@ class Services:
     dev_api_key: str | None
     max_body_bytes: int
     health: Callable[[], tuple[int, dict[str, Any]]]
+    body_timeout_s: float = 30.0  # a body not all in by then: 408
+    stream_write_timeout_s: float = 60.0  # a stream write not out by then: the stream ends
 
 
 def protocol_of(path: str) -> str:
@@ -113,7 +115,9 @@ def build_app(services: Services) -> FastAPI:
         message = f"{where}: {first.get('msg', 'invalid request')}"
         return error_response(ApiError("invalid_request", message, param=where), request.url.path)
 
-    app.add_middleware(BodyLimit, max_body_bytes=services.max_body_bytes)
+    app.add_middleware(
+        BodyLimit, max_body_bytes=services.max_body_bytes, body_timeout_s=services.body_timeout_s
+    )
     app.add_middleware(CountRequests, counts=pipeline.counts)  # refusals of the limit too
     app.add_middleware(TraceRequests)  # outermost: its span covers the body limit too
 
@@ -221,7 +225,8 @@ def build_app(services: Services) -> FastAPI:
         started = await start(choices, who, "openai")
         generations, rid = started.generations, prepared.request.request_id
         if body.stream:
-            return _streaming(openai_chat.stream(body, generations, rid), started)
+            frames = openai_chat.stream(body, generations, rid)
+            return _streaming(frames, started, services.stream_write_timeout_s)
         try:
             results = await asyncio.gather(*(g.run_to_end() for g in generations))
         finally:
@@ -240,7 +245,8 @@ def build_app(services: Services) -> FastAPI:
         started = await start([prepared], who, "anthropic")
         (generation,), rid = started.generations, prepared.request.request_id
         if body.stream:
-            return _streaming(anthropic_messages.stream(body, generation, rid), started)
+            frames = anthropic_messages.stream(body, generation, rid)
+            return _streaming(frames, started, services.stream_write_timeout_s)
         try:
             events, finished = await generation.run_to_end()
         finally:
@@ -249,7 +255,7 @@ def build_app(services: Services) -> FastAPI:
 
     @app.post(
         "/v1/messages/count_tokens",
-        responses=openapi.responses("anthropic", (400, 401, 404, 413, 503)),
+        responses=openapi.responses("anthropic", (400, 401, 404, 408, 413, 503)),
     )
     async def count_tokens(
         body: anthropic_messages.CountTokensRequest, _: Caller = Depends(caller)
@@ -293,7 +299,8 @@ def build_app(services: Services) -> FastAPI:
                     log.exception("storing a response failed", response_id=output.id)
 
         if body.stream:
-            return _streaming(openai_responses.stream(output, generation), started, store)
+            frames = openai_responses.stream(output, generation)
+            return _streaming(frames, started, services.stream_write_timeout_s, store)
         try:
             for event in (await generation.run_to_end())[0]:
                 for _ in output.take(event):
@@ -327,12 +334,15 @@ def build_app(services: Services) -> FastAPI:
 
 class BodyLimit:
     """413 in the protocol's shape for a body past the limit, told by Content-Length before
-    anything is read, or counted as it arrives when the client sends it chunked. (A plain
+    anything is read, or counted as it arrives when the client sends it chunked; 408 for a
+    body that has not all arrived `body_timeout_s` after the request began (a client
+    trickling it byte by byte holds a connection and a task, never the cluster). (A plain
     ASGI middleware: Starlette's BaseHTTPMiddleware costs a task and a copy per request.)"""
 
-    def __init__(self, app, max_body_bytes: int) -> None:  # noqa: ANN001
+    def __init__(self, app, max_body_bytes: int, body_timeout_s: float = 30.0) -> None:  # noqa: ANN001
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         if scope["type"] != "http":
@@ -342,11 +352,21 @@ class BodyLimit:
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > limit:
             return await self._refuse(f"request body of {int(length)} bytes", path, send)
-        received = 0
+        received, complete = 0, False
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
 
         async def counted():  # noqa: ANN202
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete
+            if complete:  # after the body, only the disconnect a stream watches for
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise StarletteHTTPException(
+                    408, f"the request body did not arrive within {self.body_timeout_s:g} s"
+                ) from None
+            complete = message["type"] != "http.request" or not message.get("more_body")
             received += len(message.get("body", b""))
             if received > limit:  # FastAPI passes an HTTPException through body reading
                 raise StarletteHTTPException(
@@ -404,6 +424,7 @@ def _check_body_size(request: Request, who: Caller) -> None:
 def _streaming(
     frames: AsyncIterator[bytes],
     started: Started,
+    write_timeout_s: float,
     after: Callable[[], Awaitable[None]] | None = None,
 ) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
@@ -416,21 +437,33 @@ def _streaming(
             await started.close()
 
     headers = sse.HEADERS | started.headers
-    return _StreamingResponse(body(), media_type=sse.MEDIA_TYPE, headers=headers)
+    response = _StreamingResponse(body(), media_type=sse.MEDIA_TYPE, headers=headers)
+    response.write_timeout_s = write_timeout_s
+    return response
 
 
 class _StreamingResponse(StreamingResponse):
-    """Stops streaming as soon as the client disconnects. (Starlette's own relies on a write
-    failing, and uvicorn drops writes to a closed connection silently, so a generation would
-    run on to its end for nobody.) Cancelling the stream runs its `finally`, which cancels
-    the request downstream."""
+    """Stops streaming as soon as the client disconnects, or stops reading: a write that has
+    not gone out after `write_timeout_s` (the client's socket full) ends the stream as a
+    disconnect does. (Starlette's own relies on a write failing, and uvicorn drops writes to
+    a closed connection silently, so a generation would run on to its end for nobody.)
+    Cancelling the stream runs its `finally`, which cancels the request downstream."""
+
+    write_timeout_s: float = 60.0
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         async def disconnected() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
 
-        stream = asyncio.ensure_future(self.stream_response(send))
+        async def send_in_time(message: dict) -> None:
+            try:
+                async with asyncio.timeout(self.write_timeout_s):
+                    await send(message)
+            except TimeoutError:
+                raise _NotReading(self.write_timeout_s) from None
+
+        stream = asyncio.ensure_future(self.stream_response(send_in_time))
         watch = asyncio.ensure_future(disconnected())
         try:
             await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -438,10 +471,25 @@ class _StreamingResponse(StreamingResponse):
             for task in (stream, watch):
                 task.cancel()
             await asyncio.gather(stream, watch, return_exceptions=True)
-        if stream.done() and not stream.cancelled() and stream.exception() is not None:
-            raise stream.exception()
+            # A stream stopped in a write leaves its frames suspended at a yield: close them
+            # now (their `finally` cancels the request downstream), not whenever GC does.
+            closing = getattr(self.body_iterator, "aclose", None)
+            if closing is not None:
+                await closing()
+        failed = stream.exception() if stream.done() and not stream.cancelled() else None
+        if isinstance(failed, _NotReading):
+            log.info("a streaming client stopped reading: stream ended", after_s=failed.after_s)
+            return
+        if failed is not None:
+            raise failed
         if self.background is not None:
             await self.background()
+
+
+class _NotReading(Exception):
+    def __init__(self, after_s: float) -> None:
+        super().__init__(f"no write went out for {after_s:g} s")
+        self.after_s = after_s
 
 
 def _json(payload: dict[str, Any], headers: dict[str, str] | None = None) -> Response:

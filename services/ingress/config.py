@@ -20,6 +20,11 @@ class IngressConfig(ServiceConfig):
     require_api_key: bool = True
     dev_api_key: str | None = None
     max_body_bytes: int = 32 << 20  # 413 past this; a 200K-token context is ~1 MB of JSON
+    # A body not all in this long after the request began: 408 (a client trickling it).
+    body_timeout_s: float = 30.0
+    # A stream write that has not gone out this long (the client stopped reading): the
+    # stream ends as at a disconnect, the request is cancelled and billed for what it made.
+    stream_write_timeout_s: float = 60.0
     # The rate limits' sliding window ("per minute"); shorter only for tests and demos.
     limit_window_s: float = 60.0
     default_max_tokens: int = 1024  # when the request names none (capped by the context)
@@ -36,7 +41,13 @@ class IngressConfig(ServiceConfig):
         for name in ("max_body_bytes", "default_max_tokens", "segment_cache_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("keepalive_s", "responses_ttl_s", "limit_window_s"):
+        for name in (
+            "keepalive_s",
+            "responses_ttl_s",
+            "limit_window_s",
+            "body_timeout_s",
+            "stream_write_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.dev_api_key is not None and len(self.dev_api_key) < 8:

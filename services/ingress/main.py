@@ -76,6 +76,8 @@ async def setup(runtime: ServiceRuntime) -> None:
             config.dev_api_key,
             config.max_body_bytes,
             runtime.health,
+            config.body_timeout_s,
+            config.stream_write_timeout_s,
         )
     )
 

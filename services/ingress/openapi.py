@@ -48,13 +48,14 @@ _DESCRIPTIONS = {
     400: "the request is invalid (the message says where)",
     401: "no API key, or one that is invalid or revoked",
     404: "no such model, or no such stored response",
+    408: "the body did not all arrive in time",
     413: "the body is larger than the limit",
     429: "over a limit, or the cluster is overloaded (Retry-After)",
     503: "the cluster is unreachable or has no worker for it now (Retry-After)",
     504: "the request's deadline passed",
     529: "the cluster is overloaded (Retry-After)",
 }
-GENERATE = (400, 401, 404, 413, 429, 503, 504)  # the statuses of a route that generates
+GENERATE = (400, 401, 404, 408, 413, 429, 503, 504)  # the statuses of a route that generates
 
 
 def responses(

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -41,6 +42,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MOCK = ["--engine", "mock", "--mock-speedup", "50"]
 ACCOUNTS = ("alpha", "beta", "gamma", "delta", "ratey")
 WINDOW_S = 3.0
+BODY_TIMEOUT_S = 2.0
 SYSTEM = " ".join(f"Rule {i}: answer with code only, in small functions." for i in range(15))
 GROUP_SYSTEM = " ".join(f"House rule {i}: acme style, typed Python." for i in range(15))
 
@@ -50,7 +52,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     yield from run_cluster(
         tmp_path_factory.mktemp("security"),
         replicas={INGRESS: 2, BILLING: 0},
-        extra_args={PREFILL: MOCK, DECODE: MOCK, INGRESS: ["--limit-window-s", str(WINDOW_S)]},
+        extra_args={
+            PREFILL: MOCK,
+            DECODE: MOCK,
+            INGRESS: ["--limit-window-s", str(WINDOW_S), "--body-timeout-s", str(BODY_TIMEOUT_S)],
+        },
         ready_timeout_s=120,
         hosts=apart,
     )
@@ -213,15 +219,10 @@ def test_fuzzing_every_operation_finds_no_server_error(
     outside the document."""
     url, key = cluster.http_urls[0], keys["alpha"]
     runs = {
-        "fuzzing, stateful": schemathesis(
-            url, key, "--phases", "examples,fuzzing,stateful", "--max-time", "45"
-        ),
-        # The coverage phase of POST /v1/messages stops schemathesis itself here: generating its
-        # cases trips CPython 3.11's "AST constructor recursion depth mismatch" inside
-        # Hypothesis (a generator error, before any request is sent), so it is left out.
-        "coverage": schemathesis(
-            url,
-            key,
+        "fuzzing, stateful": ("--phases", "examples,fuzzing,stateful", "--max-time", "45"),
+        # The coverage phase of POST /v1/messages stops schemathesis itself, every time: see
+        # HYPOTHESIS_CRASH. Left out.
+        "coverage": (
             "--phases",
             "coverage",
             "--max-time",
@@ -230,7 +231,12 @@ def test_fuzzing_every_operation_finds_no_server_error(
             MESSAGES_OPERATION,
         ),
     }
-    for name, (code, printed) in runs.items():
+    for name, options in runs.items():
+        for _ in range(3):  # again only where Hypothesis itself crashed, and nothing failed
+            code, printed = schemathesis(url, key, *options)
+            if code == 0 or HYPOTHESIS_CRASH not in printed or "Failures:" in printed:
+                break
+            print(f"schemathesis {name}: Hypothesis crashed generating cases; run again")
         summary = printed[printed.rfind("SUMMARY") :] if "SUMMARY" in printed else printed[-3000:]
         counts = re.search(r"(\d+) generated, (\d+) passed", summary)
         print(f"schemathesis {name}: {counts.group(0) if counts else summary[-500:]}")
@@ -239,6 +245,10 @@ def test_fuzzing_every_operation_finds_no_server_error(
         assert "Tested: 7" in summary or "Tested: 6" in summary, summary
 
 
+# Generating cases (before any request is sent), Hypothesis describes a filter's lambda by
+# parsing its source, and on CPython 3.11.7 that parse, deep in Hypothesis's stack, can fail
+# with this SystemError: an error of the interpreter, not of the API under test.
+HYPOTHESIS_CRASH = "AST constructor recursion depth mismatch"
 MESSAGES_OPERATION = "messages_v1_messages_post"
 
 
@@ -421,3 +431,40 @@ def test_oversized_headers_and_odd_paths_get_a_4xx(cluster: Cluster, keys: dict[
     for path in ("/v1/responses/%ff%fe", "/v1/responses/" + "%00" * 10, "/v1/%2e%2e/%2e%2e/etc"):
         answer = httpx.get(f"{url}{path}", headers=auth, timeout=30)
         assert 400 <= answer.status_code < 500, (path, answer.status_code)
+
+
+def test_a_body_trickled_byte_by_byte_is_cut_off_with_a_408(
+    cluster: Cluster, keys: dict[str, str]
+) -> None:
+    host, port = httpx.URL(cluster.http_urls[0]).host, httpx.URL(cluster.http_urls[0]).port
+    body = b'{"model": "tiny-coder", "max_tokens": 2, ' + HI + b"}"
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Authorization: Bearer {keys['alpha']}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    started = time.monotonic()
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(head)
+        answer = b""
+        for byte in body:  # one byte every 0.2 s: the whole body would take over 10 s
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:  # closed after the 408
+                break
+            sock.settimeout(0.2)
+            try:
+                answer += sock.recv(4096)
+            except TimeoutError:
+                continue
+            if answer:
+                break
+        sock.settimeout(30)
+        while b"\r\n\r\n" not in answer:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    waited_s = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert BODY_TIMEOUT_S <= waited_s < BODY_TIMEOUT_S + 5, waited_s
