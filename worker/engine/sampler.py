@@ -14,10 +14,14 @@ import torch
 
 from worker.engine.errors import SamplingParamsError
 
+# Temperatures below this are greedy (their limit): dividing logits by 1e-304 overflows them
+# to infinities, whose softmax is NaN (found by fuzzing the HTTP API). vLLM draws the same line.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k filter
     seed: int | None = None
@@ -41,7 +45,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,16 @@ def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(top_p: float) 
     assert set(draw(SamplingParams(temperature=1.0, top_p=top_p, seed=0), 50)) == {0}
 
 
+@pytest.mark.parametrize("temperature", [1.7e-304, 1e-9, 9e-6])
+def test_a_vanishing_temperature_is_greedy(temperature: float) -> None:
+    """Found by fuzzing the HTTP API: logits divided by 1.7e-304 overflowed to infinities
+    (NaN probabilities, a failed forward pass for the whole batch)."""
+    params = SamplingParams(temperature=temperature, seed=3)
+    assert params.is_greedy
+    assert draw(params, 20) == [0] * 20
+    assert target_probs(LOGITS, params).tolist() == [1.0] + [0.0] * (len(LOGITS) - 1)
+
+
 def test_temperature_sampling_follows_softmax() -> None:
     draws = torch.tensor(draw(SamplingParams(temperature=0.7, seed=3), 20000))
     freq = torch.bincount(draws, minlength=8).float() / len(draws)
