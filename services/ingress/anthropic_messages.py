@@ -97,7 +97,7 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=1, le=2**31 - 1)
     stream: bool = False
     metadata: dict[str, Any] | None = None
     # kvfabric's (as vLLM's): a namespace of its own inside the account's cache, where

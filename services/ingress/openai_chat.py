@@ -127,7 +127,7 @@ class ChatCompletionRequest(_Open):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=8)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what MessagePack carries
     user: str | None = None
     # kvfabric's (as vLLM's): a namespace of its own inside the account's cache, where
     # this request's prefix hits only requests with the same salt (docs/security.md)

@@ -61,7 +61,7 @@ def make_generator(seed: int | None) -> torch.Generator:
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(seed)
+        generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # torch takes 64 bits; any int maps
     return generator
 
 

@@ -78,6 +78,12 @@ def test_a_vanishing_temperature_is_greedy(temperature: float) -> None:
     assert target_probs(LOGITS, params).tolist() == [1.0] + [0.0] * (len(LOGITS) - 1)
 
 
+def test_any_integer_seeds_a_generator_the_same_way_each_time() -> None:
+    for seed in (-1, 2**63, 2**64, 2**70, -(2**70)):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        assert draw(params, 30) == draw(params, 30)
+
+
 def test_temperature_sampling_follows_softmax() -> None:
     draws = torch.tensor(draw(SamplingParams(temperature=0.7, seed=3), 20000))
     freq = torch.bincount(draws, minlength=8).float() / len(draws)
