@@ -90,14 +90,18 @@ class KeyStore:
 
     async def revoke(self, key_id: str) -> bool:
         """Mark the key revoked (kept, so usage still names it); False if there is none."""
-        return await self._change(key_id, revoked=True) is not None
+        found = await self._find(key_id)
+        if found is None:
+            return False
+        await self._change(found, revoked=True)
+        return True
 
     async def set_limits(self, key_id: str, **limits: int | str | None) -> ApiKey | None:
         """Change the key's own limits (a limit of 0 is removed); None if there is no key."""
         found = await self._find(key_id)
         if found is None:
             return None
-        return await self._change(key_id, limits=found[1].limits.merged(**limits))
+        return await self._change(found, limits=found[1].limits.merged(**limits))
 
     async def rotate(self, key_id: str, grace_s: int) -> tuple[str, ApiKey, ApiKey] | None:
         """A new key for the same account, label and limits; the old one expires after
@@ -109,9 +113,8 @@ class KeyStore:
         key, new = await self.create(old.account, old.name, limits=old.limits)
         ends = int(time.time()) + grace_s
         expired = await self._change(
-            key_id, expires_s=min(ends, old.expires_s) if old.expires_s else ends
+            found, expires_s=min(ends, old.expires_s) if old.expires_s else ends
         )
-        assert expired is not None
         return key, new, expired
 
     async def _find(self, key_id: str) -> tuple[str, ApiKey] | None:
@@ -121,10 +124,8 @@ class KeyStore:
                 return (digest, ApiKey.of(json.loads(raw))) if raw is not None else None
         return None
 
-    async def _change(self, key_id: str, **changes: object) -> ApiKey | None:
-        found = await self._find(key_id)
-        if found is None:
-            return None
+    async def _change(self, found: tuple[str, ApiKey], **changes: object) -> ApiKey:
+        """Write `found` (a `_find` result) back with `changes`, and forget its cached copy."""
         digest, record = found
         record = dataclasses.replace(record, **changes)  # type: ignore[arg-type]
         await self._put(digest, record)
