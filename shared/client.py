@@ -42,6 +42,7 @@ from shared.schema import (
     DeadlineExceeded,
     DecodeStats,
     GenerateRequest,
+    InstanceState,
     LoadReport,
     NoResponders,
     Overloaded,
@@ -321,6 +322,13 @@ async def _send(
                 reason=exc.message,
             )
             telemetry.current_span().add_event("overloaded", {"kvfabric.wait_s": round(wait_s, 3)})
+        except _RouterStopped as stopped:
+            log.info(
+                "router stopped before the request reached it: sending again",
+                request_id=request.request_id,
+                router_id=str(stopped),
+            )
+            router_id, wait_s = None, 0.0
         except (_DecodeLost, asyncio.CancelledError):
             raise
         except Exception as exc:
@@ -406,11 +414,13 @@ class _Generation:
             self.router_id = None
             return await send(pooled)
 
-    async def _watch_router(self, route: asyncio.Task[RouteDecision]) -> None:
+    async def _watch_router(self, route: asyncio.Task[RouteDecision]) -> bool:
         """Returns once the router we sent to has been silent for `liveness_timeout_s`
         before answering (killed while routing), or beats again as a new process (its seq
-        starts over: restarted within the timeout, it never saw our request); runs for as
-        long as `route` does."""
+        starts over: restarted within the timeout, it never saw our request), or says it
+        stopped having answered all it received (True: the request never reached it, as
+        when a router left while our request was on the way to it through another NATS
+        server); runs for as long as `route` does."""
         liveness = _Liveness(self.limits.liveness_timeout_s, self.router_seq)
         subscription = await self.bus.subscribe(
             self.bus.subjects.load(ROUTER, self.router_id or ""), LoadReport, liveness.on_beat
@@ -418,7 +428,7 @@ class _Generation:
         try:
             while not route.done() and self.router_id is not None:
                 if (wait_s := liveness.wait_s()) <= 0:
-                    return
+                    return liveness.stopped
                 await asyncio.sleep(min(wait_s, 0.25))
             await asyncio.Event().wait()  # answered (or sent on to any router): never fires
         finally:
@@ -437,6 +447,8 @@ class _Generation:
             waits = {route, read} | ({router_watch} if router_watch else set())
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if router_watch is not None and router_watch.done() and not route.done():
+                if router_watch.result():
+                    raise _RouterStopped(self.router_id or "")
                 raise Unavailable(
                     f"router {self.router_id} stopped responding (no heartbeat for "
                     f"{self.limits.liveness_timeout_s:.1f}s, or restarted) before it routed the "
@@ -473,7 +485,10 @@ class _Generation:
             raise
         except Exception as exc:
             self.refused_by_router = _router_refused(route)
-            if not self.reader.has_final and not self.refused_by_router:
+            # A router that stopped never had it: nothing to cancel, and a cancel could
+            # reach the attempt sent next under the same request id.
+            nothing_sent = self.refused_by_router or isinstance(exc, _RouterStopped)
+            if not self.reader.has_final and not nothing_sent:
                 typed = isinstance(exc, ServiceError)
                 await self._cancel(
                     CancelRequest(
@@ -584,6 +599,10 @@ class _DecodeLost(Exception):
         self.decision = decision
         self.token_ids = token_ids
         self.text = text
+
+
+class _RouterStopped(Exception):
+    """The router we sent to stopped without having received the request: send it again."""
 
 
 class _NotRouted(Exception):
@@ -729,8 +748,11 @@ class _Liveness:
         self.last_seq = last_seq
         self.last_beat_at = time.monotonic()
         self.restarted = False
+        self.stopped = False  # it said it answered all it received and stopped
 
     async def on_beat(self, report: LoadReport) -> None:
+        if report.state == InstanceState.STOPPED:
+            self.stopped = True
         if report.seq < self.last_seq:
             self.restarted = True
         self.last_seq = max(self.last_seq, report.seq)
@@ -738,7 +760,7 @@ class _Liveness:
 
     def wait_s(self) -> float:
         """How long it may stay silent yet; 0 once it is gone."""
-        if self.restarted:
+        if self.restarted or self.stopped:
             return 0.0
         return max(self.timeout_s - (time.monotonic() - self.last_beat_at), 0.0)
 

@@ -4,8 +4,9 @@ start: config logged once -> logging and tracing -> connect -> (`/metrics` and `
 when a `metrics_port` is set) -> `setup` (endpoints, HTTP, the service's metrics) -> the
 endpoints' metrics -> discovery and heartbeats -> serve until SIGTERM/SIGINT.
 stop: heartbeat says draining -> stop announcing (heartbeats, discovery) -> stop taking work
-and finish in-flight requests within `shutdown_grace_s` -> the service's cleanup hooks ->
-drain the connection. Every step is safe to repeat.
+and finish in-flight requests within `shutdown_grace_s` -> a last report says STOPPED when
+every request it received was answered (a caller still waiting sends again elsewhere) -> the
+service's cleanup hooks -> drain the connection. Every step is safe to repeat.
 
 drain (`DrainRequest` on the instance's drain subject, `kvfabric drain`): planned
 maintenance. The instance reports DRAINING while it keeps heartbeating and serving what it
@@ -326,8 +327,9 @@ class ServiceRuntime:
             await cancel_and_wait(self._draining)
         if self._discovery is not None:
             await self._discovery.stop()
-        if self._bus is not None:
-            await self._bus.stop_serving(self.config.shutdown_grace_s)
+        if self._bus is not None and await self._bus.stop_serving(self.config.shutdown_grace_s):
+            self.state = InstanceState.STOPPED
+            await self.publish_load_report()
         await cancel_and_wait(*self._duties)
         for cleanup in reversed(self._cleanups):
             try:

@@ -162,9 +162,10 @@ class Bus:
         instance subject (`<subject>.<instance_id>`, no queue group)."""
         await self._endpoints.serve(endpoint)
 
-    async def stop_serving(self, grace_s: float) -> None:
-        """Stop taking work, finish in-flight requests within `grace_s`, cancel the rest."""
-        await self._endpoints.stop(grace_s)
+    async def stop_serving(self, grace_s: float) -> bool:
+        """Stop taking work, finish in-flight requests within `grace_s`, cancel the rest;
+        True when nothing was cancelled or left undrained."""
+        return await self._endpoints.stop(grace_s)
 
     async def close(self) -> None:
         """Drain the connection (flush what we published, unsubscribe) and close it; with

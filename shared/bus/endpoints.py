@@ -187,23 +187,27 @@ class EndpointServer:
             ctx.reply, encode(exc.to_reply(ctx.request_id)), headers=error_headers(exc)
         )
 
-    async def stop(self, grace_s: float) -> None:
+    async def stop(self, grace_s: float) -> bool:
         """Stop taking work (leave the queue groups, let already queued messages start), then
-        wait up to `grace_s` for in-flight requests; cancel what is still running. Bounded by
+        wait up to `grace_s` for in-flight requests; cancel what is still running. True when
+        every subscription drained and every request finished on its own. Bounded by
         `grace_s` even when the server is gone (a drain then waits out its flush timeout:
         10 s per subscription, seen when a killed `kvfabric up` took its server along)."""
         subscriptions, self._subscriptions = self._subscriptions, []
         started = time.monotonic()
+        clean = True
         if self._nc.is_connected:
             # A drain is an UNSUB and a round trip (milliseconds); one still waiting after
             # DRAIN_TIMEOUT_S lost its server on the way (its flush is then ended).
             drains = {asyncio.create_task(self._drain(s)) for s in subscriptions}
             if drains:
                 _, late = await asyncio.wait(drains, timeout=min(grace_s, DRAIN_TIMEOUT_S))
+                clean = not late
                 if late and not self._nc.is_connected:
                     abandon_pings(self._nc)
                     log.warning("server gone while draining endpoints", num_late=len(late))
         elif subscriptions:
+            clean = False
             log.warning("not connected: endpoints stop without draining")
         grace_s = max(grace_s - (time.monotonic() - started), 0.0)
         if self._tasks:
@@ -215,3 +219,5 @@ class EndpointServer:
                     "cancelled requests still running after grace", num_cancelled=len(pending)
                 )
                 await asyncio.gather(*pending, return_exceptions=True)
+                clean = False
+        return clean

@@ -11,6 +11,9 @@ class InstanceState(StrEnum):
     STARTING = "starting"
     SERVING = "serving"
     DRAINING = "draining"
+    # Its last report: it stopped taking work and answered every request it received, so
+    # a caller still waiting on it can send again (what it waits for never reached it).
+    STOPPED = "stopped"
 
 
 class LoadReport(Message, tag="load_report"):

@@ -9,11 +9,13 @@ import msgspec
 import pytest
 
 from shared.block_hashing import BlockHasher
-from shared.bus import Bus, Context, now_ms
+from shared.bus import Bus, Context, RawMessage, now_ms
 from shared.client import build_request, generate
 from shared.schema import (
     CancelRequest,
     GenerateRequest,
+    InstanceState,
+    LoadReport,
     NoResponders,
     Overloaded,
     RouteDecision,
@@ -25,11 +27,13 @@ from shared.schema import (
     unpack_block_hashes,
     unpack_token_ids,
 )
+from shared.subjects import ROUTER
 from shared.testing.fixtures import BusFactory
 from tests.service.fake_cluster import DECODE_ID, FakeDecode, cluster, collect
 
 pytestmark = pytest.mark.nats
 
+STOPPED = InstanceState.STOPPED
 PROMPT = list(range(100, 300))  # 200 tokens: 3 complete blocks of 64
 
 
@@ -111,6 +115,36 @@ async def test_no_retry_past_the_request_s_deadline(bus_factory: BusFactory) -> 
         with pytest.raises(Overloaded):
             await generate(client, a_request(deadline_s=2.0))
     assert len(calls) == 1  # waiting 5 s would pass the 2 s deadline: refused at once
+
+
+async def test_a_request_a_stopped_router_never_received_is_sent_again(
+    bus_factory: BusFactory,
+) -> None:
+    """The chosen router left while the request was on its way (through another NATS server
+    of a cluster, the message is dropped): its last report says STOPPED, and the caller sends
+    the request to any router at once instead of waiting out the router's liveness timeout."""
+    decode = FakeDecode(await bus_factory("decode", DECODE_ID), [[0, 1], [2], [3]])
+    leaving = await bus_factory("router", "router-leaving")
+    subjects = leaving.subjects
+    lost: list[bytes] = []
+
+    async def drop(msg: RawMessage) -> None:
+        lost.append(msg.data)
+        report = LoadReport(
+            service=ROUTER, instance_id="router-leaving", seq=8, ts_ms=now_ms(), state=STOPPED
+        )
+        await leaving.publish(subjects.load(ROUTER, "router-leaving"), report)
+
+    await leaving.subscribe_raw(subjects.instance(subjects.router_generate, "router-leaving"), drop)
+    await leaving.flush()
+    client = await bus_factory("client")
+    async with cluster(bus_factory, decode):
+        result = await generate(
+            client, a_request(), router_id="router-leaving", router_seq=7, liveness_timeout_s=60
+        )
+    assert len(lost) == 1
+    assert [r.request_id for r in decode.requests] == [result.request_id]
+    assert result.token_ids == [0, 1, 2, 3]
 
 
 async def test_no_router_is_no_responders(bus_factory: BusFactory) -> None:
