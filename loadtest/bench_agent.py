@@ -177,7 +177,9 @@ async def _start_cluster(
     cluster = Cluster(spec)
     cluster.start()
     try:
-        bus = await Bus.connect(cluster.nats_url, service="bench", root=spec.root)
+        bus = await Bus.connect(
+            cluster.nats_url, service="bench", root=spec.root, creds=cluster.nats_creds
+        )
         try:
             await cluster.wait_ready(bus, timeout_s=300)
         finally:

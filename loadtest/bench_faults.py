@@ -82,7 +82,9 @@ def start_cluster(state_dir: Path) -> Cluster:
     cluster.start()
 
     async def ready() -> None:
-        bus = await Bus.connect(cluster.nats_url, service="bench", root=spec.root)
+        bus = await Bus.connect(
+            cluster.nats_url, service="bench", root=spec.root, creds=cluster.nats_creds
+        )
         try:
             await cluster.wait_ready(bus, timeout_s=120)
         finally:

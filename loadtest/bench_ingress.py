@@ -70,7 +70,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def measure(args: argparse.Namespace, cluster: Cluster, result: BenchResult) -> None:
-    bus = await Bus.connect(cluster.nats_url, service="bench", root=cluster.spec.root)
+    bus = await Bus.connect(
+        cluster.nats_url, service="bench", root=cluster.spec.root, creds=cluster.nats_creds
+    )
     await cluster.wait_ready(bus, timeout_s=120)
     url = cluster.http_urls[0]
     checkpoint = Checkpoint(model_path(MODEL))

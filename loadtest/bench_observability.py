@@ -113,7 +113,12 @@ def chat_request(http: aiohttp.ClientSession, max_tokens: int) -> Callable[[int]
 async def measure(args: argparse.Namespace, settings: list[Setting], result: BenchResult) -> None:
     for s in settings:
         assert s.cluster is not None
-        bus = await Bus.connect(s.cluster.nats_url, service="bench", root=s.cluster.spec.root)
+        bus = await Bus.connect(
+            s.cluster.nats_url,
+            service="bench",
+            root=s.cluster.spec.root,
+            creds=s.cluster.nats_creds,
+        )
         await s.cluster.wait_ready(bus, timeout_s=120)
         await bus.close()
         s.http = aiohttp.ClientSession(

@@ -485,7 +485,9 @@ async def _cluster(
         ended = False
         cluster.start()
         try:
-            bus = await Bus.connect(cluster.nats_url, service="bench", root=cluster.spec.root)
+            bus = await Bus.connect(
+                cluster.nats_url, service="bench", root=cluster.spec.root, creds=cluster.nats_creds
+            )
             try:
                 started = time.perf_counter()
                 await cluster.wait_ready(bus, timeout_s=timeout_s)

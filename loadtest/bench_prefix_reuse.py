@@ -118,7 +118,9 @@ async def measure(
     cluster.start()
     bus = None
     try:
-        bus = await Bus.connect(cluster.nats_url, service="bench", root=spec.root)
+        bus = await Bus.connect(
+            cluster.nats_url, service="bench", root=spec.root, creds=cluster.nats_creds
+        )
         await cluster.wait_ready(bus, timeout_s=300)
         num_cached = round(context * hit / BLOCK) * BLOCK
         ideal = 1 / (1 - num_cached / context)

@@ -116,7 +116,9 @@ async def _both_decode_serving(cluster: Cluster, since: float) -> None:
 
 async def _one_case(cluster: Cluster, case: Case, result: BenchResult) -> None:
     tokenizer = Checkpoint(model_path(case.model)).tokenizer()
-    bus = await Bus.connect(cluster.nats_url, service="bench", root=cluster.spec.root)
+    bus = await Bus.connect(
+        cluster.nats_url, service="bench", root=cluster.spec.root, creds=cluster.nats_creds
+    )
     try:
         await cluster.wait_ready(bus, timeout_s=300)
         gaps: dict[str, list[float]] = {"resume": [], "recompute": []}

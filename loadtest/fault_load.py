@@ -240,7 +240,9 @@ def run_here(coro: Coroutine[Any, Any, T]) -> T:
 
 async def serving_instances(cluster: Cluster) -> set[str]:
     """The instances discovery finds SERVING now."""
-    bus = await Bus.connect(cluster.nats_url, service="faults", root=cluster.spec.root)
+    bus = await Bus.connect(
+        cluster.nats_url, service="faults", root=cluster.spec.root, creds=cluster.nats_creds
+    )
     try:
         instances = await discover(bus, timeout_s=0.3)
     finally:
@@ -344,7 +346,9 @@ async def usage_log(
 async def usage_counts(cluster: Cluster, request_ids: set[str], timeout_s: float) -> dict[str, int]:
     """Usage records per request on JetStream, read to the log's end once every id has one
     (or `timeout_s` passed)."""
-    bus = await Bus.connect(cluster.nats_url, service="faults", root=cluster.spec.root)
+    bus = await Bus.connect(
+        cluster.nats_url, service="faults", root=cluster.spec.root, creds=cluster.nats_creds
+    )
     try:
         records, _ = await usage_log(bus, request_ids, timeout_s)
     finally:

@@ -47,6 +47,11 @@ class ServiceConfig:
     env_prefix: ClassVar[str] = SHARED_ENV_PREFIX
 
     nats_url: str = "nats://127.0.0.1:4222"  # a cluster's servers: comma-separated
+    # This process's NATS credentials: an nkey seed file of its role (shared/nats_auth.py;
+    # `kvfabric up` makes them); unset: connect without (a server without authorization).
+    nats_creds: Path | None = None
+    # The CA that signed the NATS servers' certificates, for tls:// URLs.
+    nats_tls_ca: Path | None = None
     # Copies JetStream keeps of every stream, key-value bucket and object store this process
     # creates: 3 on a three-server NATS cluster (one server may be lost), 1 on a single one.
     js_replicas: int = 1

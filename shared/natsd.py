@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from shared.tls_certs import ServerTls
+
 DEFAULT_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 _LISTEN = re.compile(r"Listening for client connections on ([0-9.]+|\[[0-9a-f:]+\]):(\d+)")
 _ROUTES = re.compile(r"Listening for route connections on ([0-9.]+|\[[0-9a-f:]+\]):(\d+)")
@@ -66,6 +68,8 @@ class NatsServer:
         cluster_name: str | None = None,
         cluster_port: int | None = None,
         routes: Sequence[str] = (),
+        authorization: str | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.host = host
@@ -82,12 +86,16 @@ class NatsServer:
         self.cluster_name = cluster_name
         self.cluster_port = cluster_port
         self.routes = list(routes)  # nats-route://host:port of the peers
+        # Configuration text of an `authorization` block (shared/nats_auth.py): clients
+        # then need credentials; None: any client may connect and publish anything.
+        self.authorization = authorization
+        self.tls = tls  # clients then connect with tls:// and trust `tls.ca`
         self.log_path = self.state_dir / "nats-server.log"
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -97,6 +105,15 @@ class NatsServer:
     def returncode(self) -> int | None:
         """The exit code once the server died on its own; None while it runs (or stopped)."""
         return self._process.poll() if self._process else None
+
+    def violations(self) -> list[str]:
+        """The server's log lines refusing a client's publish or subscribe (outside its
+        role's permissions, shared/nats_auth.py) or its credentials."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return []
+        return [line for line in text.splitlines() if "Violation" in line]
 
     def _write_config(self) -> Path:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -119,6 +136,10 @@ class NatsServer:
             limit = self.max_file_store_bytes
             ceiling = f", max_file_store: {limit}" if limit else ""
             lines.append(f'jetstream {{ store_dir: "{store}"{ceiling} }}')
+        if self.authorization:
+            lines.append(self.authorization)
+        if self.tls:
+            lines.append(self.tls.config())
         path = self.state_dir / "nats-server.conf"
         path.write_text("\n".join(lines) + "\n")
         return path
@@ -203,6 +224,8 @@ class NatsCluster:
         cluster_name: str = "kvfabric",
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         max_file_store_bytes: int | None = None,
+        authorization: str | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         if size < 2:  # one server: NatsServer (JetStream clustering needs a route)
             raise NatsServerError(f"a NATS cluster needs two servers or more, got {size}")
@@ -227,6 +250,8 @@ class NatsCluster:
                 routes=[
                     f"nats-route://{host}:{port}" for j, port in enumerate(cluster_ports) if j != i
                 ],
+                authorization=authorization,
+                tls=tls,
             )
             for i in range(size)
         ]

@@ -50,6 +50,7 @@ from shared.schema import (
     ServiceError,
     decode,
 )
+from shared.schema import base as schema_base
 from shared.tasks import cancel_and_wait
 
 VERSION = "0.1.0"
@@ -176,6 +177,15 @@ class ServiceRuntime:
             "Requests being handled now, every endpoint's.",
             lambda: bus.num_inflight,
         )
+        kinds = tuple(t.__name__ for t in schema_base.message_types())
+        self.metrics.counter_from(
+            "kvfabric_malformed_messages_total",
+            "Messages that did not decode as the type expected (requests answered "
+            "BAD_REQUEST, events dropped), by that type: garbage on a subject this process "
+            "listens on.",
+            lambda: {k: n for k, n in schema_base.malformed.items() if k in kinds},
+            labels={"message": kinds},
+        )
         names = tuple(s.name for s in bus.endpoint_stats())
         if not names:
             return  # a service that serves no endpoint (ingress: HTTP only)
@@ -240,6 +250,8 @@ class ServiceRuntime:
                 instance_id=self.instance_id,
                 root=self.config.root,
                 connect_timeout_s=self.config.connect_timeout_s,
+                creds=self.config.nats_creds,
+                tls_ca=self.config.nats_tls_ca,
             )
             self._bus.js.replicas = self.config.js_replicas
             if self.config.metrics_port is not None:

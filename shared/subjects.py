@@ -41,6 +41,13 @@ SERVICES: tuple[str, ...] = (
 DISCOVERY_PREFIX = "$SRV"
 DISCOVERY_VERBS: tuple[str, ...] = ("PING", "INFO", "STATS")
 
+# Fixed by NATS itself: request reply inboxes (nats-py's default prefix), JetStream's API,
+# acknowledgements and flow control, and the subjects of key-value and object-store buckets.
+INBOX_PREFIX = "_INBOX"
+JS_PREFIX = "$JS"
+KV_PREFIX = "$KV"
+OBJ_PREFIX = "$O"
+
 # JetStream: usage records must not be lost (billing consumes them at least once).
 USAGE_STREAM = "KVF_USAGE"
 
@@ -210,6 +217,18 @@ class Subjects:
         """A worker's NIXL agent metadata (`NixlMetadataRequest` -> `NixlAgentInfo`); a
         peer addresses one worker with `instance(nixl_metadata(service), instance_id)`."""
         return self.endpoint(service, "nixl-metadata")
+
+    def audit(self, action: str) -> str:
+        """`AuditRecord`s of admin actions (kept by `audit_stream`): only admin publishes."""
+        return f"{self.root}.audit.{check_token(action.replace('.', '_'), 'action')}"
+
+    @property
+    def audit_all(self) -> str:
+        return f"{self.root}.audit.>"
+
+    @property
+    def audit_stream(self) -> str:
+        return f"KVF_AUDIT_{self.root.replace('.', '_').replace('-', '_')}"
 
     def drain(self, instance_id: str) -> str:
         """`DrainRequest` to one instance (any service): `kvfabric drain`."""

@@ -11,7 +11,15 @@ import time
 
 import typer
 
-from services.admin.keys_cli import JS_REPLICAS, LIMITS, NATS_URL, ROOT, parse_limits, run_on_store
+from services.admin.keys_cli import (
+    JS_REPLICAS,
+    LIMITS,
+    NATS_URL,
+    ROOT,
+    Audited,
+    parse_limits,
+    run_on_store,
+)
 from shared.accounts import AccountStore
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
@@ -37,7 +45,11 @@ def set_account(
         return await store.set(account, cache_scope=cache_scope, **changes)
 
     try:
-        saved = run_on_store(nats_url, root, js_replicas, AccountStore, action, "accounts")
+        detail = {k: str(v) for k, v in changes.items()}
+        if cache_scope is not None:
+            detail["cache_scope"] = cache_scope
+        audited = Audited("accounts.set", account, detail)
+        saved = run_on_store(nats_url, root, js_replicas, AccountStore, action, "accounts", audited)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(

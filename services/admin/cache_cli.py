@@ -11,6 +11,7 @@ from pathlib import Path
 
 import typer
 
+from shared import audit
 from shared.bus import Bus
 from shared.discovery import discover
 from shared.schema import ServiceError, StoredBlock
@@ -38,10 +39,22 @@ async def _send(nats_url: str, root: str, command: CacheCommand) -> list[CacheSt
     bus = await Bus.connect(nats_url, service="admin", root=root, connect_timeout_s=3.0)
     try:
         num_shards = await _num_shards(bus)
-        return [
-            await bus.request(bus.subjects.kv_index_admin(shard), command, CacheStats, timeout_s=30)
-            for shard in range(num_shards)
-        ]
+        action, target = f"cache.{command.action}", command.tier or "every tier"
+        detail = {"fraction": str(command.fraction)} if command.action == "evict" else {}
+        try:
+            replies = [
+                await bus.request(
+                    bus.subjects.kv_index_admin(shard), command, CacheStats, timeout_s=30
+                )
+                for shard in range(num_shards)
+            ]
+        except ServiceError as exc:
+            if command.action != "stats":
+                await audit.record(bus, action, target, f"failed: {exc.message}", detail)
+            raise
+        if command.action != "stats":  # reading changes nothing: not an action to audit
+            await audit.record(bus, action, target, "ok", detail)
+        return replies
     finally:
         await bus.close()
 
@@ -149,6 +162,13 @@ async def _rebuild(
             if num_slots % 100_000 == 0:
                 typer.echo(f"  {num_slots:,} slots scanned ...")
         await send(writer, pending, is_last=True)
+        await audit.record(
+            bus,
+            "cache.rebuild",
+            tier,
+            "ok",
+            {"store_dir": str(store_dir), "num_slots": str(num_slots), "indexed": str(num_indexed)},
+        )
         return num_slots, num_indexed
     finally:
         await bus.close()

@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import typer
 from aiohttp import web
 
@@ -34,20 +35,22 @@ from services.admin.demo import demo_requests
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of, parse_replicas
 from services.admin.status import render, render_supervision
 from services.admin.supervisor import RestartPolicy, load_state
-from shared import models
+from shared import audit, models
 from shared.bus import Bus
 from shared.config import ENGINES
 from shared.discovery import discover
 from shared.metrics import CONTENT_TYPE
 from shared.models import DEFAULT_MODELS
+from shared.nats_auth import authorization_conf, ensure_credentials, seed_path
 from shared.schema import (
+    AuditRecord,
     DrainAccepted,
     DrainRequest,
     InstanceState,
     NoResponders,
     ServiceError,
 )
-from shared.subjects import DECODE, DEFAULT_ROOT, PREFILL, SERVICES, VLLM_WORKER
+from shared.subjects import DECODE, DEFAULT_ROOT, PREFILL, SERVICES, VLLM_WORKER, Subjects
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
 app.add_typer(
@@ -152,6 +155,23 @@ def up(
         "and left down (the rest serve on)",
     ),
     restart_window_s: float = typer.Option(60.0, help="the window of --restart-budget"),
+    nats_auth: bool = typer.Option(
+        True,
+        help="embedded servers take only clients with credentials: one nkey per role (each "
+        "service kind, admin, client), made under STATE_DIR/nats-creds and kept, each role "
+        "allowed only its own subjects (docs/security.md); commands against the cluster "
+        "need KVF_NATS_CREDS=STATE_DIR/nats-creds/admin.nk",
+    ),
+    nats_tls: bool = typer.Option(
+        False,
+        help="embedded servers take TLS only, with a certificate from a private CA made under "
+        "STATE_DIR/nats-tls (clients trust its ca.pem: KVF_NATS_TLS_CA)",
+    ),
+    nats_creds_dir: Path | None = typer.Option(
+        None,
+        help="the roles' nkey seeds (`kvfabric nats-creds`): for --nats-url, the credentials "
+        "each service connects with; for embedded servers, used instead of STATE_DIR/nats-creds",
+    ),
 ) -> None:
     """Run the whole cluster on this machine until Ctrl-C or SIGTERM. A process that exits on
     its own is started again (backoff 0.5 s doubling to 10 s; the embedded nats-server on the
@@ -195,7 +215,63 @@ def up(
             param_hint="--js-replicas",
         )
     spec.nats_cluster, spec.js_replicas = nats_cluster, js_replicas
+    spec.nats_auth, spec.nats_creds_dir, spec.nats_tls = nats_auth, nats_creds_dir, nats_tls
     raise typer.Exit(asyncio.run(_up(spec, serve_forever=True)))
+
+
+@app.command("audit")
+def audit_command(
+    nats_url: str = typer.Option(
+        "nats://127.0.0.1:4222", help="NATS server of the cluster", envvar="KVF_NATS_URL"
+    ),
+    root: str = typer.Option(DEFAULT_ROOT, help="subject root of the cluster", envvar="KVF_ROOT"),
+    since_s: float | None = typer.Option(None, help="only records this many seconds old or newer"),
+    limit: int = typer.Option(1000, min=1, help="at most this many, the newest"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """The audit log: every admin action (keys, accounts, drain, cache) with who did it
+    (user@host and the nkey the server checked), oldest first. Needs admin credentials."""
+
+    async def collect() -> list[AuditRecord]:
+        bus = await Bus.connect(nats_url, service="admin", root=root, connect_timeout_s=3.0)
+        try:
+            return await audit.read(bus, since_s=since_s, limit=limit)
+        finally:
+            await bus.close()
+
+    try:
+        records = asyncio.run(collect())
+    except ServiceError as exc:
+        typer.echo(f"audit: {exc.message}", err=True)
+        raise typer.Exit(1) from exc
+    if as_json:
+        typer.echo(json.dumps([msgspec.structs.asdict(r) for r in records], indent=2))
+        return
+    if not records:
+        typer.echo("no admin action recorded")
+    for entry in records:
+        typer.echo(audit.describe(entry))
+
+
+@app.command("nats-creds")
+def nats_creds(
+    out: Path = typer.Argument(..., help="folder for the seeds (made 0700; seeds 0600)"),
+    root: str = typer.Option(DEFAULT_ROOT, help="subject root the permissions are for"),
+) -> None:
+    """Make an nkey seed per role (each service kind, admin, client) in OUT, keeping any
+    already there, and write OUT/authorization.conf: the `authorization` block to include
+    in your nats-servers' configuration (public keys and each role's subject permissions;
+    no secret). Then `kvfabric up --nats-url ... --nats-creds-dir OUT`."""
+    try:
+        subjects = Subjects(root)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--root") from exc
+    keys = ensure_credentials(out)
+    conf = out / "authorization.conf"
+    conf.write_text(authorization_conf(keys, subjects))
+    for role in sorted(keys):
+        print(f"{role:<13} {keys[role]}  {seed_path(out, role)}")
+    print(f"include {conf.resolve()} in each nats-server's configuration")
 
 
 @app.command(short_help="Bring the cluster up, serve an agent's two turns on SmolLM2, stop it.")
@@ -331,8 +407,10 @@ async def _drain(
                 timeout_s=5.0,
             )
         except NoResponders:
+            await audit.record(bus, "drain", instance_id, "not found", {"grace_s": str(grace_s)})
             typer.echo(f"drain: no instance {instance_id!r} under root {root!r}", err=True)
             return 1
+        await audit.record(bus, "drain", instance_id, "ok", {"grace_s": str(grace_s)})
         typer.echo(f"draining {instance_id}: {accepted.num_in_flight} in flight")
         if not wait:
             return 0
@@ -494,7 +572,17 @@ async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
             )
         for child in cluster.children:
             echo(f"process       {child.instance_id} pid {child.process.pid} log {child.log_path}")
-        bus = await Bus.connect(cluster.nats_url, service="admin", root=spec.root)
+        if cluster.nats_creds is not None:
+            echo(f"credentials   export KVF_NATS_CREDS={cluster.nats_creds.resolve()}  (admin)")
+        if cluster.nats_tls_ca is not None:
+            echo(f"TLS           export KVF_NATS_TLS_CA={cluster.nats_tls_ca.resolve()}")
+        bus = await Bus.connect(
+            cluster.nats_url,
+            service="admin",
+            root=spec.root,
+            creds=cluster.nats_creds,
+            tls_ca=cluster.nats_tls_ca,
+        )
         # A vLLM worker answers once vLLM has started: minutes on this machine.
         timeout_s = 900.0 if spec.instances(VLLM_WORKER) else 60.0
         ready = asyncio.create_task(cluster.wait_ready(bus, timeout_s=timeout_s))

@@ -9,13 +9,15 @@ import dataclasses
 import json
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import typer
 
+from shared import audit
 from shared.accounts import AccountStore, Limits
 from shared.api_keys import KeyStore
 from shared.bus import Bus
+from shared.bus.connection import refusals
 from shared.schema import ServiceError
 from shared.subjects import DEFAULT_ROOT
 
@@ -65,6 +67,17 @@ def parse_limits(pairs: list[str]) -> dict[str, int | str]:
 S = TypeVar("S", KeyStore, AccountStore)
 
 
+@dataclasses.dataclass
+class Audited:
+    """What the audit log says of an action (shared/audit.py): never a secret."""
+
+    action: str  # e.g. "keys.revoke"
+    target: str  # what it acts on: an account, a key id
+    detail: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The outcome from the action's result ("ok" unless it says otherwise: "not found").
+    outcome: Callable[[Any], str] = lambda result: "ok"
+
+
 def run_on_store(
     nats_url: str,
     root: str,
@@ -72,17 +85,28 @@ def run_on_store(
     make_store: Callable[[Bus], S],
     action: Callable[[S], Awaitable[T]],
     command: str = "keys",
+    audited: Audited | None = None,
 ) -> T:
     """`action` on the store `make_store` opens on the cluster's bus (keys, accounts); a
-    cluster error is printed after `command` and exits 1."""
+    cluster error is printed after `command` and exits 1. An `audited` action is written
+    to the audit log, failed or not."""
 
     async def run() -> T:
         bus = await Bus.connect(nats_url, service="admin", root=root, connect_timeout_s=3.0)
         bus.js.replicas = js_replicas
         try:
             store = make_store(bus)
-            await store.start()
-            return await action(store)
+            try:
+                await store.start()
+                result = await action(store)
+            except (ServiceError, ValueError) as exc:
+                if audited is not None:
+                    why = exc.message if isinstance(exc, ServiceError) else str(exc)
+                    await _audit(bus, audited, f"failed: {why}")
+                raise
+            if audited is not None:
+                await _audit(bus, audited, audited.outcome(result))
+            return result
         finally:
             await bus.close()
 
@@ -91,12 +115,31 @@ def run_on_store(
     except ServiceError as exc:
         typer.echo(f"{command}: {exc.message}", err=True)
         raise typer.Exit(1) from exc
+    except TimeoutError as exc:
+        # A request the server refused (outside these credentials' permissions) or a server
+        # that stopped answering.
+        why = f"refused by NATS: {refusals[-1]}" if refusals else f"NATS did not answer: {exc}"
+        typer.echo(f"{command}: {why}", err=True)
+        raise typer.Exit(1) from exc
+
+
+async def _audit(bus: Bus, audited: Audited, outcome: str) -> None:
+    try:
+        await audit.record(bus, audited.action, audited.target, outcome, audited.detail)
+    except ServiceError as exc:
+        raise ServiceError(
+            f"{audited.action} {outcome}, but its audit record was not written: {exc.message}"
+        ) from exc
 
 
 def _run(
-    nats_url: str, root: str, js_replicas: int, action: Callable[[KeyStore], Awaitable[T]]
+    nats_url: str,
+    root: str,
+    js_replicas: int,
+    action: Callable[[KeyStore], Awaitable[T]],
+    audited: Audited | None = None,
 ) -> T:
-    return run_on_store(nats_url, root, js_replicas, KeyStore, action)
+    return run_on_store(nats_url, root, js_replicas, KeyStore, action, audited=audited)
 
 
 @app.command()
@@ -118,8 +161,10 @@ def create(
     def action(store: KeyStore):  # noqa: ANN202
         return store.create(account, name, limits=limits, expires_s=expires_s)
 
+    detail = {"name": name, "limits": limits.describe(), "expires_s": str(expires_s)}
+    audited = Audited("keys.create", account, detail, lambda made: f"ok {made[1].key_id}")
     try:
-        key, record = _run(nats_url, root, js_replicas, action)
+        key, record = _run(nats_url, root, js_replicas, action, audited)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--account") from exc
     typer.echo(f"{record.key_id} for account {record.account}: {key}")
@@ -135,7 +180,15 @@ def limit_key(
 ) -> None:
     """Set a key's own limits (its account's hold too); ingresses apply them within 2 s."""
     changes = parse_limits(limit)
-    record = _run(nats_url, root, js_replicas, lambda store: store.set_limits(key_id, **changes))
+    audited = Audited(
+        "keys.limit",
+        key_id,
+        {k: str(v) for k, v in changes.items()},
+        lambda record: "ok" if record is not None else "not found",
+    )
+    record = _run(
+        nats_url, root, js_replicas, lambda store: store.set_limits(key_id, **changes), audited
+    )
     if record is None:
         typer.echo(f"no key {key_id!r}", err=True)
         raise typer.Exit(1)
@@ -151,7 +204,15 @@ def rotate(
     js_replicas: int = JS_REPLICAS,
 ) -> None:
     """A new key for the same account, label and limits (printed once); the old one ends."""
-    rotated = _run(nats_url, root, js_replicas, lambda store: store.rotate(key_id, grace_s))
+    audited = Audited(
+        "keys.rotate",
+        key_id,
+        {"grace_s": str(grace_s)},
+        lambda rotated: f"ok {rotated[1].key_id}" if rotated is not None else "not found",
+    )
+    rotated = _run(
+        nats_url, root, js_replicas, lambda store: store.rotate(key_id, grace_s), audited
+    )
     if rotated is None:
         typer.echo(f"no live key {key_id!r}", err=True)
         raise typer.Exit(1)
@@ -199,7 +260,8 @@ def revoke(
     js_replicas: int = JS_REPLICAS,
 ) -> None:
     """Revoke a key: ingress refuses it within seconds (it caches lookups for 2 s)."""
-    if not _run(nats_url, root, js_replicas, lambda store: store.revoke(key_id)):
+    audited = Audited("keys.revoke", key_id, outcome=lambda done: "ok" if done else "not found")
+    if not _run(nats_url, root, js_replicas, lambda store: store.revoke(key_id), audited):
         typer.echo(f"no key {key_id!r}", err=True)
         raise typer.Exit(1)
     typer.echo(f"revoked {key_id}")

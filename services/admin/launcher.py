@@ -36,8 +36,10 @@ from services.admin.supervisor import (
 )
 from shared import models
 from shared.bus import Bus
+from shared.bus.connection import CREDS_ENV, TLS_CA_ENV
 from shared.discovery import Instance, discover
 from shared.metrics import Metrics
+from shared.nats_auth import ADMIN, ROLES, authorization_conf, ensure_credentials, seed_path
 from shared.natsd import NatsCluster, NatsServer, NatsServerError, die_with_parent
 from shared.subjects import (
     BILLING,
@@ -50,8 +52,10 @@ from shared.subjects import (
     SERVICES,
     SWA_MEMCACHE,
     VLLM_WORKER,
+    Subjects,
     check_token,
 )
+from shared.tls_certs import ensure_server_tls
 
 # Start order: what others call comes up first. Stop order is the reverse: ingress stops
 # taking HTTP requests before the workers behind it drain.
@@ -159,6 +163,22 @@ class ClusterSpec:
     nats_cluster: int = 1
     # Replicas of every stream, bucket and object store; None: min(servers, 3).
     js_replicas: int | None = None
+    # NATS credentials, one nkey per role (shared/nats_auth.py): embedded servers get them
+    # unless `nats_auth` is off (made under <state_dir>/nats-creds, the servers configured
+    # with each role's permissions); an external server's come from `nats_creds_dir`.
+    nats_auth: bool = True
+    nats_creds_dir: Path | None = None
+    # Embedded servers take TLS only (a private CA under <state_dir>/nats-tls; clients trust
+    # its ca.pem). An external server's CA: $KVF_NATS_TLS_CA.
+    nats_tls: bool = False
+
+    def creds_dir(self) -> Path | None:
+        """Where each role's seed lies, or None: connect without credentials."""
+        if self.nats_url is not None:
+            return self.nats_creds_dir
+        if not self.nats_auth:
+            return None
+        return self.nats_creds_dir or self.state_dir / "nats-creds"
 
     def stream_replicas(self) -> int:
         if self.js_replicas is not None:
@@ -224,6 +244,10 @@ class Cluster:
         self.nats_cluster: NatsCluster | None = None
         self.children: list[Child] = []
         self.nats_url = spec.nats_url or ""
+        # The operator's (admin) credentials: what `kvfabric` commands against this cluster
+        # need in $KVF_NATS_CREDS; None: the servers take anyone.
+        self.nats_creds: Path | None = None
+        self.nats_tls_ca: Path | None = None  # the embedded servers' CA, with `nats_tls`
         self.http_urls: list[str] = []
         self.metrics_urls: dict[str, str] = {}  # instance id -> its /metrics, once ready
         self.supervisor = Supervisor(spec.state_dir, spec.restart_policy)
@@ -241,6 +265,11 @@ class Cluster:
         (self.spec.state_dir / "logs").mkdir(exist_ok=True)
         record_trace_dir(self.spec.state_dir, self.spec.trace_dir)
         placed = self.spec.nats_placement or Placement()
+        authorization = self._credentials()
+        tls = None
+        if self.spec.nats_tls and self.spec.nats_url is None:
+            tls = ensure_server_tls(self.spec.state_dir / "nats-tls", [placed.address])
+            self.nats_tls_ca = tls.ca
         if self.spec.nats_url is None and self.spec.nats_cluster > 1:
             size, base = self.spec.nats_cluster, self.spec.nats_port
             with placed.entered():
@@ -249,6 +278,8 @@ class Cluster:
                     size,
                     host=placed.address,
                     ports=[base + i if base else 0 for i in range(size)],
+                    authorization=authorization,
+                    tls=tls,
                 )
                 self.nats_cluster.start()
             self.nats = self.nats_cluster.servers[0]
@@ -257,7 +288,11 @@ class Cluster:
                 self.supervisor.started(f"{NATS_SERVER}-{i}", NATS_SERVER, server.pid)
         elif self.spec.nats_url is None:
             self.nats = NatsServer(
-                self.spec.state_dir / "nats", host=placed.address, port=self.spec.nats_port
+                self.spec.state_dir / "nats",
+                host=placed.address,
+                port=self.spec.nats_port,
+                authorization=authorization,
+                tls=tls,
             )
             with placed.entered():
                 self.nats.start()
@@ -267,6 +302,41 @@ class Cluster:
             for index, (instance_id, model) in enumerate(self.spec.instances(service)):
                 self._spawn(service, index, instance_id, model)
         self.supervisor.save()
+
+    def nats_violations(self) -> list[str]:
+        """What the embedded servers refused: publishes and subscriptions outside a role's
+        permissions, and connections without valid credentials (their log lines)."""
+        servers = self.nats_cluster.servers if self.nats_cluster else [self.nats]
+        return [line for s in servers if s is not None for line in s.violations()]
+
+    def admin_env(self) -> dict[str, str]:
+        """This environment with the admin credentials: for `kvfabric` commands run against
+        this cluster."""
+        env = dict(os.environ)
+        if self.nats_creds is not None:
+            env[CREDS_ENV] = str(self.nats_creds.resolve())
+        if self.nats_tls_ca is not None:
+            env[TLS_CA_ENV] = str(self.nats_tls_ca.resolve())
+        return env
+
+    def _credentials(self) -> str | None:
+        """Each role's seed (kept across restarts of the cluster) and, for embedded
+        servers, their `authorization` block."""
+        directory = self.spec.creds_dir()
+        if directory is None:
+            return None
+        if self.spec.nats_url is not None:
+            missing = [r for r in ROLES if not seed_path(directory, r).is_file()]
+            if missing:
+                raise NatsServerError(
+                    f"{directory} lacks the NATS credentials of {', '.join(missing)} "
+                    "(`kvfabric nats-creds` makes them)"
+                )
+            self.nats_creds = seed_path(directory, ADMIN)
+            return None
+        keys = ensure_credentials(directory)
+        self.nats_creds = seed_path(directory, ADMIN)
+        return authorization_conf(keys, Subjects(self.spec.root))
 
     def _spawn(self, service: str, index: int, instance_id: str, model: str | None) -> None:
         args = [
@@ -323,10 +393,14 @@ class Cluster:
             args += ["--usage-outbox-dir", str(self.spec.state_dir / "outbox")]
         args += extra
         log_path = self.spec.state_dir / "logs" / f"{instance_id}.log"
-        env = None
+        env = os.environ | dict(placement.env if placement is not None else ())
         if placement is not None:
             args = [*placement.prefix, *args]
-            env = os.environ | dict(placement.env)
+        if (creds := self.spec.creds_dir()) is not None:
+            # By environment: vLLM's engine processes (its connector) inherit it too.
+            env[CREDS_ENV] = str(seed_path(creds, service).resolve())
+        if self.nats_tls_ca is not None:
+            env[TLS_CA_ENV] = str(self.nats_tls_ca.resolve())
         with log_path.open("ab") as log_file:
             process = subprocess.Popen(
                 args,

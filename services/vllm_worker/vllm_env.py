@@ -64,7 +64,13 @@ log = get_logger(__name__)
 
 # What kvfabric's connector imports inside vLLM's process and vLLM does not bring (msgspec,
 # numpy, torch, opentelemetry and prometheus_client it does).
-CONNECTOR_REQUIREMENTS = ("nats-py>=2.9", "structlog>=24.1", "xxhash>=3.4", "aiofiles>=23.2")
+CONNECTOR_REQUIREMENTS = (
+    "nats-py>=2.9",
+    "nkeys>=0.2",  # its NATS credentials (KVF_NATS_CREDS, inherited from the worker)
+    "structlog>=24.1",
+    "xxhash>=3.4",
+    "aiofiles>=23.2",
+)
 CONNECTOR_MODULE = "services.vllm_worker.connector.connector"
 CONNECTOR_CLASS = "KvfabricConnector"
 SOURCE_ROOT = Path(__file__).resolve().parents[2]  # this checkout: on vLLM's PYTHONPATH

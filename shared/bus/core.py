@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -130,14 +131,20 @@ class Bus:
         root: str = DEFAULT_ROOT,
         connect_timeout_s: float = 10.0,
         reconnect_wait_s: float = 0.5,
+        creds: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> Bus:
-        """Connect, retrying until `connect_timeout_s`; once connected, reconnect forever."""
+        """Connect, retrying until `connect_timeout_s`; once connected, reconnect forever.
+        `creds`: an nkey seed file (default `$KVF_NATS_CREDS`); `tls_ca`: the CA of a
+        `tls://` server (default `$KVF_NATS_TLS_CA`)."""
         instance_id = instance_id or f"{service}-{uuid.uuid4().hex[:8]}"
         nc = await connect_nats(
             url,
             name=f"{service}/{instance_id}",
             connect_timeout_s=connect_timeout_s,
             reconnect_wait_s=reconnect_wait_s,
+            creds=creds,
+            tls_ca=tls_ca,
         )
         return cls(nc, subjects=Subjects(root), service=service, instance_id=instance_id)
 

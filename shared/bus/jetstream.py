@@ -122,8 +122,12 @@ class JetStream:
         max_age_s: float | None = None,
         max_bytes: int | None = None,
         duplicate_window_s: float = 120.0,
+        deny_delete: bool = False,
+        deny_purge: bool = False,
     ) -> None:
-        """Create the stream, or bring an existing one to this config (idempotent)."""
+        """Create the stream, or bring an existing one to this config (idempotent).
+        `deny_delete` / `deny_purge`: its messages cannot be deleted or purged through the
+        API (an append-only log; the stream itself still can be)."""
         config = StreamConfig(
             name=name,
             subjects=subjects,
@@ -131,6 +135,8 @@ class JetStream:
             max_bytes=max_bytes,
             duplicate_window=duplicate_window_s,
             num_replicas=self.replicas,
+            deny_delete=deny_delete,
+            deny_purge=deny_purge,
         )
         js = self._nc.jetstream()
 
@@ -167,9 +173,19 @@ class JetStream:
             return False
 
     async def stream_bounds(self, name: str) -> tuple[int, int]:
-        """(first, last) sequence numbers held by a stream."""
-        info = await self._nc.jetstream().stream_info(name)
+        """(first, last) sequence numbers held by a stream; `NoStream` when there is none."""
+        try:
+            info = await self._nc.jetstream().stream_info(name)
+        except nats.js.errors.NotFoundError as exc:
+            raise NoStream(f"no JetStream stream {name}") from exc
         return info.state.first_seq, info.state.last_seq
+
+    async def get_message(self, stream: str, seq: int) -> bytes | None:
+        """The data of message `seq` of `stream`; None when it is not there (expired)."""
+        try:
+            return (await self._nc.jetstream().get_msg(stream, seq)).data or b""
+        except nats.js.errors.NotFoundError:
+            return None
 
     async def stream_bytes(self, name: str) -> int:
         """What the stream holds now, in bytes."""

@@ -3,6 +3,7 @@
 from shared.schema.base import SCHEMA_VERSION, Message, decode, encode, schema_header
 from shared.schema.billing import DeadLetter, UsageRecord, UsageStatus
 from shared.schema.control import (
+    AuditRecord,
     DrainAccepted,
     DrainRequest,
     InflightNotice,
@@ -111,6 +112,7 @@ __all__ = [
     "KvEventBatch",
     "KvTransfer",
     "LimitUse",
+    "AuditRecord",
     "LoadReport",
     "OpenStreams",
     "DrainAccepted",

@@ -28,12 +28,34 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
+# Messages that failed to decode, by the type expected: every service exports it
+# (`kvfabric_malformed_messages_total`), so garbage on any subject shows, not only in logs.
+malformed: dict[str, int] = {}
+
+
 def decode(data: bytes | memoryview, message_type: type[T]) -> T:
-    """Decode `data` as `message_type`; raises `msgspec.DecodeError` (incl. validation)."""
+    """Decode `data` as `message_type`; raises `msgspec.DecodeError` (incl. validation),
+    counted in `malformed`."""
     decoder = _decoders.get(message_type)
     if decoder is None:
         decoder = _decoders[message_type] = msgspec.msgpack.Decoder(message_type)
-    return decoder.decode(data)
+    try:
+        return decoder.decode(data)
+    except msgspec.DecodeError:
+        name = getattr(message_type, "__name__", "other")
+        malformed[name] = malformed.get(name, 0) + 1
+        raise
+
+
+def message_types() -> tuple[type[Message], ...]:
+    """Every concrete message type (the subclasses of `Message`, at any depth)."""
+    found: list[type[Message]] = []
+    pending = list(Message.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        found.append(cls)
+        pending.extend(cls.__subclasses__())
+    return tuple(sorted(found, key=lambda c: c.__name__))
 
 
 def schema_header(message_type: type) -> str:

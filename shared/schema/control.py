@@ -79,3 +79,18 @@ class OpenStreams(Message, tag="open_streams"):
 
     replica: str
     open: dict[str, int]
+
+
+class AuditRecord(Message, tag="audit_record"):
+    """An admin action (`kvfabric keys`, `accounts`, `drain`, `cache`), kept by the audit
+    stream: who (`actor`: the operator's user@host and the public key of the NATS
+    credentials the server accepted), what (`action`, e.g. "keys.revoke", on `target`),
+    the settings it changed (`detail`, never a secret) and how it ended (`outcome`: "ok",
+    or why not)."""
+
+    ts_ms: int
+    actor: str
+    action: str
+    target: str
+    outcome: str
+    detail: dict[str, str] = {}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shared.schema import (
     AllBlocksCleared,
+    AuditRecord,
     BlockLocations,
     BlocksRemoved,
     BlocksStored,
@@ -192,6 +193,14 @@ EXAMPLES: dict[str, Message] = {
         ],
     ),
     "OpenStreams": OpenStreams(replica="ingress-1", open={"account:acme": 3}),
+    "AuditRecord": AuditRecord(
+        ts_ms=1767225600250,
+        actor="ops@ctl-1 (nkey UDXU4RCSJNZOIQHZNWXHXORDPRTGNJAHAHFRGZNEEJCPQTT2M7NLCNF4)",
+        action="keys.revoke",
+        target="key_0123456789ab",
+        outcome="ok",
+        detail={"account": "acme"},
+    ),
     "CancelRequest": CancelRequest(
         request_id="req-0001",
         reason="decode worker lost",

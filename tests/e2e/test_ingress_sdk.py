@@ -553,6 +553,7 @@ def test_keys_created_listed_and_revoked_through_the_cli(cluster: Cluster) -> No
     where = ["--nats-url", cluster.nats_url, "--root", cluster.spec.root]
     created = subprocess.run(
         [KVFABRIC, "keys", "create", "--account", "acme", "--name", "ci", *where],
+        env=cluster.admin_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -561,7 +562,12 @@ def test_keys_created_listed_and_revoked_through_the_cli(cluster: Cluster) -> No
     key_id, key = created.split()[0], created.split()[-1]
     assert key.startswith("kvf-") and key_id.startswith("key_")
     listed = subprocess.run(
-        [KVFABRIC, "keys", "list", *where], capture_output=True, text=True, timeout=60, check=True
+        [KVFABRIC, "keys", "list", *where],
+        env=cluster.admin_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout
     assert key_id in listed and "acme" in listed and key not in listed  # stored hashed
     for url in cluster.http_urls:  # every replica knows it
@@ -571,7 +577,11 @@ def test_keys_created_listed_and_revoked_through_the_cli(cluster: Cluster) -> No
         )
         assert reply.usage.output_tokens > 0
     subprocess.run(
-        [KVFABRIC, "keys", "revoke", key_id, *where], timeout=60, check=True, capture_output=True
+        [KVFABRIC, "keys", "revoke", key_id, *where],
+        env=cluster.admin_env(),
+        timeout=60,
+        check=True,
+        capture_output=True,
     )
     client = openai.OpenAI(base_url=f"{cluster.http_urls[0]}/v1", api_key=key, max_retries=0)
     deadline = time.monotonic() + 10  # lookups are cached for 2 s

@@ -11,13 +11,15 @@ on a mock cluster split over hosts (prefill and decode apart, two ingresses, rea
 - keys: a revocation reaches both ingresses within the key cache's 2 s, a rotated key
   works on through its grace period and then stops, an expired key is refused;
 - fuzzing: schemathesis against /openapi.json, every operation, finds no server error
-  and no response outside the document's schemas.
+  and no response outside the document's schemas; garbage on every NATS subject the
+  services listen on is answered BAD_REQUEST or dropped, and counted, and kills nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import re
 import shutil
 import socket
@@ -28,12 +30,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
+import nats.errors
 import openai
 import pytest
 
 from services.admin.launcher import Cluster
 from shared.accounts import AccountStore, Limits
 from shared.api_keys import KeyStore
+from shared.client import build_request
+from shared.discovery import discover
+from shared.schema import DrainAccepted, encode
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL
 from tests.e2e.cluster_helpers import apart, connect, on_the_client_host, run_cluster
 
@@ -371,13 +378,21 @@ def test_a_keys_own_body_limit_is_a_413(cluster: Cluster) -> None:
 
 def test_no_key_appears_in_any_log(cluster: Cluster, keys: dict[str, str]) -> None:
     """After everything above (keys presented, refused, revoked, rotated): no process of the
-    cluster logged a key, nor the secret half of one."""
+    cluster logged a key, nor the secret half of one, nor an nkey seed."""
     logs = {c.instance_id: c.log_path.read_text(errors="replace") for c in cluster.children}
     assert sum(len(text) for text in logs.values()) > 0
     for key in keys.values():
         secret = key.removeprefix("kvf-")
         leaked = [i for i, text in logs.items() if secret in text or secret[:16] in text]
         assert not leaked, f"a key appears in the logs of {leaked}"
+    # Nor any process's NATS credentials: the seeds never leave their files.
+    assert cluster.nats_creds is not None
+    seeds = [p.read_text().strip() for p in cluster.nats_creds.parent.glob("*.nk")]
+    assert len(seeds) >= 8
+    servers = [p.read_text(errors="replace") for p in cluster.spec.state_dir.rglob("*.log")]
+    for seed in seeds:
+        leaked = [i for i, text in logs.items() if seed[:20] in text]
+        assert not leaked and not any(seed[:20] in text for text in servers), "a seed leaked"
 
 
 HI = b'"messages": [{"role": "user", "content": "hi"}]'
@@ -473,3 +488,93 @@ def test_a_body_trickled_byte_by_byte_is_cut_off_with_a_408(
     waited_s = time.monotonic() - started
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert BODY_TIMEOUT_S <= waited_s < BODY_TIMEOUT_S + 5, waited_s
+
+
+def _garbage() -> dict[str, bytes]:
+    """Payloads no listener can take: not MessagePack, MessagePack of the wrong shape, a
+    message of another type, a truncated one, a deep nest, a big blob."""
+    other = encode(DrainAccepted(instance_id="x", num_in_flight=1))
+    request = encode(build_request(list(range(300)), model="tiny-coder", api_key_id="k"))
+    return {
+        "empty": b"",
+        "a zero byte": b"\x00",
+        "not MessagePack": b"\xc1" * 64,
+        "random": bytes(random.Random(7).randrange(256) for _ in range(512)),
+        "an unknown tag": msgspec.msgpack.encode({"type": "no_such_message", "x": 1}),
+        "another message": other,
+        "truncated": request[: len(request) // 2],
+        "nested 10,000 deep": b"\x91" * 10_000 + b"\xc0",
+        "1 MB of zeros": bytes(1 << 20),
+    }
+
+
+def test_garbage_on_every_nats_subject_is_counted_and_crashes_nothing(
+    cluster: Cluster, keys: dict[str, str]
+) -> None:
+    """Every subject a service listens on (each endpoint, pooled and per instance; the
+    events; drain and ping) gets payloads none can decode: each request is answered
+    BAD_REQUEST, no process dies or restarts, every service counts what it got in
+    `kvfabric_malformed_messages_total`, and the cluster serves on."""
+    restarts = {i: r.restarts for i, r in cluster.supervisor.records.items()}
+    payloads = _garbage()
+
+    async def fuzz() -> tuple[dict[str, int], list[str], set[str]]:
+        bus = await connect(cluster)  # admin: may publish anywhere, as a hostile insider would
+        nc = bus._nc  # noqa: SLF001 - raw bytes, past the typed API
+        s = bus.subjects
+        try:
+            instances = await discover(bus, timeout_s=1.0)
+            endpoints = {e["subject"] for i in instances for e in i.endpoints} | {
+                f"{e['subject']}.{i.instance_id}" for i in instances for e in i.endpoints
+            }
+            events = {s.cancel, s.router_inflight, s.swa_resync, s.limits_open}
+            events |= {s.load(i.service, i.instance_id) for i in instances}
+            events |= {
+                s.swa_events(i.instance_id) for i in instances if i.service == "swa-memcache"
+            }
+            events |= {s.kv_resync(i.instance_id) for i in instances}
+            events |= {s.kv_evict(i.instance_id) for i in instances}
+            events |= {s.drain(i.instance_id) for i in instances}
+            answers: dict[str, int] = {}
+            wrong: list[str] = []
+            for subject in sorted(endpoints):
+                for name, payload in payloads.items():
+                    try:
+                        reply = await nc.request(subject, payload, timeout=5)
+                    except nats.errors.Error as exc:
+                        wrong.append(f"{subject} {name}: no answer ({exc!r})")
+                        continue
+                    code = reply.headers.get("Nats-Service-Error-Code") if reply.headers else None
+                    answers[code or "none"] = answers.get(code or "none", 0) + 1
+                    if code != "400":
+                        wrong.append(f"{subject} {name}: {code} {reply.data[:80]!r}")
+            for subject in sorted(events):
+                for payload in payloads.values():
+                    await nc.publish(subject, payload)
+            # Into the streams services consume: the KV events and the limiter's log.
+            for subject in (s.kv_events("prefill-0"), s.limits_use):
+                for payload in payloads.values():
+                    await bus.js.publish(subject, payload)
+            await nc.flush()
+            deadline = time.monotonic() + 15
+            while True:  # each service counts what it received (reported once a second)
+                counted = {}
+                for i in await discover(bus, timeout_s=1.0):
+                    n = sum(v for k, v in i.metrics.items() if k.startswith("kvfabric_malformed_"))
+                    counted[i.service] = counted.get(i.service, 0) + n
+                if all(counted.values()) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+            return answers, wrong, {k for k, v in counted.items() if not v}
+        finally:
+            await bus.close()
+
+    with on_the_client_host(cluster):
+        answers, wrong, uncounted = asyncio.run(fuzz())
+    print(f"garbage requests answered, by code: {answers}")
+    assert not wrong, "\n".join(wrong[:10])
+    assert answers.get("400", 0) >= len(payloads) * 10
+    assert not uncounted, f"services that counted none of it: {sorted(uncounted)}"
+    assert {i: r.restarts for i, r in cluster.supervisor.records.items()} == restarts
+    assert all(c.process.poll() is None for c in cluster.children)
+    ask(cluster, keys["alpha"], "After the garbage: write a function that adds.")  # served

@@ -382,9 +382,10 @@ def test_generate_cli_streams_and_reports_hits(cluster: Cluster) -> None:
         "--state-dir",
         str(cluster.spec.state_dir),
     ]
-    first = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    env = cluster.admin_env()
+    first = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
-    second = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     assert second.returncode == 0, second.stderr
     assert second.stdout == first.stdout  # greedy, and the cached run restores exactly
     assert "cached" in second.stderr

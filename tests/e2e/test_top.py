@@ -45,7 +45,7 @@ def top_args(cluster: Cluster) -> list[str]:
     return [KVFABRIC, "top", "--nats-url", cluster.nats_url, "--root", cluster.spec.root]
 
 
-def start_in_terminal(args: list[str]) -> tuple[subprocess.Popen[bytes], int]:
+def start_in_terminal(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:
     """`args` with a pseudo-terminal (200 x 50) as its controlling terminal: its stdin, stdout
     and stderr, so Ctrl-C written to `master` reaches it as SIGINT."""
     master, slave = pty.openpty()
@@ -65,7 +65,7 @@ def start_in_terminal(args: list[str]) -> tuple[subprocess.Popen[bytes], int]:
         stderr=slave,
         preexec_fn=take_terminal,
         close_fds=True,
-        env={**os.environ, "TERM": "xterm-256color", "COLUMNS": "200", "LINES": "50"},
+        env={**env, "TERM": "xterm-256color", "COLUMNS": "200", "LINES": "50"},
     )
     os.close(slave)
     return process, master
@@ -125,7 +125,7 @@ def test_frames_show_live_numbers_and_ctrl_c_stops_it(cluster: Cluster) -> None:
 
     loader = threading.Thread(target=load, daemon=True)
     loader.start()
-    process, master = start_in_terminal(top_args(cluster))
+    process, master = start_in_terminal(top_args(cluster), cluster.admin_env())
     seen: list[str] = []
     try:
         text = read_until(master, seen, lambda t: len(FRAME.findall(t)) >= 3, timeout_s=60)
@@ -157,7 +157,7 @@ def test_once_prints_one_frame_and_exits(cluster: Cluster) -> None:
         capture_output=True,
         text=True,
         timeout=30,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**cluster.admin_env(), "COLUMNS": "200"},
     )
     assert done.returncode == 0, done.stderr
     frames = FRAME.findall(done.stdout)

@@ -22,6 +22,7 @@ from shared.testing import unique_root
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 KVFABRIC = str(Path(sys.executable).parent / "kvfabric")
+JSON = "application/json"
 
 
 def _read_until_ready(process: subprocess.Popen[str], timeout_s: float) -> list[str]:
@@ -105,8 +106,60 @@ def test_up_status_and_clean_stop(tmp_path: Path) -> None:
         scrape = urllib.request.urlopen(listed["router-0"], timeout=5).read().decode()
         assert 'kvfabric_router_decisions_total{instance="router-0"' in scrape
 
+        # Its servers take only clients with credentials; the admin's are printed.
+        creds = re.search(r"export KVF_NATS_CREDS=(\S+)", text).group(1)
+        assert Path(creds) == (tmp_path / "nats-creds" / "admin.nk").resolve()
+        assert Path(creds).stat().st_mode & 0o777 == 0o600
+        admin = os.environ | {"KVF_NATS_CREDS": creds}
+        where = ["--nats-url", nats_url, "--root", root]
+        anonymous = subprocess.run(
+            [KVFABRIC, "keys", "list", *where],
+            env={k: v for k, v in os.environ.items() if k != "KVF_NATS_CREDS"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert anonymous.returncode != 0
+        assert "refused the connection" in anonymous.stderr and "Traceback" not in anonymous.stderr
+        # A user's credentials (role client) serve requests but may not manage keys: the
+        # server refuses the write to the keys bucket.
+        client = os.environ | {"KVF_NATS_CREDS": str(tmp_path / "nats-creds" / "client.nk")}
+        refused = subprocess.run(
+            [KVFABRIC, "keys", "create", "--account", "mallory", *where],
+            env=client,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert refused.returncode != 0
+        assert "refused by NATS: nats: permissions violation" in refused.stderr, refused.stderr
+        # The admin's can; the audit log names who did it (the refused attempt wrote none).
+        created = subprocess.run(
+            [KVFABRIC, "keys", "create", "--account", "acme", "--name", "ops", *where],
+            env=admin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        key_id = created.split()[0]
+        audit = subprocess.run(
+            [KVFABRIC, "audit", *where, "--json"],
+            env=admin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        entries = json.loads(audit.stdout)
+        assert [(e["action"], e["target"], e["outcome"]) for e in entries] == [
+            ("keys.create", "acme", f"ok {key_id}")
+        ]
+        assert "(nkey U" in entries[0]["actor"] and entries[0]["detail"]["name"] == "ops"
+
         status = subprocess.run(
             [KVFABRIC, "status", "--nats-url", nats_url, "--root", root, "--json"],
+            env=admin,
             capture_output=True,
             text=True,
             timeout=60,
@@ -123,6 +176,7 @@ def test_up_status_and_clean_stop(tmp_path: Path) -> None:
 
         table = subprocess.run(
             [KVFABRIC, "status", "--nats-url", nats_url, "--root", root],
+            env=admin,
             capture_output=True,
             text=True,
             timeout=60,
@@ -144,6 +198,7 @@ def test_up_status_and_clean_stop(tmp_path: Path) -> None:
         assert re.search(r'restarts_total\{[^}]*instance_id="billing-0"[^}]*\} 1\.0', scrape)
         table = subprocess.run(
             [KVFABRIC, "status", "--nats-url", nats_url, "--root", root, "--state-dir", tmp_path],
+            env=admin,
             capture_output=True,
             text=True,
             timeout=60,
@@ -160,6 +215,63 @@ def test_up_status_and_clean_stop(tmp_path: Path) -> None:
         order = re.findall(r"stopped (\S+)", rest)
         assert order[0] == "ingress-0" and order[-2] == "kv-index-0" and order[-1] == "nats-server"
         assert [pid for pid in pids if _is_alive(pid)] == []
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_up_with_tls_takes_only_tls_clients_with_credentials(tmp_path: Path) -> None:
+    """`--nats-tls`: the embedded server's certificate comes from a private CA made under the
+    state dir; a client that trusts it and has credentials is served, one that connects
+    without TLS, or without trusting the CA, is refused; the cluster serves requests."""
+    root = unique_root()
+    up = subprocess.Popen(
+        [KVFABRIC, "up", "--engine", "mock", "--nats-tls", "--nats-port", "0", "--http-port"]
+        + ["0", "--state-dir", str(tmp_path), "--root", root, "--models", "tiny-coder"]
+        + ["--dev-api-key", "kvf-dev-tls-0123456789"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        text = "\n".join(_read_until_ready(up, timeout_s=120))
+        url = re.search(r"nats-server\s+(\S+)", text).group(1)
+        assert url.startswith("tls://")
+        ca = re.search(r"export KVF_NATS_TLS_CA=(\S+)", text).group(1)
+        assert Path(ca) == (tmp_path / "nats-tls" / "ca.pem").resolve()
+        creds = re.search(r"export KVF_NATS_CREDS=(\S+)", text).group(1)
+        http_url = re.search(r"HTTP API\s+(http://\S+)", text).group(1)
+        request = urllib.request.Request(
+            f"{http_url}/v1/chat/completions",
+            data=json.dumps(
+                {"model": "tiny-coder", "messages": [{"role": "user", "content": "hi"}]}
+            ).encode(),
+            headers={"authorization": "Bearer kvf-dev-tls-0123456789", "content-type": JSON},
+        )
+        reply = json.loads(urllib.request.urlopen(request, timeout=30).read())
+        assert reply["usage"]["completion_tokens"] > 0
+
+        def status(nats_url: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [KVFABRIC, "status", "--nats-url", nats_url, "--root", root, "--json"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("KVF_NATS_")}
+        trusted = status(url, clean | {"KVF_NATS_CREDS": creds, "KVF_NATS_TLS_CA": ca})
+        assert trusted.returncode == 0, trusted.stderr
+        assert len(json.loads(trusted.stdout)) == 7
+        plain = status(url.replace("tls://", "nats://"), clean | {"KVF_NATS_CREDS": creds})
+        assert plain.returncode != 0 and "Traceback" not in plain.stderr + plain.stdout
+        untrusted = status(url, clean | {"KVF_NATS_CREDS": creds})
+        assert untrusted.returncode != 0 and "is not trusted" in untrusted.stdout
+        up.send_signal(signal.SIGINT)
+        rest, _ = up.communicate(timeout=120)
+        assert up.returncode == 0, rest
     finally:
         if up.poll() is None:
             up.kill()

@@ -115,6 +115,8 @@ def cluster(net: HostNetwork, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield cluster
     finally:
         cluster.stop()
+    refused = cluster.nats_violations()  # every role kept to its permissions, faults or not
+    assert not refused, f"NATS refused {len(refused)}: " + "\n".join(refused[:5])
 
 
 def on_client(cluster: Cluster, coro):  # noqa: ANN001, ANN201
@@ -423,6 +425,7 @@ def test_a_rolling_restart_with_drain_fails_no_request(cluster: Cluster) -> None
                     [KVFABRIC, "drain", instance_id, "--nats-url", cluster.nats_url]
                     + ["--root", cluster.spec.root, "--grace-s", "30", "--timeout-s", "60"]
                 ),
+                env=cluster.admin_env(),
                 capture_output=True,
                 text=True,
                 timeout=90,
