@@ -652,6 +652,7 @@ def _respawn(child: Child) -> None:
     with child.log_path.open("ab") as log:
         child.process = subprocess.Popen(
             child.process.args,
+            env=child.env,  # its role's NATS credentials
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

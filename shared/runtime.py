@@ -122,7 +122,8 @@ class ServiceRuntime:
             self.state = InstanceState.SERVING
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        """(HTTP status, body) of `/health`: 200 only while connected and SERVING."""
+        """(HTTP status, body) of `/readyz` (and `/health`): 200 only while connected and
+        SERVING."""
         connected = self._bus is not None and self._bus.is_connected
         is_ok = connected and self.state is InstanceState.SERVING
         body: dict[str, Any] = {
@@ -135,11 +136,22 @@ class ServiceRuntime:
             body["not_ready"] = self.not_ready_reason
         return (200 if is_ok else 503), body
 
+    def liveness(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of `/livez`: 200 while the process's event loop answers. Not
+        tied to NATS: a server outage must not get every process restarted (readiness takes
+        them out of rotation instead; they reconnect by themselves)."""
+        return 200, {"status": "alive", "instance_id": self.instance_id, "state": str(self.state)}
+
     async def _serve_http(self, host: str, port: int) -> None:
-        """`/health` and `/metrics` on the process's own port (`metrics_port`)."""
+        """`/readyz` (`/health` too), `/livez` and `/metrics` on the process's own port
+        (`metrics_port`)."""
 
         async def health(_: web.Request) -> web.Response:
             status, body = self.health()
+            return web.json_response(body, status=status)
+
+        async def live(_: web.Request) -> web.Response:
+            status, body = self.liveness()
             return web.json_response(body, status=status)
 
         async def metrics(_: web.Request) -> web.Response:
@@ -149,6 +161,8 @@ class ServiceRuntime:
 
         app = web.Application()
         app.router.add_get("/health", health)
+        app.router.add_get("/readyz", health)
+        app.router.add_get("/livez", live)
         app.router.add_get("/metrics", metrics)
         self._http = web.AppRunner(app, access_log=None)
         await self._http.setup()

@@ -31,6 +31,7 @@ from shared.bus import (
     raise_if_error,
 )
 from shared.schema import (
+    BadRequest,
     DeadlineExceeded,
     InternalError,
     NoResponders,
@@ -40,6 +41,7 @@ from shared.schema import (
     decode,
     encode,
 )
+from shared.subjects import INBOX_PREFIX, is_inbox
 
 T = TypeVar("T")
 
@@ -48,6 +50,8 @@ class StreamWriter:
     """Publishes one stream's chunks to its inbox. Not safe for concurrent `send`s."""
 
     def __init__(self, bus: Bus, inbox: str, *, request_id: str = "") -> None:
+        if not is_inbox(inbox):
+            raise BadRequest(f"a stream goes to a reply inbox ({INBOX_PREFIX}.*), not {inbox!r}")
         self._bus = bus
         self.inbox = inbox
         self.request_id = request_id

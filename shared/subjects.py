@@ -61,6 +61,16 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 _ROOT = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 
 
+def is_inbox(subject: str) -> bool:
+    """A reply inbox (`_INBOX.<token>...`): where a worker may stream a request's chunks."""
+    prefix, _, rest = subject.partition(".")
+    return (
+        prefix == INBOX_PREFIX
+        and bool(rest)
+        and all(t and "*" not in t and ">" not in t for t in rest.split("."))
+    )
+
+
 def queue_group(service: str) -> str:
     """The queue group of a service's pooled endpoints is the service's own name."""
     return service

@@ -228,7 +228,9 @@ async def _drive(
     requests: Sequence[TraceRequest],
     generate_requests: Sequence[GenerateRequest],
 ) -> tuple[list[LiveOutcome], float]:
-    bus = await Bus.connect(cluster.nats_url, service="bench", root=cluster.spec.root)
+    bus = await Bus.connect(
+        cluster.nats_url, service="bench", root=cluster.spec.root, creds=cluster.nats_creds
+    )
     try:
         await cluster.wait_ready(bus, timeout_s=config.ready_timeout_s)
         await asyncio.sleep(1.5)  # every worker's first heartbeat reaches the router

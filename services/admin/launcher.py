@@ -232,6 +232,7 @@ class Child:
     log_path: Path
     index: int = 0  # among its service's instances (its HTTP port's offset)
     model: str | None = None
+    env: dict[str, str] | None = None  # what it was started with (its role's credentials)
     is_stopped_on_purpose: bool = False  # by the launcher: not an exit to supervise
     is_exit_handled: bool = False
     started_at: float = field(default_factory=time.monotonic)
@@ -412,7 +413,9 @@ class Cluster:
                 preexec_fn=die_with_parent,
             )
         with self._lock:
-            self.children.append(Child(service, instance_id, process, log_path, index, model))
+            self.children.append(
+                Child(service, instance_id, process, log_path, index, model, env=env)
+            )
             self.supervisor.started(instance_id, service, process.pid)
 
     def child(self, instance_id: str) -> Child:

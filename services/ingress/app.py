@@ -175,8 +175,20 @@ def build_app(services: Services) -> FastAPI:
 
     @app.get("/health", responses={503: {"description": "not ready: the body says why"}})
     async def health() -> JSONResponse:
+        """Readiness, as `/readyz` (kept for clients of the one health check there was)."""
         status, body = services.health()
         return JSONResponse(body, status_code=status)
+
+    @app.get("/readyz", responses={503: {"description": "not ready: the body says why"}})
+    async def readyz() -> JSONResponse:
+        """200 while this ingress takes requests: connected to NATS and serving."""
+        status, body = services.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/livez")
+    async def livez() -> JSONResponse:
+        """200 while the process answers at all (NATS or not): restart it only when not."""
+        return JSONResponse({"status": "alive"})
 
     @app.get("/v1/models", responses=openapi.responses("openai", (401, 503)))
     async def list_models(request: Request, _: Caller = Depends(caller)) -> dict[str, Any]:

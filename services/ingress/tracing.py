@@ -20,7 +20,7 @@ from shared.logging import bind_request, get_logger
 log = get_logger(__name__)
 
 TRACE_ID_HEADER = "x-trace-id"
-UNTRACED_PATHS = frozenset({"/health", "/openapi.json"})
+UNTRACED_PATHS = frozenset({"/health", "/readyz", "/livez", "/openapi.json"})
 _PROPAGATED = (b"traceparent", b"tracestate")
 
 

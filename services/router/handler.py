@@ -52,7 +52,15 @@ from shared.schema import (
     SwaResync,
     num_packed_tokens,
 )
-from shared.subjects import DECODE, PREFILL, ROUTER, SWA_MEMCACHE, VLLM_WORKER
+from shared.subjects import (
+    DECODE,
+    INBOX_PREFIX,
+    PREFILL,
+    ROUTER,
+    SWA_MEMCACHE,
+    VLLM_WORKER,
+    is_inbox,
+)
 from shared.telemetry import REQUEST_ID
 from worker.cost_model import CostModel
 
@@ -73,6 +81,10 @@ def checked_request(request: GenerateRequest) -> RequestBlocks:
         raise BadRequest("the prompt is empty")
     if not request.stream_inbox:
         raise BadRequest("stream_inbox is required: the decode worker streams to it")
+    if not is_inbox(request.stream_inbox):
+        # Workers may publish usage and KV events: a stream aimed there would write into
+        # them with the workers' permissions.
+        raise BadRequest(f"stream_inbox must be a reply inbox ({INBOX_PREFIX}.*)")
     if request.block_size_tokens <= 0:
         raise BadRequest(f"block_size_tokens must be > 0, got {request.block_size_tokens}")
     try:

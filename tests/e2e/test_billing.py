@@ -269,6 +269,7 @@ def test_through_kill_restarts_and_duplicates_each_request_is_one_row(cluster: C
             with child.log_path.open("ab") as log:
                 replacement = subprocess.Popen(
                     child.process.args,
+                    env=child.env,  # its role's NATS credentials
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,

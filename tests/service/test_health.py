@@ -55,6 +55,13 @@ async def test_health_follows_setup_readiness_and_drain(
         url = runtime.metadata["health_url"]
         status, body = await get(url)
         assert (status, body["state"]) == (503, "starting")  # not set up yet
+        base = url.removesuffix("/health")
+        assert (await get(f"{base}/readyz"))[0] == 503
+        # Alive all the same: liveness never waits on readiness (nor on NATS).
+        assert await get(f"{base}/livez") == (
+            200,
+            {"status": "alive", "instance_id": "svc-0", "state": "starting"},
+        )
         finish_setup.set()
         for _ in range(500):  # setup ends, then discovery starts: the reason shows from then on
             status, body = await get(url)
@@ -70,7 +77,7 @@ async def test_health_follows_setup_readiness_and_drain(
     finally:
         runtime.request_stop()
         await asyncio.wait_for(run, 20)
-    assert runtime.state is InstanceState.DRAINING
+    assert runtime.state is InstanceState.STOPPED  # it answered all it received
     assert runtime.health()[0] == 503
 
 
@@ -100,6 +107,8 @@ async def test_ingress_health_is_503_until_serving(
         url = f"{runtime.metadata['http_url']}/health"
         status, body = await get(url)
         assert (status, body["state"], body["nats_connected"]) == (503, "starting", True)
+        assert (await get(f"{runtime.metadata['http_url']}/readyz"))[0] == 503
+        assert await get(f"{runtime.metadata['http_url']}/livez") == (200, {"status": "alive"})
         finish_setup.set()
         for _ in range(500):
             status, body = await get(url)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from shared.schema import pack_block_hashes, pack_token_ids, unpack_block_hashes, unpack_token_ids
-from shared.subjects import Subjects, discovery
+from shared.subjects import Subjects, discovery, is_inbox
 
 
 def test_token_ids_round_trip_from_lists_and_arrays() -> None:
@@ -44,3 +44,10 @@ def test_subjects_under_a_root() -> None:
             Subjects(bad)
     with pytest.raises(ValueError):
         subjects.instance(subjects.decode_run, "decode.3")
+
+
+def test_only_a_reply_inbox_takes_a_stream() -> None:
+    assert is_inbox("_INBOX.abc") and is_inbox("_INBOX.abc.7")
+    for subject in ("", "_INBOX", "_INBOX.", "_INBOX.>", "_INBOX.a.*", "kvf.v1.usage.decode"):
+        assert not is_inbox(subject), subject
+    assert not is_inbox("_INBOXES.a") and not is_inbox("x._INBOX.a")

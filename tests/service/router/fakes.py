@@ -61,7 +61,7 @@ def make_request(
         block_hashes=blocks.packed() if with_hashes else b"",
         block_size_tokens=BLOCK,
         sampling=SamplingParams(max_tokens=max_tokens),
-        stream_inbox="caller-inbox",
+        stream_inbox="_INBOX.caller",
     )
 
 

@@ -183,6 +183,7 @@ async def test_bad_requests_are_refused_before_any_worker_sees_them(
         ),
         "empty": msgspec.structs.replace(request, prompt_token_ids=b"", block_hashes=b""),
         "stream_inbox": msgspec.structs.replace(request, stream_inbox=""),
+        "a reply inbox": msgspec.structs.replace(request, stream_inbox="kvf.v1.usage.decode"),
         "block_size_tokens": msgspec.structs.replace(request, block_size_tokens=0),
     }
     for words, message in bad.items():
@@ -191,8 +192,8 @@ async def test_bad_requests_are_refused_before_any_worker_sees_them(
         assert words in caught.value.message
     assert not p1.jobs and not d1.jobs
     metrics = router.metrics.snapshot()
-    assert metrics['kvfabric_router_rejections_total{code="BAD_REQUEST"}'] == 5
-    assert metrics['kvfabric_router_decisions_total{outcome="rejected"}'] == 5
+    assert metrics['kvfabric_router_rejections_total{code="BAD_REQUEST"}'] == 6
+    assert metrics['kvfabric_router_decisions_total{outcome="rejected"}'] == 6
     assert metrics['kvfabric_router_decisions_total{outcome="routed"}'] == 0
 
 
