@@ -1,0 +1,9 @@
+terraform {
+  required_version = ">= 1.9"
+  required_providers {
+    aws = {
+      source  = "hashicorp/aws"
+      version = ">= 5.80, < 7.0"
+    }
+  }
+}
