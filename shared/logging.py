@@ -39,6 +39,37 @@ def configure_logging(*, service: str, instance_id: str, level: str = "info") ->
     logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr, force=True)
 
 
+def configure_cli_logging(level: str = "warning") -> None:
+    """A command's own log lines: readable, on stderr, warnings and worse, so what a command
+    prints on stdout (a table, JSON) is never mixed with them. A service it runs (`kvfabric
+    serve`) configures its JSON logs over this."""
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="%Y-%m-%d %H:%M:%S", utc=True),
+            structlog.dev.ConsoleRenderer(colors=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        # sys.stderr as it is when a line is written, not when this ran: a command run
+        # in-process (typer's test runner) swaps it for a buffer it closes afterwards.
+        logger_factory=lambda *_: structlog.PrintLogger(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    logging.basicConfig(level=_LEVELS[level], handlers=[_StderrNow()], force=True)
+
+
+class _StderrNow(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler writing to whatever sys.stderr is at the time."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def get_logger(name: str) -> Any:
     return structlog.get_logger(name)
 

@@ -6,7 +6,6 @@ in a namespace of its own, no limits."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 import typer
@@ -20,6 +19,7 @@ from services.admin.keys_cli import (
     parse_limits,
     run_on_store,
 )
+from services.admin.output import check_format, emit, format_option
 from shared.accounts import AccountStore
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
@@ -62,19 +62,23 @@ def list_accounts(
     nats_url: str = NATS_URL,
     root: str = ROOT,
     js_replicas: int = JS_REPLICAS,
-    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    fmt: str = format_option(),
 ) -> None:
     """The accounts with settings of their own (the rest have the defaults)."""
+    check_format(fmt)
     accounts = run_on_store(
         nats_url, root, js_replicas, AccountStore, lambda s: s.list(), "accounts"
     )
-    if as_json:
-        typer.echo(json.dumps([dataclasses.asdict(a) for a in accounts], indent=2))
-        return
-    if not accounts:
-        typer.echo("no account settings: every account has the defaults (cache scope 'account')")
-        return
-    typer.echo(f"{'ACCOUNT':<24} {'CACHE SCOPE':<24} {'UPDATED (UTC)':<20} LIMITS")
-    for a in accounts:
-        updated = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(a.updated_s))
-        typer.echo(f"{a.name:<24} {a.cache_scope:<24} {updated:<20} {a.limits.describe()}")
+
+    def table() -> None:
+        if not accounts:
+            typer.echo(
+                "no account settings: every account has the defaults (cache scope 'account')"
+            )
+            return
+        typer.echo(f"{'ACCOUNT':<24} {'CACHE SCOPE':<24} {'UPDATED (UTC)':<20} LIMITS")
+        for a in accounts:
+            updated = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(a.updated_s))
+            typer.echo(f"{a.name:<24} {a.cache_scope:<24} {updated:<20} {a.limits.describe()}")
+
+    emit(fmt, [dataclasses.asdict(a) for a in accounts], table)

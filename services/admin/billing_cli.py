@@ -1,4 +1,5 @@
-"""`kvfabric billing report|usage`: where the money comes from, read from the ledger.
+"""`kvfabric billing report|usage|migrate`: where the money comes from, read from the ledger;
+its schema brought up to date.
 
 Both read the ledger directly (`--ledger-url`; by default the one `kvfabric up` keeps under
 its state dir), so they work while the cluster runs and after it stopped. Money is exact in
@@ -123,7 +124,7 @@ def usage(
 def _read(ledger_url: str, query):  # noqa: ANN001, ANN202
     """`query(ledger)` on the ledger at `ledger_url`; a ledger that cannot open exits 1."""
     try:
-        ledger = open_ledger(ledger_url)
+        ledger = open_ledger(ledger_url, must_exist=True)
     except LedgerError as exc:
         typer.echo(f"billing: {exc}", err=True)
         raise typer.Exit(1) from exc
@@ -131,3 +132,24 @@ def _read(ledger_url: str, query):  # noqa: ANN001, ANN202
         return query(ledger)
     finally:
         ledger.close()
+
+
+@app.command()
+def migrate(ledger_url: str = LEDGER) -> None:
+    """Bring the ledger's schema up to this version's (billing also does it on start): each
+    migration once, in one transaction, under a lock, so two at once apply it once. A
+    ledger newer than this code is refused, not written."""
+    try:
+        ledger = open_ledger(ledger_url)
+    except LedgerError as exc:
+        typer.echo(f"billing migrate: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    try:
+        versions = ledger.schema_versions()
+    finally:
+        ledger.close()
+    applied = ledger.migrations_applied
+    if applied:
+        typer.echo(f"applied {', '.join(map(str, applied))}: schema version {max(versions)}")
+    else:
+        typer.echo(f"up to date: schema version {max(versions, default=0)}")

@@ -7,12 +7,12 @@ running cluster, `cache` inspects the KV cache and `models` the model cache."""
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import signal
 import sys
 import tempfile
 import time
+from importlib.metadata import version as package_version
 from pathlib import Path
 
 import msgspec
@@ -33,12 +33,14 @@ from services.admin import (
 )
 from services.admin.demo import demo_requests
 from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of, parse_replicas
+from services.admin.output import check_format, emit, format_option
 from services.admin.status import render, render_supervision
 from services.admin.supervisor import RestartPolicy, load_state
 from shared import audit, models
 from shared.bus import Bus
 from shared.config import ENGINES
 from shared.discovery import discover
+from shared.logging import configure_cli_logging
 from shared.metrics import CONTENT_TYPE
 from shared.models import DEFAULT_MODELS
 from shared.nats_auth import authorization_conf, ensure_credentials, seed_path
@@ -53,6 +55,24 @@ from shared.schema import (
 from shared.subjects import DECODE, DEFAULT_ROOT, PREFILL, SERVICES, VLLM_WORKER, Subjects
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
+
+
+def _version(shown: bool) -> None:
+    if shown:
+        typer.echo(f"kvfabric {package_version('kvfabric')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_version, help="print the version and exit"
+    ),
+) -> None:
+    # Every command's own log lines go to stderr: its stdout (tables, JSON) stays clean.
+    configure_cli_logging()
+
+
 app.add_typer(
     cache_cli.app,
     name="cache",
@@ -227,10 +247,12 @@ def audit_command(
     root: str = typer.Option(DEFAULT_ROOT, help="subject root of the cluster", envvar="KVF_ROOT"),
     since_s: float | None = typer.Option(None, help="only records this many seconds old or newer"),
     limit: int = typer.Option(1000, min=1, help="at most this many, the newest"),
-    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    fmt: str = format_option(),
 ) -> None:
     """The audit log: every admin action (keys, accounts, drain, cache) with who did it
     (user@host and the nkey the server checked), oldest first. Needs admin credentials."""
+
+    check_format(fmt)
 
     async def collect() -> list[AuditRecord]:
         bus = await Bus.connect(nats_url, service="admin", root=root, connect_timeout_s=3.0)
@@ -244,13 +266,14 @@ def audit_command(
     except ServiceError as exc:
         typer.echo(f"audit: {exc.message}", err=True)
         raise typer.Exit(1) from exc
-    if as_json:
-        typer.echo(json.dumps([msgspec.structs.asdict(r) for r in records], indent=2))
-        return
-    if not records:
-        typer.echo("no admin action recorded")
-    for entry in records:
-        typer.echo(audit.describe(entry))
+
+    def table() -> None:
+        if not records:
+            typer.echo("no admin action recorded")
+        for entry in records:
+            typer.echo(audit.describe(entry))
+
+    emit(fmt, [msgspec.structs.asdict(r) for r in records], table)
 
 
 @app.command("nats-creds")
@@ -326,11 +349,13 @@ def status(
         help="the state dir of a `kvfabric up`: its supervision (restarts, crash-looping, "
         "failed and degraded services) is shown too, when it has any",
     ),
-    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    fmt: str = format_option(),
     timeout_s: float = typer.Option(0.5, help="how long to collect discovery replies"),
 ) -> None:
-    """List every live instance with its load and metrics URL (from NATS discovery); --json
-    adds each one's metrics. Exit 1 when NATS cannot be reached."""
+    """List every live instance with its load and metrics URL (from NATS discovery); json
+    and csv add each one's metrics (json also the launcher's supervision). Exit 1 when NATS
+    cannot be reached."""
+    check_format(fmt)
 
     async def collect() -> list:
         bus = await Bus.connect(nats_url, service="admin", root=root, connect_timeout_s=3.0)
@@ -345,21 +370,23 @@ def status(
         instances = asyncio.run(collect())
     except ServiceError as exc:
         instances, error = [], exc.message
-    if as_json:
-        body: dict | list = [i.__dict__ for i in instances]
-        if supervision is not None or error:
-            body = {"instances": body, "supervision": supervision, "error": error}
-        typer.echo(json.dumps(body, indent=2))
-    else:
-        if error:
-            typer.echo(f"status: {error}", err=True)
-        elif not instances:
+    if error:
+        typer.echo(f"status: {error}", err=True)
+
+    def table() -> None:
+        if not error and not instances:
             typer.echo(f"no kvfabric instances under root {root!r} at {nats_url}")
-        else:
+        elif instances:
             typer.echo(render(instances))
         if supervision is not None:
             typer.echo("")
             typer.echo(render_supervision(supervision, instances))
+
+    rows = [i.__dict__ for i in instances]
+    document: dict | list = rows
+    if supervision is not None or error:
+        document = {"instances": rows, "supervision": supervision, "error": error}
+    emit(fmt, rows, table, document=document)
     if error:
         raise typer.Exit(1)
 
@@ -585,7 +612,11 @@ async def _up(spec: ClusterSpec, *, serve_forever: bool) -> int:
         )
         # A vLLM worker answers once vLLM has started: minutes on this machine.
         timeout_s = 900.0 if spec.instances(VLLM_WORKER) else 60.0
-        ready = asyncio.create_task(cluster.wait_ready(bus, timeout_s=timeout_s))
+        ready = asyncio.create_task(
+            cluster.wait_ready(
+                bus, timeout_s=timeout_s, on_progress=lambda text: echo(f"starting      {text}")
+            )
+        )
         waiter = asyncio.create_task(stop.wait())
         await asyncio.wait({ready, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():

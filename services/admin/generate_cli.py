@@ -4,7 +4,7 @@ The prompt is tokenized here with `--model`'s own tokenizer (the cluster's worke
 model run the same), block-hashed and sent to the router (`shared.client.generate`). The text is
 streamed to stdout as the decode worker sends it; a summary (cache hits, TTFT, where the
 prefill time went, draft acceptance) goes to stderr, so `kvfabric generate ... > out.py`
-keeps only the model's text. `--json` prints one object instead.
+keeps only the model's text. `--format json` prints one object instead.
 
 `--chat` renders the model's own chat template (tokenizer_config.json's, or the GGUF's) around
 the prompt as one user turn; `--raw` (the default) sends the prompt's tokens as they are,
@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 import typer
 
+from services.admin.output import check_format, format_option
 from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
 from shared.logging import configure_logging
@@ -192,6 +193,9 @@ async def _open_outbox(bus: Bus, directory: Path) -> UsageOutbox:
         return await open_usage_outbox(bus, INGRESS, directory, f"generate-{os.getpid()}")
 
 
+TEXT_FORMATS = ("text", "json")  # a stream of text is not a table
+
+
 def generate_command(
     prompt: str | None = typer.Argument(
         None, metavar="PROMPT", help="prompt text; - reads it from stdin"
@@ -220,9 +224,10 @@ def generate_command(
     state_dir: Path = typer.Option(
         Path(".kvfabric"), help="usage of a lost stream waits in <state-dir>/outbox until stored"
     ),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object at the end"),
+    fmt: str = format_option("text", TEXT_FORMATS),
 ) -> None:
-    """Generate from PROMPT through a running cluster; stream the text to stdout."""
+    """Generate from PROMPT through a running cluster; stream the text to stdout (`--format
+    json`: one JSON object at the end instead, with the usage and timings)."""
     text = read_prompt(prompt, prompt_file)
     name, checkpoint = load_model_files(model)
     if chat:
@@ -245,7 +250,7 @@ def generate_command(
     )
     # Logs go to stderr, and only errors: stdout is the model's text.
     configure_logging(service="admin", instance_id="generate", level="error")
-    printer = None if as_json else TextPrinter()
+    printer = None if check_format(fmt, TEXT_FORMATS) == "json" else TextPrinter()
     try:
         result = asyncio.run(
             _run(

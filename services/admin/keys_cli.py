@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import typer
 
+from services.admin.output import check_format, emit, format_option
 from shared import audit
 from shared.accounts import AccountStore, Limits
 from shared.api_keys import KeyStore
@@ -227,29 +227,31 @@ def list_keys(
     nats_url: str = NATS_URL,
     root: str = ROOT,
     js_replicas: int = JS_REPLICAS,
-    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    fmt: str = format_option(),
 ) -> None:
     """Every key's id, account, label, creation time and state (never the key)."""
+    check_format(fmt)
     records = _run(nats_url, root, js_replicas, lambda store: store.list())
-    if as_json:
-        typer.echo(json.dumps([dataclasses.asdict(r) for r in records], indent=2))
-        return
-    if not records:
-        typer.echo("no API keys")
-        return
-    typer.echo(
-        f"{'KEY ID':<18} {'ACCOUNT':<16} {'NAME':<16} {'CREATED (UTC)':<20} {'STATE':<8} LIMITS"
-    )
-    now = time.time()
-    for r in records:
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.created_s))
-        state = "revoked" if r.revoked else ("expired" if not r.is_live(now) else "active")
-        if r.is_live(now) and r.expires_s:
-            state = "expiring"
+
+    def table() -> None:
+        if not records:
+            typer.echo("no API keys")
+            return
         typer.echo(
-            f"{r.key_id:<18} {r.account:<16} {r.name:<16} {created:<20} {state:<8} "
-            f"{r.limits.describe()}"
+            f"{'KEY ID':<18} {'ACCOUNT':<16} {'NAME':<16} {'CREATED (UTC)':<20} {'STATE':<8} LIMITS"
         )
+        now = time.time()
+        for r in records:
+            created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.created_s))
+            state = "revoked" if r.revoked else ("expired" if not r.is_live(now) else "active")
+            if r.is_live(now) and r.expires_s:
+                state = "expiring"
+            typer.echo(
+                f"{r.key_id:<18} {r.account:<16} {r.name:<16} {created:<20} {state:<8} "
+                f"{r.limits.describe()}"
+            )
+
+    emit(fmt, [dataclasses.asdict(r) for r in records], table)
 
 
 @app.command()

@@ -566,10 +566,19 @@ class Cluster:
         )
         return metrics
 
-    async def wait_ready(self, bus: Bus, timeout_s: float = 60.0) -> list[Instance]:
-        """Until every started instance answers discovery; raises if one exits first."""
+    async def wait_ready(
+        self,
+        bus: Bus,
+        timeout_s: float = 60.0,
+        on_progress: Callable[[str], None] | None = None,
+        progress_every_s: float = 5.0,
+    ) -> list[Instance]:
+        """Until every started instance answers discovery; raises if one exits first.
+        `on_progress` hears, every `progress_every_s`, how many are ready and who is not."""
         expected = {c.instance_id for c in self.children}
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
+        next_progress = started + progress_every_s
         while True:
             dead = self.exited()
             if dead:
@@ -598,9 +607,15 @@ class Cluster:
                             port = int(url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
                             self.pinned_ports.setdefault(i.instance_id, {})[name] = port
                 return instances
+            missing = sorted(expected - {i.instance_id for i in instances})
             if time.monotonic() > deadline:
-                missing = sorted(expected - {i.instance_id for i in instances})
                 raise TimeoutError(f"not up within {timeout_s}s: {', '.join(missing)}")
+            if on_progress is not None and time.monotonic() >= next_progress:
+                next_progress += progress_every_s
+                on_progress(
+                    f"{len(expected) - len(missing)}/{len(expected)} ready after "
+                    f"{time.monotonic() - started:.0f}s; waiting for {', '.join(missing)}"
+                )
             await asyncio.sleep(0.2)
 
     def stop(self, on_progress: Callable[[str], None] | None = None) -> None:

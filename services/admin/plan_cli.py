@@ -1,7 +1,7 @@
 """`kvfabric plan`: the capacity and economics of a deployment, from its traffic, per-GPU
 rates and prices (the model is `services.admin.plan`; the defaults are the reference deployment of
 docs/design.md, 'The reference deployment'). Prints the inputs, then the outputs by group;
-`--json` prints the whole plan as one object instead.
+`--format json` prints the whole plan as one object instead (`csv`: one row per figure).
 
 Options take display units (CNY, tokens); the model takes integer micro-CNY, converted here
 once. A bad value is a usage error naming its option, raised before anything is computed.
@@ -9,11 +9,11 @@ once. A bad value is a usage error naming its option, raised before anything is 
 
 from __future__ import annotations
 
-import json
 import math
 
 import typer
 
+from services.admin.output import check_format, emit, format_option
 from services.admin.plan import Plan, PlanError, PlanInputs, plan
 from services.admin.plan.inputs import MICRO  # micro-CNY per CNY
 
@@ -114,7 +114,7 @@ def plan_command(
         help="GPUs per decode super-node; repeat for each size to plan",
     ),
     usd_per_cny: float = typer.Option(DEFAULTS.usd_per_cny, help="USD per CNY"),
-    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    fmt: str = format_option(),
 ) -> None:
     """What a day's traffic needs in GPUs, servers, SSD and control plane, and what it earns
     per GPU-hour. The defaults are the reference deployment (docs/design.md, 'The reference
@@ -145,8 +145,15 @@ def plan_command(
         )
     except PlanError as exc:
         raise typer.BadParameter(exc.message, param_hint=OPTION_OF_FIELD[exc.field]) from exc
+    check_format(fmt)
     result = plan(inputs)
-    typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else render_plan(result))
+    # CSV: one row per figure (group, name, value), the JSON's groups flattened.
+    rows = [
+        {"group": group, "name": name, "value": value}
+        for group, figures in result.to_dict().items()
+        for name, value in (figures.items() if isinstance(figures, dict) else [("", figures)])
+    ]
+    emit(fmt, rows, lambda: typer.echo(render_plan(result)), document=result.to_dict())
 
 
 def _whole(value: float, option: str) -> int:

@@ -1,5 +1,5 @@
 """`kvfabric status`: every live instance under a root, with its load and where its metrics
-are served (`metrics_url` in its discovery metadata), from discovery. `--json` adds each
+are served (`metrics_url` in its discovery metadata), from discovery. `--format json` adds each
 instance's metrics snapshot (the registry its /metrics serves). With the state dir of a
 `kvfabric up`, also the launcher's supervision: restarts, crash loops, failed and degraded
 services."""

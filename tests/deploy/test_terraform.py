@@ -120,7 +120,7 @@ def module_outputs(terraform: str, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def _kvfabric_plan(*options: str) -> dict[str, Any]:
     result = subprocess.run(
-        [str(KVFABRIC), "plan", "--json", *options],
+        [str(KVFABRIC), "plan", "--format", "json", *options],
         capture_output=True,
         text=True,
         timeout=120,

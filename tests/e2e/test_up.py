@@ -144,7 +144,7 @@ def test_up_status_and_clean_stop(tmp_path: Path) -> None:
         ).stdout
         key_id = created.split()[0]
         audit = subprocess.run(
-            [KVFABRIC, "audit", *where, "--json"],
+            [KVFABRIC, "audit", *where, "--format", "json"],
             env=admin,
             capture_output=True,
             text=True,
@@ -158,7 +158,7 @@ def test_up_status_and_clean_stop(tmp_path: Path) -> None:
         assert "(nkey U" in entries[0]["actor"] and entries[0]["detail"]["name"] == "ops"
 
         status = subprocess.run(
-            [KVFABRIC, "status", "--nats-url", nats_url, "--root", root, "--json"],
+            [KVFABRIC, "status", "--nats-url", nats_url, "--root", root, "--format", "json"],
             env=admin,
             capture_output=True,
             text=True,
@@ -254,7 +254,7 @@ def test_up_with_tls_takes_only_tls_clients_with_credentials(tmp_path: Path) -> 
 
         def status(nats_url: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
             return subprocess.run(
-                [KVFABRIC, "status", "--nats-url", nats_url, "--root", root, "--json"],
+                [KVFABRIC, "status", "--nats-url", nats_url, "--root", root, "--format", "json"],
                 env=env,
                 capture_output=True,
                 text=True,
@@ -268,7 +268,7 @@ def test_up_with_tls_takes_only_tls_clients_with_credentials(tmp_path: Path) -> 
         plain = status(url.replace("tls://", "nats://"), clean | {"KVF_NATS_CREDS": creds})
         assert plain.returncode != 0 and "Traceback" not in plain.stderr + plain.stdout
         untrusted = status(url, clean | {"KVF_NATS_CREDS": creds})
-        assert untrusted.returncode != 0 and "is not trusted" in untrusted.stdout
+        assert untrusted.returncode != 0 and "is not trusted" in untrusted.stderr
         up.send_signal(signal.SIGINT)
         rest, _ = up.communicate(timeout=120)
         assert up.returncode == 0, rest

@@ -100,7 +100,7 @@ async def test_json_prints_one_object(
 ) -> None:
     decode = FakeDecode(await bus_factory("decode", DECODE_ID), [[0, 1], [2], [3]])
     async with cluster(bus_factory, decode):
-        result = await invoke(nats_server, subject_root, "--chat", "hi", "--json")
+        result = await invoke(nats_server, subject_root, "--chat", "hi", "--format", "json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["text"] == "abcd" and data["token_ids"] == [0, 1, 2, 3]

@@ -44,7 +44,7 @@ def test_bad_arguments_exit_2_before_connecting(args: list[str], complaint: str)
 def test_help_lists_the_options() -> None:
     result = runner.invoke(app, ["generate", "--help"])
     assert result.exit_code == 0
-    for option in ("--prompt-file", "--chat", "--raw", "--stop", "--block-size", "--json"):
+    for option in ("--prompt-file", "--chat", "--raw", "--stop", "--block-size", "--format"):
         assert option in result.output
 
 

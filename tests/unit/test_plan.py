@@ -209,7 +209,9 @@ def test_every_input_has_an_option() -> None:
 
 
 def test_cli_json_is_the_plan_of_the_options() -> None:
-    result = runner.invoke(app, ["plan", "--json", "--headroom", "0.25", "--hit-price", "0.05"])
+    result = runner.invoke(
+        app, ["plan", "--format", "json", "--headroom", "0.25", "--hit-price", "0.05"]
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     expected = plan(PlanInputs(headroom_fraction=0.25, hit_price_micro_cny_per_mtok=50_000))
@@ -218,7 +220,7 @@ def test_cli_json_is_the_plan_of_the_options() -> None:
 
 
 def test_cli_defaults_are_the_reference_and_the_table_is_grouped() -> None:
-    as_json = runner.invoke(app, ["plan", "--json"])
+    as_json = runner.invoke(app, ["plan", "--format", "json"])
     assert json.loads(as_json.output) == json.loads(json.dumps(REFERENCE.to_dict()))
     table = runner.invoke(app, ["plan", "--super-node-gpus", "64"])
     assert table.exit_code == 0, table.output

@@ -28,15 +28,22 @@ SQLITE_PREFIX = "sqlite:///"
 POSTGRES_PREFIXES = ("postgresql://", "postgres://")
 
 
-def open_ledger(url: str, *, migrations_dir: Path = MIGRATIONS_DIR) -> Ledger:
+def open_ledger(
+    url: str, *, migrations_dir: Path = MIGRATIONS_DIR, must_exist: bool = False
+) -> Ledger:
     """`sqlite:///relative.db`, `sqlite:////absolute/path.db`, `sqlite:///:memory:`, or a
-    libpq URL `postgresql://user@host:port/db[?options]`."""
+    libpq URL `postgresql://user@host:port/db[?options]`. `must_exist`: a SQLite file that
+    is not there is an error, not a new empty ledger (a reader's typo must not make one)."""
     if url.startswith(SQLITE_PREFIX):
         from services.billing.ledger.sqlite import SqliteLedger
 
         path = url[len(SQLITE_PREFIX) :]
         if not path:
             raise LedgerConfigError(f"ledger url {url!r} names no file")
+        if must_exist and path != ":memory:" and not Path(path).is_file():
+            raise LedgerConfigError(
+                f"no ledger at {path} (billing creates it on start; or pass --ledger-url)"
+            )
         return SqliteLedger(path, migrations_dir=migrations_dir)
     if url.startswith(POSTGRES_PREFIXES):
         from services.billing.ledger.postgres import PostgresLedger  # psycopg only when used
