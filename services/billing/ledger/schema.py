@@ -8,6 +8,13 @@ refused rather than written with the wrong columns.
 
 A file is split into statements at semicolons, after `--` comments are removed: keep both
 out of string literals.
+
+Rolling upgrades: a migration whose file has the line `-- additive` (new tables, new columns
+with defaults: nothing an older writer would get wrong) leaves the database writable by code
+that predates it, so a billing replica of the previous version keeps running while a newer one
+migrates. The database records which applied migrations are additive (`schema_version.additive`,
+from migration 3 on); code that finds versions it does not know refuses only if one of them is
+not additive.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from services.billing.ledger.rows import LedgerError
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 _COMMENT = re.compile(r"--[^\n]*")
+_ADDITIVE = re.compile(r"^--\s*additive\s*$", re.MULTILINE)
 
 
 class Cursor(Protocol):
@@ -37,6 +45,11 @@ class Migration:
     version: int
     name: str
     sql: str
+
+    @property
+    def additive(self) -> bool:
+        """Older code may keep writing after it (the file says `-- additive`)."""
+        return bool(_ADDITIVE.search(self.sql))
 
     def statements(self) -> list[str]:
         text = _COMMENT.sub("", self.sql)
@@ -71,11 +84,18 @@ def apply_migrations(
     cursor.execute("SELECT version FROM schema_version")
     done = {int(row[0]) for row in cursor.fetchall()}
     known = {m.version for m in migrations}
-    if done - known:
-        raise LedgerError(
-            f"the ledger database is at schema version {max(done)}, newer than this code "
-            f"knows ({max(known, default=0)}): upgrade billing before it writes"
+    if unknown := done - known:
+        # Newer than this code: the `additive` column exists (migration 3 added it).
+        cursor.execute("SELECT version, additive FROM schema_version")
+        breaking = sorted(
+            int(v) for v, additive in cursor.fetchall() if v in unknown and not additive
         )
+        if breaking:
+            raise LedgerError(
+                f"the ledger database is at schema version {max(done)}, newer than this code "
+                f"knows ({max(known, default=0)}), and migration {breaking[0]} changed what "
+                "this version writes: upgrade billing before it writes"
+            )
     applied = []
     for migration in migrations:
         if migration.version in done:
@@ -87,5 +107,10 @@ def apply_migrations(
             f"VALUES ({param}, {param}, {param})",
             (migration.version, migration.name, now_ms),
         )
+        if migration.additive:
+            cursor.execute(
+                f"UPDATE schema_version SET additive = 1 WHERE version = {param}",
+                (migration.version,),
+            )
         applied.append(migration.version)
     return applied

@@ -77,34 +77,59 @@ def ledger(ledger_url: str) -> Iterator[Ledger]:
 
 def test_migrations_are_applied_once(ledger_url: str) -> None:
     first = open_ledger(ledger_url)
-    assert first.migrations_applied == [1, 2]
+    assert first.migrations_applied == [1, 2, 3]
     first.record([row("r1")])
     first.close()
     again = open_ledger(ledger_url)
     assert again.migrations_applied == []
-    assert again.schema_versions() == [1, 2]
+    assert again.schema_versions() == [1, 2, 3]
     assert again.count() == 1
     again.close()
     again.close()  # safe twice
+
+
+def _with(tmp_path: Path, name: str, sql: str) -> Path:
+    """This code's migrations and one more: what a newer version of billing would carry."""
+    newer = tmp_path / "migrations"
+    newer.mkdir()
+    for migration in MIGRATIONS_DIR.glob("*.sql"):
+        (newer / migration.name).write_text(migration.read_text())
+    (newer / name).write_text(sql)
+    return newer
 
 
 def test_a_new_migration_is_applied_and_a_newer_database_refused(
     ledger_url: str, tmp_path: Path
 ) -> None:
     open_ledger(ledger_url).close()
-    newer = tmp_path / "migrations"
-    newer.mkdir()
-    for migration in MIGRATIONS_DIR.glob("*.sql"):
-        (newer / migration.name).write_text(migration.read_text())
-    (newer / "0003_note.sql").write_text(
-        "-- a test column\nALTER TABLE usage_ledger ADD COLUMN note TEXT;"
+    newer = _with(
+        tmp_path,
+        "0004_note.sql",
+        "-- a test column\nALTER TABLE usage_ledger ADD COLUMN note TEXT;",
     )
     upgraded = open_ledger(ledger_url, migrations_dir=newer)
-    assert upgraded.migrations_applied == [3]
-    assert upgraded.schema_versions() == [1, 2, 3]
+    assert upgraded.migrations_applied == [4]
+    assert upgraded.schema_versions() == [1, 2, 3, 4]
     upgraded.close()
-    with pytest.raises(LedgerError, match="schema version 3, newer than this code knows"):
+    with pytest.raises(LedgerError, match="schema version 4, newer than this code knows"):
         open_ledger(ledger_url)
+
+
+def test_an_additive_migration_leaves_the_ledger_writable_by_the_older_version(
+    ledger_url: str, tmp_path: Path
+) -> None:
+    """A rolling upgrade: the new billing migrates, the old one (this code) keeps writing."""
+    newer = _with(
+        tmp_path,
+        "0004_note.sql",
+        "-- additive\nALTER TABLE usage_ledger ADD COLUMN note TEXT DEFAULT NULL;",
+    )
+    open_ledger(ledger_url, migrations_dir=newer).close()
+    older = open_ledger(ledger_url)
+    assert older.migrations_applied == []
+    older.record([row("r1")])
+    assert older.count() == 1 and older.get("r1") == row("r1")
+    older.close()
 
 
 def test_duplicates_and_redelivery_leave_one_row_per_request(ledger: Ledger) -> None:
