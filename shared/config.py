@@ -63,6 +63,11 @@ class ServiceConfig:
     # stops serving a model none of whose workers beat (the same rule: shared/load_table.py).
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     shutdown_grace_s: float = 10.0
+    # SIGTERM first drains as `kvfabric drain` does (DRAINING: routers send nothing new; its
+    # running streams finish) for at most this long, then stops: what a Kubernetes rolling
+    # update sends. 0: stop at once (handlers in flight still get shutdown_grace_s). A
+    # second SIGTERM, or SIGINT, stops at once.
+    sigterm_drain_s: float = 0.0
     connect_timeout_s: float = 10.0
     log_level: str = "info"
     otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint; tracing export is off unless set
@@ -103,6 +108,8 @@ class ServiceConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.sigterm_drain_s < 0:
+            raise ConfigError(f"sigterm_drain_s must be >= 0, got {self.sigterm_drain_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be in [0, 65536), got {self.metrics_port}")
         if not 0.0 <= self.trace_sample_ratio <= 1.0:

@@ -8,9 +8,10 @@ and finish in-flight requests within `shutdown_grace_s` -> a last report says ST
 every request it received was answered (a caller still waiting sends again elsewhere) -> the
 service's cleanup hooks -> drain the connection. Every step is safe to repeat.
 
-drain (`DrainRequest` on the instance's drain subject, `kvfabric drain`): planned
-maintenance. The instance reports DRAINING while it keeps heartbeating and serving what it
-has (routers send it nothing new; callers watching its heartbeats see it alive), waits until
+drain (`DrainRequest` on the instance's drain subject, `kvfabric drain`, or SIGTERM when
+`sigterm_drain_s` is set): planned maintenance. The instance reports DRAINING while it keeps
+heartbeating and serving what it has (routers send it nothing new; callers watching its
+heartbeats see it alive), waits until
 `in_flight()` is 0 or the request's grace passes, then stops as above and exits 0 (its
 launcher starts it again at once).
 
@@ -108,6 +109,14 @@ class ServiceRuntime:
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    def _on_sigterm(self) -> None:
+        """Drain first when configured (and set up), as `kvfabric drain` would; a second
+        SIGTERM, or one before the instance serves, stops at once."""
+        if self.config.sigterm_drain_s > 0 and self._is_set_up and self._draining is None:
+            self._draining = asyncio.create_task(self._drain(self.config.sigterm_drain_s))
+        else:
+            self.request_stop()
 
     # -- readiness -----------------------------------------------------------------------
     def hold_ready(self, reason: str) -> None:
@@ -255,8 +264,8 @@ class ServiceRuntime:
         )
         log.info("config", **(self.config.to_log() | {"instance_id": self.instance_id}))
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, self.request_stop)
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
+        loop.add_signal_handler(signal.SIGINT, self.request_stop)
         try:
             self._bus = await Bus.connect(
                 self.config.nats_url,

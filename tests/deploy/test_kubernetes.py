@@ -338,11 +338,11 @@ def test_probes_drain_and_grace_match_the_config(r: Rendered) -> None:
         prestop = container["lifecycle"]["preStop"]["exec"]["command"]
         assert prestop[0] == "sleep", f"{service}: preStop {prestop}"
         budget = config.shutdown_grace_s * (2 if hasattr(config, "usage_outbox_dir") else 1)
-        need = float(prestop[1]) + budget + CLOSE_MARGIN_S
+        need = float(prestop[1]) + config.sigterm_drain_s + budget + CLOSE_MARGIN_S
         grace = pod_spec(deployment)["terminationGracePeriodSeconds"]
         assert grace >= need, f"{service}: terminationGracePeriodSeconds {grace} < {need}"
-        if service in MODEL_WORKERS:  # running sequences and jobs finish, as in a drain
-            assert config.shutdown_grace_s >= drain_default_grace_s(), service
+        if service in MODEL_WORKERS:  # SIGTERM drains first: running work finishes
+            assert config.sigterm_drain_s >= drain_default_grace_s(), service
 
 
 def test_every_variable_set_is_one_the_config_reads(r: Rendered) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 
 import aiohttp
 import pytest
@@ -178,3 +180,44 @@ async def test_metrics_are_served_beside_health_and_match_discovery(
     finally:
         runtime.request_stop()
         await asyncio.wait_for(run, 20)
+
+
+async def test_sigterm_drains_first_when_configured(
+    nats_server: NatsServer, subject_root: str
+) -> None:
+    """With `sigterm_drain_s` (Kubernetes' rolling updates): SIGTERM reports DRAINING and
+    waits for what the instance holds, then stops; unheld, it would have stopped at once."""
+    config = ServiceConfig(
+        nats_url=nats_server.url,
+        root=subject_root,
+        instance_id="svc-0",
+        shutdown_grace_s=0.5,
+        sigterm_drain_s=30.0,
+    )
+    runtime = ServiceRuntime("svc", config)
+    streams = [1]  # one stream running until the test ends it
+    runtime.in_flight = lambda: len(streams)
+    serving = asyncio.Event()
+
+    async def setup(rt: ServiceRuntime) -> None:
+        serving.set()
+
+    run = asyncio.create_task(runtime.run(setup))
+    try:
+        await asyncio.wait_for(serving.wait(), 10)
+        while runtime.state is not InstanceState.SERVING:
+            await asyncio.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+        while runtime.state is not InstanceState.DRAINING:
+            await asyncio.sleep(0.01)
+        assert runtime.health()[0] == 503
+        # Draining, not stopping: it holds a stream and keeps serving it.
+        done, _ = await asyncio.wait({run}, timeout=0.5)
+        assert not done
+        streams.clear()  # the stream ends: the drain completes and the instance stops
+        await asyncio.wait_for(run, 20)
+        assert runtime.state is InstanceState.STOPPED
+    finally:
+        runtime.request_stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(run, 20)
