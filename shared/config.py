@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
+import re
 import socket
+import tomllib
 import types
 import typing
 import uuid
@@ -55,20 +58,29 @@ class ServiceConfig:
     # Copies JetStream keeps of every stream, key-value bucket and object store this process
     # creates: 3 on a three-server NATS cluster (one server may be lost), 1 on a single one.
     js_replicas: int = 1
+    # The subject root every subject, stream and bucket of this cluster is under: several
+    # clusters (or tests) share one NATS server apart.
     root: str = DEFAULT_ROOT
     instance_id: str | None = None  # generated as <service>-<8 hex> when unset
+    # The host it runs on, in heartbeats: routers pair a node's own swa-memcache with it.
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
+    # Seconds between its heartbeats (`LoadReport`s: load, state, liveness).
     heartbeat_s: float = 1.0
     # Another instance silent this long is gone: the router stops routing to it and ingress
     # stops serving a model none of whose workers beat (the same rule: shared/load_table.py).
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    # On stopping, how long requests in flight may take to finish before they are
+    # cancelled (and as long again for a usage outbox to flush).
     shutdown_grace_s: float = 10.0
     # SIGTERM first drains as `kvfabric drain` does (DRAINING: routers send nothing new; its
     # running streams finish) for at most this long, then stops: what a Kubernetes rolling
     # update sends. 0: stop at once (handlers in flight still get shutdown_grace_s). A
     # second SIGTERM, or SIGINT, stops at once.
     sigterm_drain_s: float = 0.0
+    # How long the first connection to NATS is retried before the process gives up (its
+    # server may start after it); once connected, reconnects go on forever.
     connect_timeout_s: float = 10.0
+    # debug, info, warning or error: JSON lines on stderr.
     log_level: str = "info"
     otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint; tracing export is off unless set
     # Finished spans as JSON lines in <trace_dir>/<instance>.jsonl (`kvfabric trace` reads
@@ -81,6 +93,7 @@ class ServiceConfig:
     # (0: any free one; `metrics_url` and `health_url` in discovery metadata); off when unset.
     # `kvfabric up` gives every process one. Ingress also answers /health on its API port.
     metrics_port: int | None = None
+    # The address that port binds (0.0.0.0 where probes and Prometheus come from elsewhere).
     metrics_host: str = "127.0.0.1"
 
     def validate(self) -> None:
@@ -131,6 +144,18 @@ class ServiceConfig:
 C = TypeVar("C", bound=ServiceConfig)
 
 
+CONFIG_ENV = "KVF_CONFIG"  # a TOML configuration file (or --config)
+SHARED_SECTION = "shared"  # the file's table of the fields every service has
+
+
+def config_section(cls: type) -> str:
+    """The file's table of `cls`'s own fields: its service's name (KVF_KV_INDEX_ ->
+    kv-index), `shared` for the fields every service has."""
+    prefix = getattr(cls, "env_prefix", SHARED_ENV_PREFIX)
+    name = prefix[len(SHARED_ENV_PREFIX) :].rstrip("_").lower().replace("_", "-")
+    return name or SHARED_SECTION
+
+
 def load_config(
     cls: type[C],
     argv: Sequence[str] | None = None,
@@ -138,21 +163,26 @@ def load_config(
     prog: str | None = None,
     **overrides: Any,
 ) -> C:
-    """Build and validate `cls` from defaults, `environ`, `argv` flags and `overrides`."""
+    """Build and validate `cls`, each source over the one before: defaults < the
+    configuration file (`--config` or $KVF_CONFIG: its [shared] table, then the service's
+    own) < the environment (KVF_<FIELD>, then KVF_<SERVICE>_<FIELD>) < `argv` flags <
+    `overrides`."""
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
     shared_fields = {f.name for f in dataclasses.fields(ServiceConfig)}
-    values: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):
-        names = [f"{cls.env_prefix}{field.name.upper()}"]
-        if field.name in shared_fields and cls.env_prefix != SHARED_ENV_PREFIX:
-            names.append(f"{SHARED_ENV_PREFIX}{field.name.upper()}")
-        for env_name in names:
-            if env_name in environ:
-                values[field.name] = _convert(environ[env_name], hints[field.name], env_name)
-                break
+    flags: dict[str, Any] = {}
+    config_file = environ.get(CONFIG_ENV) or None
     if argv:
         parser = argparse.ArgumentParser(prog=prog or cls.__name__, description=cls.__doc__)
+        parser.add_argument(
+            "--config",
+            dest="_config_file",
+            default=None,
+            metavar="FILE",
+            help=f"a TOML file: [{SHARED_SECTION}] and [{config_section(cls)}] tables of "
+            f"these settings, under the environment and flags; env {CONFIG_ENV}",
+        )
+        docs = field_docs(cls)
         for field in dataclasses.fields(cls):
             default = (
                 field.default_factory()
@@ -161,6 +191,7 @@ def load_config(
                 else field.default
             )
             env_name = f"{cls.env_prefix}{field.name.upper()}"
+            doc = docs.get(field.name, "")
             parser.add_argument(
                 f"--{field.name.replace('_', '-')}",
                 dest=field.name,
@@ -168,12 +199,24 @@ def load_config(
                 metavar=typing.get_type_hints(cls)[field.name].__name__
                 if isinstance(typing.get_type_hints(cls)[field.name], type)
                 else "VALUE",
-                help=f"default {_jsonable(default)!r}; env {env_name}",
+                help=(f"{doc} " if doc else "")
+                + f"(default {_jsonable(default)!r}; env {env_name})".replace("%", "%%"),
             )
-        parsed = parser.parse_args(list(argv))
-        for name, raw in vars(parsed).items():
+        parsed = vars(parser.parse_args(list(argv)))
+        config_file = parsed.pop("_config_file") or config_file
+        for name, raw in parsed.items():
             if raw is not None:
-                values[name] = _convert(raw, hints[name], f"--{name.replace('_', '-')}")
+                flags[name] = _convert(raw, hints[name], f"--{name.replace('_', '-')}")
+    values: dict[str, Any] = _file_values(cls, Path(config_file), hints) if config_file else {}
+    for field in dataclasses.fields(cls):
+        names = [f"{cls.env_prefix}{field.name.upper()}"]
+        if field.name in shared_fields and cls.env_prefix != SHARED_ENV_PREFIX:
+            names.append(f"{SHARED_ENV_PREFIX}{field.name.upper()}")
+        for env_name in names:
+            if env_name in environ:
+                values[field.name] = _convert(environ[env_name], hints[field.name], env_name)
+                break
+    values.update(flags)
     values.update(overrides)
     try:
         config = cls(**values)
@@ -181,6 +224,81 @@ def load_config(
         raise ConfigError(str(exc)) from exc
     config.validate()
     return config
+
+
+def read_config_file(path: Path) -> dict[str, dict[str, Any]]:
+    """The file's tables: [up], [shared] and one per service."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"configuration file {path}: {exc}") from exc
+    for name, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: {name} = ... outside a table ([shared], [router] ...)")
+    return data
+
+
+def read_table(path: Path, section: str) -> dict[str, Any]:
+    return read_config_file(path).get(section, {})
+
+
+_FIELD_LINE = re.compile(r"^\s+(\w+)\s*:\s*[^=]+(?:=\s*(.*))?$")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's description: the comment lines just above it in its class's source
+    (or the comment after it on its line), as `--help` shows them."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue
+        above: list[str] = []
+        for line in lines:
+            stripped = line.strip()
+            if stripped.startswith("#"):
+                above.append(stripped.lstrip("#").strip())
+                continue
+            match = _FIELD_LINE.match(line)
+            if match and not stripped.startswith(("def ", "@", "return")):
+                trailing = line.split("#", 1)[1].strip() if "  # " in line else ""
+                text = " ".join(above) or trailing
+                if text:
+                    docs[match.group(1)] = text
+            above = []
+    return docs
+
+
+def _file_values(cls: type, path: Path, hints: Mapping[str, Any]) -> dict[str, Any]:
+    """`cls`'s settings from the file: [shared], then [<service>] over it. A key that is not
+    a setting of its table is an error, as a misspelled flag would be."""
+    data = read_config_file(path)
+    shared_fields = {f.name for f in dataclasses.fields(ServiceConfig)}
+    own = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for section, allowed in ((SHARED_SECTION, shared_fields), (config_section(cls), own)):
+        for key, raw in data.get(section, {}).items():
+            if key not in allowed:
+                raise ConfigError(f"{path}: [{section}] {key} is not one of its settings")
+            values[key] = _from_file(raw, hints[key], f"{path} [{section}] {key}")
+    return values
+
+
+def _from_file(raw: Any, hint: Any, source: str) -> Any:
+    """A TOML value as the field's type: strings convert as the environment's do; numbers
+    and booleans must fit the type; an array is a tuple's items."""
+    if isinstance(raw, list):
+        raw = ",".join(str(item) for item in raw)
+    elif isinstance(raw, bool):
+        raw = "true" if raw else "false"
+    elif isinstance(raw, int | float):
+        raw = repr(raw)
+    elif not isinstance(raw, str):
+        raise ConfigError(f"{source}: unsupported value {raw!r}")
+    return _convert(raw, hint, source)
 
 
 def _convert(raw: str, hint: Any, source: str) -> Any:
@@ -224,6 +342,8 @@ class EngineWorkerConfig(ServiceConfig):
     # What this worker serves: a model's name (`kvfabric models list`: tiny-coder,
     # SmolLM2-135M-Instruct) or a path, an HF directory or a .gguf file.
     model: str = "tiny-coder"
+    # Tokens per KV block: the unit of hashing, caching, the store and transfers (every
+    # worker of a model must agree).
     kv_block_size_tokens: int = 64
     # The KV pool: `num_kv_blocks` pages, or (0) as many as fit in `kv_pool_bytes`. A page is
     # every full-attention layer's K and V for one block: 96 KiB for tiny-coder, 2.8 MiB
@@ -231,6 +351,7 @@ class EngineWorkerConfig(ServiceConfig):
     # 1 GiB is 10,922 pages of tiny-coder and 364 of SmolLM2 (23K tokens). Pages are touched
     # as they are used (the pool is zero-filled lazily).
     num_kv_blocks: int = 0
+    # The KV pool's size in bytes when `num_kv_blocks` is 0 (see above).
     kv_pool_bytes: int = 1 << 30
     # Torch threads; 0: every core this process may run on (its CPU affinity). Workers on
     # one host then share the cores through the OS: a prefill with decode idle gets them
@@ -255,6 +376,7 @@ class EngineWorkerConfig(ServiceConfig):
     # worker writes its own subdirectory and reads everyone's.
     store_dir: Path = Path("/tmp/kvfabric/kvstore")
     store_capacity_bytes: int = 8 << 30  # this worker's share
+    # Bytes per file of the store: blocks go into fixed-size slots of files this large.
     store_file_nbytes: int = 256 << 20
     store_backend: str = "nixl:POSIX"  # nixl:GDS, nixl:GDS_MT, nixl:HF3FS, aiofiles
     # NIXL-registered host memory for the prefill -> decode KV handoff; 0: room for one

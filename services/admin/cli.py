@@ -38,7 +38,7 @@ from services.admin.status import render, render_supervision
 from services.admin.supervisor import RestartPolicy, load_state
 from shared import audit, models
 from shared.bus import Bus
-from shared.config import ENGINES
+from shared.config import ENGINES, ConfigError, read_table
 from shared.discovery import discover
 from shared.logging import configure_cli_logging
 from shared.metrics import CONTENT_TYPE
@@ -113,6 +113,33 @@ app.command("trace", short_help="One request's spans as a tree, from `up --trace
 NATS_URL_HELP = "URL of a running NATS server (default: start an embedded one)"
 
 
+def _up_defaults_from_file(ctx: typer.Context, value: Path | None) -> Path | None:
+    """`--config FILE`: its [up] table becomes this command's defaults (click's default
+    map: a flag or its variable still wins). Runs before the other options (eager)."""
+    if value is None:
+        return None
+    try:
+        table = read_table(value, "up")
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--config") from exc
+    names = {
+        opt.lstrip("-").replace("-", "_"): param.name
+        for param in ctx.command.params
+        for opt in param.opts
+        if opt.startswith("--")
+    }
+    defaults = {}
+    for key, item in table.items():
+        name = names.get(key.replace("-", "_"))
+        if name is None or name == "config":
+            raise typer.BadParameter(
+                f"{value}: [up] {key} is not an option of up", param_hint="--config"
+            )
+        defaults[name] = ",".join(map(str, item)) if isinstance(item, list) else item
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
 @app.command()
 def up(
     nats_url: str | None = typer.Option(None, help=NATS_URL_HELP, envvar="KVF_NATS_URL"),
@@ -141,8 +168,16 @@ def up(
     replicas: str = typer.Option("", help="instances per service, e.g. prefill=2,decode=2"),
     state_dir: Path = typer.Option(Path(".kvfabric"), help="JetStream data and service logs"),
     root: str = typer.Option(DEFAULT_ROOT, help="subject root"),
-    log_level: str = typer.Option("info", help="debug|info|warning|error"),
-    shutdown_grace_s: float = typer.Option(10.0, help="how long each service may drain"),
+    log_level: str | None = typer.Option(
+        None,
+        help="debug|info|warning|error, for every service (default: each one's own: "
+        "KVF_LOG_LEVEL, the configuration file, else info)",
+    ),
+    shutdown_grace_s: float | None = typer.Option(
+        None,
+        help="how long each service may drain, for every service (default: each one's own: "
+        "KVF_SHUTDOWN_GRACE_S, the configuration file, else 10)",
+    ),
     models_: str = typer.Option(
         ",".join(DEFAULT_MODELS),
         "--models",
@@ -175,6 +210,16 @@ def up(
         "and left down (the rest serve on)",
     ),
     restart_window_s: float = typer.Option(60.0, help="the window of --restart-budget"),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        is_eager=True,
+        callback=_up_defaults_from_file,
+        envvar="KVF_CONFIG",
+        help="a TOML file: its [up] table gives this command's options (under flags and "
+        "their variables), [shared] and [<service>] tables every service's settings (under "
+        "their environment and the flags up passes: docs/operations.md)",
+    ),
     nats_auth: bool = typer.Option(
         True,
         help="embedded servers take only clients with credentials: one nkey per role (each "
@@ -236,6 +281,7 @@ def up(
         )
     spec.nats_cluster, spec.js_replicas = nats_cluster, js_replicas
     spec.nats_auth, spec.nats_creds_dir, spec.nats_tls = nats_auth, nats_creds_dir, nats_tls
+    spec.config_file = config
     raise typer.Exit(asyncio.run(_up(spec, serve_forever=True)))
 
 

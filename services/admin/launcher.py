@@ -37,6 +37,7 @@ from services.admin.supervisor import (
 from shared import models
 from shared.bus import Bus
 from shared.bus.connection import CREDS_ENV, TLS_CA_ENV
+from shared.config import CONFIG_ENV, ServiceConfig, load_config
 from shared.discovery import Instance, discover
 from shared.metrics import Metrics
 from shared.nats_auth import ADMIN, ROLES, authorization_conf, ensure_credentials, seed_path
@@ -140,8 +141,12 @@ class ClusterSpec:
     # process in start order; 0: any free port (discovery names each: `metrics_url`).
     metrics_port: int = 0
     replicas: dict[str, int] = field(default_factory=dict)
-    log_level: str = "info"
-    shutdown_grace_s: float = 10.0
+    # None: the children's own (their environment, the configuration file, the default);
+    # set, `up` passes it to every child as a flag, over those.
+    log_level: str | None = None
+    shutdown_grace_s: float | None = None
+    # A TOML file every child reads ($KVF_CONFIG): [shared] and one table per service.
+    config_file: Path | None = None
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service flags
     # Per instance flags, after its service's: {"prefill-1": ["--node-id", "node-b"]}.
     instance_args: dict[str, list[str]] = field(default_factory=dict)
@@ -171,6 +176,16 @@ class ClusterSpec:
     # Embedded servers take TLS only (a private CA under <state_dir>/nats-tls; clients trust
     # its ca.pem). An external server's CA: $KVF_NATS_TLS_CA.
     nats_tls: bool = False
+
+    def grace_s(self) -> float:
+        """How long a child may take to drain once stopped: the one given to `up`, else what
+        the children read themselves (their environment and the configuration file)."""
+        if self.shutdown_grace_s is not None:
+            return self.shutdown_grace_s
+        environ = dict(os.environ)
+        if self.config_file is not None:
+            environ[CONFIG_ENV] = str(self.config_file)
+        return load_config(ServiceConfig, environ=environ).shutdown_grace_s
 
     def creds_dir(self) -> Path | None:
         """Where each role's seed lies, or None: connect without credentials."""
@@ -350,13 +365,13 @@ class Cluster:
             self.spec.root,
             "--instance-id",
             instance_id,
-            "--log-level",
-            self.spec.log_level,
-            "--shutdown-grace-s",
-            str(self.spec.shutdown_grace_s),
             "--js-replicas",
             str(self.spec.stream_replicas()),
         ]
+        if self.spec.log_level is not None:
+            args += ["--log-level", self.spec.log_level]
+        if self.spec.shutdown_grace_s is not None:
+            args += ["--shutdown-grace-s", str(self.spec.shutdown_grace_s)]
         if self.spec.trace_dir is not None:
             args += ["--trace-dir", str(self.spec.trace_dir.resolve())]
         if self.spec.otlp_endpoint:
@@ -397,6 +412,8 @@ class Cluster:
         env = os.environ | dict(placement.env if placement is not None else ())
         if placement is not None:
             args = [*placement.prefix, *args]
+        if self.spec.config_file is not None:
+            env[CONFIG_ENV] = str(self.spec.config_file.resolve())
         if (creds := self.spec.creds_dir()) is not None:
             # By environment: vLLM's engine processes (its connector) inherit it too.
             env[CREDS_ENV] = str(seed_path(creds, service).resolve())
@@ -435,7 +452,7 @@ class Cluster:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
-                process.wait(timeout=self.spec.shutdown_grace_s + 5.0)
+                process.wait(timeout=self.spec.grace_s() + 5.0)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
@@ -621,7 +638,7 @@ class Cluster:
     def stop(self, on_progress: Callable[[str], None] | None = None) -> None:
         """SIGTERM each service tier in reverse start order, wait for its drain, then stop the
         nats-server. SIGKILL only what outlives its grace period. Safe to call twice."""
-        grace_s = self.spec.shutdown_grace_s + 5.0
+        grace_s = self.spec.grace_s() + 5.0
         with self._lock:
             self._is_stopping = True
         for service in reversed(START_ORDER):

@@ -18,6 +18,8 @@ class BillingConfig(ServiceConfig):
     ledger_url: str = "sqlite:////tmp/kvfabric/billing/ledger.db"
     pricing_file: Path | None = None  # TOML (services/billing/pricing.py); default prices without
     batch_size: int = 500  # usage records per fetch and per ledger transaction
+    # Seconds a fetch waits to fill a batch: under light traffic a record waits up to this
+    # long before it is priced and committed.
     fetch_timeout_s: float = 1.0
     # A record a replica took but never acknowledged (killed mid-batch) goes to another after
     # this long; longer than a batch's commit ever takes, or batches are delivered twice.

@@ -19,6 +19,7 @@ class DecodeConfig(EngineWorkerConfig):
     # Prompt-lookup drafts (on: agents re-emit code they have seen); drafting is off above
     # spec_max_batch_size running sequences, where it measured slower.
     spec_decode: bool = True
+    # Running sequences above which no drafts are proposed (see spec_decode above).
     spec_max_batch_size: int = 4
     # Each block a sequence fills goes to the store (its window to swa-memcache) at once, not
     # at the end: a request whose worker dies continues elsewhere from there (failover).

@@ -13,11 +13,13 @@ class IngressConfig(ServiceConfig):
 
     env_prefix: ClassVar[str] = "KVF_INGRESS_"
 
+    # Address the HTTP API listens on: 127.0.0.1 this host only, 0.0.0.0 every interface.
     http_host: str = "127.0.0.1"
     http_port: int = 8000  # 0: any free port (the bound URL is published in discovery)
     # Keys: every request presents one (`kvfabric keys create`), or this dev key (account
     # "dev"); require_api_key=false serves anyone (account "anonymous").
     require_api_key: bool = True
+    # The dev key (at least 8 characters), accepted beside created keys; None: no dev key.
     dev_api_key: str | None = None
     max_body_bytes: int = 32 << 20  # 413 past this; a 200K-token context is ~1 MB of JSON
     # A body not all in this long after the request began: 408 (a client trickling it).

@@ -20,7 +20,9 @@ class PrefillConfig(EngineWorkerConfig):
     # else replay the last `swa_replay_tokens` tokens (0: one window W) -- or, with
     # swa_replay=exact, k x W tokens, which reproduces the state exactly.
     swa_use_memcache: bool = True
+    # The replay without a snapshot: bounded (swa_replay_tokens) or exact (k x W tokens).
     swa_replay: str = "bounded"
+    # Tokens a bounded replay recomputes (0: one window W); ignored with swa_replay=exact.
     swa_replay_tokens: int = 0
     handoff_timeout_s: float = 30.0  # decode's pull of the staged suffix
 

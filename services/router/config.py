@@ -13,10 +13,12 @@ class RouterConfig(ServiceConfig):
 
     env_prefix: ClassVar[str] = "KVF_ROUTER_"
 
+    # kv-index shards a match asks (all of them): must equal kv-index's num_shards.
     kv_index_shards: int = 1
     match_timeout_s: float = 0.5  # kv-index match; past it the request is routed cold
     ttft_objective_s: float = 2.0  # reject (OVERLOADED) past this estimated TTFT; 0 = off
     max_queued_tokens: int = 240_000  # per prefill worker, see PolicyConfig
+    # Seconds OVERLOADED's Retry-After says when no decode worker has the free KV pages.
     decode_retry_after_s: float = 5.0
     decode_page_size_tokens: int = 64  # the decode workers' KV page (kv_block_size_tokens)
     max_attempts: int = 2  # prefill tries per request: the first and one retry

@@ -13,7 +13,10 @@ class SwaMemcacheConfig(ServiceConfig):
     env_prefix: ClassVar[str] = "KVF_SWA_MEMCACHE_"
 
     capacity_bytes: int = 8 << 30  # one NIXL-registered buffer, mapped lazily
+    # Seconds a snapshot is held after its put (gets do not extend it), then dropped.
     ttl_s: float = 180.0
+    # Seconds between sweeps that free expired snapshots and ended leases and tell the
+    # routers what is held (a batch even when nothing changed).
     expire_interval_s: float = 10.0
     # Snapshots above this move over NIXL; at or below it they ride inline in NATS messages
     # (NATS' default max payload is 1 MiB, and a few MB there would stall other traffic).
