@@ -182,7 +182,8 @@ def load_config(
             help=f"a TOML file: [{SHARED_SECTION}] and [{config_section(cls)}] tables of "
             f"these settings, under the environment and flags; env {CONFIG_ENV}",
         )
-        docs = field_docs(cls)
+        # Read from the sources only for --help: not every process start.
+        docs = field_docs(cls) if {"-h", "--help"} & set(argv) else {}
         for field in dataclasses.fields(cls):
             default = (
                 field.default_factory()

@@ -155,13 +155,14 @@ class ServiceRuntime:
         """`/readyz` (`/health` too), `/livez` and `/metrics` on the process's own port
         (`metrics_port`)."""
 
-        async def health(_: web.Request) -> web.Response:
-            status, body = self.health()
-            return web.json_response(body, status=status)
+        def answer(check: Callable[[], tuple[int, dict[str, Any]]]) -> Callable:
+            async def handler(_: web.Request) -> web.Response:
+                status, body = check()
+                return web.json_response(body, status=status)
 
-        async def live(_: web.Request) -> web.Response:
-            status, body = self.liveness()
-            return web.json_response(body, status=status)
+            return handler
+
+        health, live = answer(self.health), answer(self.liveness)
 
         async def metrics(_: web.Request) -> web.Response:
             response = web.Response(body=self.metrics.exposition())

@@ -264,6 +264,7 @@ class Cluster:
         # need in $KVF_NATS_CREDS; None: the servers take anyone.
         self.nats_creds: Path | None = None
         self.nats_tls_ca: Path | None = None  # the embedded servers' CA, with `nats_tls`
+        self.grace_s = 10.0  # how long a child may drain once stopped: set by `start`
         self.http_urls: list[str] = []
         self.metrics_urls: dict[str, str] = {}  # instance id -> its /metrics, once ready
         self.supervisor = Supervisor(spec.state_dir, spec.restart_policy)
@@ -277,6 +278,8 @@ class Cluster:
         self._supervising: threading.Thread | None = None
 
     def start(self) -> None:
+        # Read once: the children's own grace comes from their environment and config file.
+        self.grace_s = self.spec.grace_s()
         self.spec.state_dir.mkdir(parents=True, exist_ok=True)
         (self.spec.state_dir / "logs").mkdir(exist_ok=True)
         record_trace_dir(self.spec.state_dir, self.spec.trace_dir)
@@ -328,9 +331,13 @@ class Cluster:
     def admin_env(self) -> dict[str, str]:
         """This environment with the admin credentials: for `kvfabric` commands run against
         this cluster."""
-        env = dict(os.environ)
-        if self.nats_creds is not None:
-            env[CREDS_ENV] = str(self.nats_creds.resolve())
+        return os.environ | self._nats_env(self.nats_creds)
+
+    def _nats_env(self, creds: Path | None) -> dict[str, str]:
+        """The variables that take a process to these servers: its credentials, the CA."""
+        env = {}
+        if creds is not None:
+            env[CREDS_ENV] = str(creds.resolve())
         if self.nats_tls_ca is not None:
             env[TLS_CA_ENV] = str(self.nats_tls_ca.resolve())
         return env
@@ -414,11 +421,9 @@ class Cluster:
             args = [*placement.prefix, *args]
         if self.spec.config_file is not None:
             env[CONFIG_ENV] = str(self.spec.config_file.resolve())
-        if (creds := self.spec.creds_dir()) is not None:
-            # By environment: vLLM's engine processes (its connector) inherit it too.
-            env[CREDS_ENV] = str(seed_path(creds, service).resolve())
-        if self.nats_tls_ca is not None:
-            env[TLS_CA_ENV] = str(self.nats_tls_ca.resolve())
+        # By environment: vLLM's engine processes (its connector) inherit them too.
+        creds = self.spec.creds_dir()
+        env |= self._nats_env(seed_path(creds, service) if creds is not None else None)
         with log_path.open("ab") as log_file:
             process = subprocess.Popen(
                 args,
@@ -452,7 +457,7 @@ class Cluster:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
-                process.wait(timeout=self.spec.grace_s() + 5.0)
+                process.wait(timeout=self.grace_s + 5.0)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
@@ -638,7 +643,7 @@ class Cluster:
     def stop(self, on_progress: Callable[[str], None] | None = None) -> None:
         """SIGTERM each service tier in reverse start order, wait for its drain, then stop the
         nats-server. SIGKILL only what outlives its grace period. Safe to call twice."""
-        grace_s = self.spec.grace_s() + 5.0
+        grace_s = self.grace_s + 5.0
         with self._lock:
             self._is_stopping = True
         for service in reversed(START_ORDER):

@@ -173,12 +173,8 @@ def build_app(services: Services) -> FastAPI:
             raise
         return started
 
+    # /health is kept for clients of the one health check there was.
     @app.get("/health", responses={503: {"description": "not ready: the body says why"}})
-    async def health() -> JSONResponse:
-        """Readiness, as `/readyz` (kept for clients of the one health check there was)."""
-        status, body = services.health()
-        return JSONResponse(body, status_code=status)
-
     @app.get("/readyz", responses={503: {"description": "not ready: the body says why"}})
     async def readyz() -> JSONResponse:
         """200 while this ingress takes requests: connected to NATS and serving."""
