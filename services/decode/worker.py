@@ -203,8 +203,12 @@ class DecodeWorker:
         accepted = JobAccepted(request_id=ready.request_id, instance_id=self.bus.instance_id)
         if state is None:
             raise NotFound(f"no decode job {ready.request_id} here (cancelled or timed out)")
-        if state.joined:
-            return accepted  # a retried prefill's duplicate: the first suffix is in use
+        if state.joined or state.joining:
+            # A retried prefill's duplicate: the first suffix is in use. One that comes while
+            # the first is still being pulled (from a prefill killed after it sent it) must not
+            # join again: the prefix it would take is already taken.
+            return accepted
+        state.joining = True
         try:
             seq_id = await self._join(state, ready)
         except ServiceError as exc:

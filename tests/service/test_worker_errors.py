@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 from pathlib import Path
 
 import msgspec
@@ -36,6 +37,7 @@ from shared.schema import (
     RouteDecision,
     SuffixReady,
     TokenChunk,
+    Unavailable,
 )
 from shared.streams import ChunkReader
 from shared.subjects import DECODE, PREFILL
@@ -251,6 +253,70 @@ async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
         # the failed request is billed all the same
         assert await worker.finisher.outbox.flush(timeout_s=5)
         one_traceback(events)
+
+
+async def test_a_duplicate_suffix_during_the_first_join_is_accepted_not_joined_again(
+    bus_factory: BusFactory, tmp_path: Path
+) -> None:
+    """A prefill killed after it sent its suffix is retried by another, whose suffix can come
+    while the first is still being pulled from the dead one: it is answered and not joined
+    again (the prefix it would take is in use), and the request ends with the first pull's
+    retryable error, never an internal one."""
+    bus = await bus_factory("decode", "decode-0")
+    async with decode_worker(bus, tmp_path) as (worker, config):
+        pulling, release = asyncio.Event(), asyncio.Event()
+        joins: list[str] = []
+
+        async def pull_from_a_dead_prefill(state: Any, ready: SuffixReady) -> int:
+            joins.append(ready.prefill_worker_id)
+            pulling.set()
+            await release.wait()
+            raise Unavailable(f"NIXL READ to {ready.prefill_worker_id} failed")
+
+        worker._join = pull_from_a_dead_prefill  # type: ignore[method-assign]
+        subjects = bus.subjects
+        await bus.serve(Endpoint("run", subjects.decode_run, DecodeJob, worker.handle_job))
+        await bus.serve(
+            Endpoint("suffix", subjects.decode_suffix, SuffixReady, worker.handle_suffix)
+        )
+        caller = await bus_factory("ingress")
+        inbox = await caller.open_inbox()
+        request = build_request(
+            list(range(3, 103)), model=config.model_name, block_size_tokens=BLOCK
+        )
+        request = msgspec.structs.replace(request, stream_inbox=inbox.subject)
+        await caller.request(
+            subjects.instance(subjects.decode_run, "decode-0"),
+            DecodeJob(request=request, decision=decision(request.request_id)),
+            JobAccepted,
+        )
+
+        def ready(prefill_worker_id: str) -> SuffixReady:
+            return SuffixReady(
+                request_id=request.request_id,
+                attempt=0,
+                prefill_worker_id=prefill_worker_id,
+                num_computed_tokens=0,
+                first_block_index=0,
+                num_blocks=0,
+                block_nbytes=worker.runner.layout.block_nbytes,
+                region_offset=0,
+                window_nbytes=0,
+            )
+
+        suffix = subjects.instance(subjects.decode_suffix, "decode-0")
+        first = asyncio.create_task(caller.request(suffix, ready("prefill-0"), JobAccepted))
+        await pulling.wait()
+        second = await caller.request(suffix, ready("prefill-1"), JobAccepted)
+        assert second.request_id == request.request_id
+        release.set()
+        with pytest.raises(Unavailable):
+            await first
+        assert joins == ["prefill-0"]
+        reader = ChunkReader(inbox, TokenChunk, "decode-0", first_chunk_timeout_s=5)
+        with pytest.raises(Unavailable) as ended:
+            await reader.next()
+        assert "prefill-0" in ended.value.message
 
 
 async def test_a_continuation_replaces_the_attempt_a_live_decode_worker_holds(
