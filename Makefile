@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvfabric-installed
 
-.PHONY: demo up test faults check lint bench-bus setup clean models vllm prometheus
+.PHONY: demo up test faults compose check lint bench-bus setup clean models vllm prometheus
 
 setup: $(STAMP)
 
@@ -57,13 +57,21 @@ up: models
 # Two test processes, a test file each at a time (module-scoped clusters stay whole); then
 # the tests marked serial, alone.
 test: models vllm prometheus
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial and not faults"
-	$(PY) -m pytest -q -m "serial and not faults"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial and not faults and not compose"
+	$(PY) -m pytest -q -m "serial and not faults and not compose"
 
 # The fault suite (tests/faults): real faults under agent load on a cluster split over
 # network-namespace hosts (root); .ci/run runs it after make test, in its own budget.
 faults: models
 	$(PY) -m pytest -q -m faults tests/faults
+
+# compose/ for real (tests/deploy/test_compose_up.py): podman, runc and mmdebstrap from Debian
+# where missing (root), the images built (deploy/images/build.sh: the base once, then a few
+# minutes), the whole cluster up on podman-compose, checked, and down again.
+compose: $(STAMP)
+	deploy/images/install-podman.sh
+	deploy/images/build.sh
+	$(PY) -m pytest -q -m compose tests/deploy/test_compose_up.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
