@@ -14,6 +14,7 @@ from shared.discovery import Instance
 COLUMNS = (
     "SERVICE",
     "INSTANCE",
+    "VERSION",  # two side by side during a rolling upgrade
     "MODEL",
     "STATE",
     "INFLIGHT",
@@ -35,6 +36,7 @@ def render(instances: list[Instance]) -> str:
             (
                 i.service,
                 i.instance_id,
+                i.version,
                 i.metadata.get("model", ""),
                 str(load.get("state", "?")),
                 str(load.get("num_inflight", 0)),

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
