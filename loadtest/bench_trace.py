@@ -1,17 +1,21 @@
 """The production trace (loadtest/data/README.md: 12,031 requests, one hour) replayed offline
 through the router's real policy and kv-index's real index, and live through a cluster.
 
-    python -m loadtest.bench_trace [--requests N] [--workers 8] [--speed 8]
-                                   [--capacities 2000000,8000000] [--offline] [--jobs 2]
+    python -m loadtest.bench_trace [--requests N] [--workers 8] [--speeds 1,2,4,8]
+                                   [--capacities 8000000,2000000] [--bandwidths 9,2]
+                                   [--trace PATH] [--offline] [--jobs 2]
 
-Offline (loadtest/trace/offline.py), for each cache capacity per prefill worker (tokens;
-unlimited first): the token hit rate of our policy (`RoutePolicy.choose`), round-robin,
-random and least-loaded, against the upper bound (every block of every earlier request
-cached: the trace's own repeat share), and ours against each baseline. Two more rows: the
-same policy given each worker's own hit (what the router could do with per-writer match
-results), and one store shared by all workers (kvfabric's SSD tier) of the same total size.
-The replay is deterministic: hit rates do not depend on this machine's load. TTFT figures
-are simulated (the cost model's clock), not measured.
+Offline (loadtest/trace/offline.py): every policy -- the router's `kv` (its default),
+`least-loaded` and `round-robin` (the router's own placements) and the oracle (each request
+to the worker with the longest own hit) -- over the grid of per-worker memory (tokens;
+unlimited first) x the store's read bandwidth per GPU (GB/s; unlimited first) x the trace's
+rate. Per cell: hit share by tier (the worker's own memory, the store), the store's bytes
+read per second, TTFT p50/p99/mean; kv's TTFT against least-loaded's and round-robin's, and
+its own-memory hits against the oracle's. Then the rate is raised until round-robin's p99
+passes 30 s (one cell: the tightest memory and bandwidth), and kv's mean TTFT is set against
+round-robin's at the highest rate where round-robin's p99 is still within 30 s. The replay
+is deterministic; TTFT is simulated (the cost model's clock), not measured. `--trace` takes
+another trace in the same (Mooncake) format.
 
 Live (loadtest/trace/live.py; skipped with --offline): the first requests through a
 mock-engine cluster, the hit share its usage reports against the offline prediction for the
@@ -27,11 +31,11 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 from loadtest.results import BenchResult, bench_options
 from loadtest.trace.live import LiveConfig, run_live
-from loadtest.trace.offline import ReplayConfig, ReplayResult, replay
-from loadtest.trace.policies import BASELINES, OURS, OURS_PER_WORKER, POLICY_NAMES
+from loadtest.trace.offline import ORACLE, POLICY_NAMES, ReplayConfig, ReplayResult, replay
 from loadtest.trace.synth import (
     DEFAULT_TRACE,
     PromptHashes,
@@ -39,15 +43,20 @@ from loadtest.trace.synth import (
     load_trace,
     upper_bound_hits,
 )
+from services.router.policy import KV, LEAST_LOADED, ROUND_ROBIN
 from shared.models import model_path, served_name
 from worker.engine.checkpoint import Checkpoint
 
 SHARE = "share of prompt tokens"
+P99_LIMIT_S = 30.0  # round-robin "still answers": its p99 within this
 DEFAULTS: dict[str, object] = {
     "requests": None,  # the whole trace
+    "trace": str(DEFAULT_TRACE),
     "workers": 8,
-    "speed": 8.0,  # 8 workers at 8x the trace's rate: ~60% of their prefill time busy
-    "capacities": "2000000,8000000",
+    "speeds": "1,2,4,8",  # 8 workers at 8x the trace's rate: ~45% of their prefill time busy
+    "capacities": "8000000,2000000",
+    "bandwidths": "9,2",  # GB/s per GPU: the reference's ~9, and a starved store
+    "saturation_speeds": "12,14,16,17,18,19,20",
     "offline": False,
     "jobs": min(os.cpu_count() or 1, 4),
     "model": "tiny-coder",
@@ -56,11 +65,20 @@ DEFAULTS: dict[str, object] = {
     "live_workers": 2,
     "mock_speedup": 10.0,
 }
-QUICK = {"requests": 1000, "capacities": "500000", "live_requests": 40}
+QUICK = {
+    "requests": 1000,
+    "speeds": "8",
+    "capacities": "500000",
+    "bandwidths": "2",
+    "saturation_speeds": "16",
+    "live_requests": 40,
+}
 
 # The requests and their hashes, set before the pool forks: its processes inherit them
 # instead of unpickling 180K ids' hashes per replay.
 _INPUTS: dict[str, object] = {}
+
+Cell = tuple[int | None, float | None, float]  # memory per worker, GB/s per GPU, speed
 
 
 def _replay_one(args: tuple[ReplayConfig, str]) -> ReplayResult:
@@ -68,8 +86,32 @@ def _replay_one(args: tuple[ReplayConfig, str]) -> ReplayResult:
     return replay(_INPUTS["requests"], _INPUTS["prompts"], config, policy)  # type: ignore[arg-type]
 
 
-def _label(capacity: int | None) -> str:
-    return "unlimited" if capacity is None else f"{capacity / 1e6:g}M tokens per worker"
+def _memory(capacity: int | None) -> str:
+    return "unlimited" if capacity is None else f"{capacity / 1e6:g}M"
+
+
+def _bandwidth(gbps: float | None) -> str:
+    return "unlimited" if gbps is None else f"{gbps:g} GB/s"
+
+
+def _cell(cell: Cell) -> str:
+    capacity, gbps, speed = cell
+    return f"memory {_memory(capacity)}, store {_bandwidth(gbps)}, {speed:g}x"
+
+
+def _run_all(
+    base: ReplayConfig, runs: Sequence[tuple[Cell, str]], jobs: int
+) -> dict[tuple[Cell, str], ReplayResult]:
+    tasks = [
+        (replace(base, capacity_tokens=c, store_gbps_per_gpu=g, speed=s), policy)
+        for (c, g, s), policy in runs
+    ]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            outs = list(pool.map(_replay_one, tasks))
+    else:
+        outs = [_replay_one(t) for t in tasks]
+    return dict(zip(runs, outs, strict=True))
 
 
 def offline_table(
@@ -77,94 +119,112 @@ def offline_table(
     requests: list[TraceRequest],
     prompts: PromptHashes,
     base: ReplayConfig,
-    capacities: Sequence[int | None],
+    grid: tuple[Sequence[int | None], Sequence[float | None], Sequence[float]],
+    saturation_speeds: Sequence[float],
     jobs: int,
 ) -> None:
-    """Every policy at every capacity, and the shared store; ratios and figures."""
+    """Every policy in every cell of the grid, then the saturation sweep; ratios, figures
+    and the table."""
     for request in requests:  # hash every prompt once, before the pool forks
         prompts.hashes(request)
     _INPUTS.update(requests=requests, prompts=prompts)
-    runs = [(c, p, False) for c in capacities for p in POLICY_NAMES]
-    runs += [(c, OURS, True) for c in capacities]
-    tasks = [
-        (
-            replace(
-                base,
-                capacity_tokens=c and (c * base.num_workers if shared else c),
-                shared_cache=shared,
-            ),
-            policy,
-        )
-        for c, policy, shared in runs
-    ]
-    if jobs > 1:
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            outs = list(pool.map(_replay_one, tasks))
-    else:
-        outs = [_replay_one(t) for t in tasks]
-    got = {(c, p, s): out for (c, p, s), out in zip(runs, outs, strict=True)}
+    capacities, bandwidths, speeds = grid
+    cells = [(c, g, s) for c in capacities for g in bandwidths for s in speeds]
+    runs = [(cell, p) for cell in cells for p in POLICY_NAMES]
+    tight = (capacities[-1], bandwidths[-1])
+    sweep = [((*tight, s), p) for s in saturation_speeds for p in (KV, ROUND_ROBIN)]
+    total = len(runs) + len(sweep)
+    print(f"trace: {total} offline replays on {jobs} processes ...", file=sys.stderr, flush=True)
+    got = _run_all(base, runs + [r for r in sweep if r not in runs], jobs)
 
     hits = upper_bound_hits(requests, prompts.block_size)
     bound = sum(hits) / sum(r.input_length for r in requests)
     result.figure("upper bound: prompt tokens in blocks seen before", bound, SHARE)
-    num_ids = sum(len(r.hash_ids) for r in requests)
-    seen: set[int] = set()
-    repeats = 0
-    for r in requests:
-        repeats += sum(h in seen for h in r.hash_ids)
-        seen.update(r.hash_ids)
-    result.figure(
-        "trace blocks (512 tokens) repeating an earlier one", repeats / num_ids, "share of blocks"
+    result.note(
+        "cell | policy | hit share: own memory / store | store GB/s read | TTFT p50 / p99 / mean ms"
     )
-    for c in capacities:
-        label = _label(c)
-        ours = got[c, OURS, False].hit_rate
-        result.ratio(f"hit rate / upper bound, ours, {label}", ours, bound, "upper bound", SHARE)
-        for name in BASELINES:
+    for cell in cells:
+        for policy in POLICY_NAMES:
+            out = got[cell, policy]
+            result.note(
+                f"{_cell(cell)} | {policy} | {out.local_hit_rate:.3f} / {out.store_hit_rate:.3f}"
+                f" | {out.store_bytes_per_s / 1e9:.3f} | {out.ttft_s(0.5) * 1e3:,.0f} / "
+                f"{out.ttft_s(0.99) * 1e3:,.0f} / {out.mean_ttft_s * 1e3:,.0f}"
+            )
+    for cell in cells:
+        kv = got[cell, KV]
+        for peer in (LEAST_LOADED, ROUND_ROBIN):
+            for q in (0.5, 0.99):
+                result.ratio(
+                    f"TTFT p{q * 100:g}, kv vs {peer}, {_cell(cell)}",
+                    kv.ttft_s(q),
+                    got[cell, peer].ttft_s(q),
+                    peer,
+                    "s",
+                    1.0,
+                    lower_is_better=True,
+                )
+        result.ratio(
+            f"own-memory hits, kv vs the oracle, {_cell(cell)}",
+            kv.local_hit_rate,
+            got[cell, ORACLE].local_hit_rate,
+            "oracle",
+            SHARE,
+            0.9,
+        )
+        if cell[0] is None and cell[1] is None:
             result.ratio(
-                f"hit rate, ours vs {name}, {label}",
-                ours,
-                got[c, name, False].hit_rate,
-                name,
+                f"hit share, the oracle vs the upper bound, {_cell(cell)}",
+                got[cell, ORACLE].hit_rate,
+                bound,
+                "upper bound",
                 SHARE,
             )
-        result.ratio(
-            f"hit rate, RoutePolicy given per-worker hits vs as is, {label}",
-            got[c, OURS_PER_WORKER, False].hit_rate,
-            ours,
-            "RoutePolicy as is",
-            SHARE,
-        )
-        result.ratio(
-            f"hit rate, ours, one shared store vs a cache per worker, {label}",
-            got[c, OURS, True].hit_rate,
-            ours,
-            "a cache per worker",
-            SHARE,
-        )
-    for c in capacities:
-        for name in POLICY_NAMES:
-            result.figure(f"hit rate, {name}, {_label(c)}", got[c, name, False].hit_rate, SHARE)
-        total = "unlimited" if c is None else f"{c * base.num_workers / 1e6:g}M tokens"
-        result.figure(
-            f"hit rate, ours, one shared store ({total})", got[c, OURS, True].hit_rate, SHARE
-        )
-    result.figure(
-        f"simulated prefill utilization, ours, {_label(None)}",
-        got[None, OURS, False].utilization,
-        "share of worker time",
-    )
-    tight = capacities[-1]
-    for name in POLICY_NAMES:
-        out = got[tight, name, False]
-        for q in (0.5, 0.99):
-            result.figure(
-                f"simulated TTFT p{q * 100:g}, {name}, {_label(tight)}", out.ttft_s(q) * 1e3, "ms"
-            )
+    _saturation(result, got, tight, sorted({*saturation_speeds, *speeds}))
     result.note(
-        f"offline: {len(requests):,} requests at {base.speed:g}x the trace's rate, "
-        f"{base.num_workers} prefill workers (a node each) with a cache each, LRU past "
-        "capacity; deterministic (no wall clock involved)"
+        f"offline: {len(requests):,} requests, {base.num_workers} prefill workers (a node "
+        "each) with their own memory (LRU past capacity) over one store that keeps every "
+        f"block; KV {base.cost.kv_bytes_per_token:,} bytes/token; deterministic (no wall "
+        "clock involved)"
+    )
+
+
+def _saturation(
+    result: BenchResult,
+    got: dict[tuple[Cell, str], ReplayResult],
+    tight: tuple[int | None, float | None],
+    speeds: Sequence[float],
+) -> None:
+    """kv's mean TTFT against round-robin's at the highest rate where round-robin's p99 is
+    within P99_LIMIT_S."""
+    answered = [
+        s
+        for s in speeds
+        if ((*tight, s), ROUND_ROBIN) in got
+        and ((*tight, s), KV) in got
+        and got[(*tight, s), ROUND_ROBIN].ttft_s(0.99) <= P99_LIMIT_S
+    ]
+    for s in speeds:
+        if ((*tight, s), ROUND_ROBIN) in got and ((*tight, s), KV) in got:
+            rr, kv = got[(*tight, s), ROUND_ROBIN], got[(*tight, s), KV]
+            result.note(
+                f"saturation: {_cell((*tight, s))}: round-robin p99 {rr.ttft_s(0.99):,.1f} s, "
+                f"mean {rr.mean_ttft_s * 1e3:,.0f} ms; kv p99 {kv.ttft_s(0.99):,.1f} s, mean "
+                f"{kv.mean_ttft_s * 1e3:,.0f} ms; utilization {kv.utilization:.2f}"
+            )
+    if not answered:
+        result.note(f"saturation: round-robin's p99 passed {P99_LIMIT_S:g} s at every rate")
+        return
+    edge = (*tight, max(answered))
+    result.ratio(
+        f"mean TTFT, kv vs round-robin at the highest rate where round-robin's p99 <= "
+        f"{P99_LIMIT_S:g} s ({_cell(edge)})",
+        got[edge, KV].mean_ttft_s,
+        got[edge, ROUND_ROBIN].mean_ttft_s,
+        "round-robin",
+        "s",
+        1 / 25,
+        lower_is_better=True,
     )
 
 
@@ -193,28 +253,35 @@ def live_figures(result: BenchResult, trace: list[TraceRequest], config: LiveCon
     result.note("live: TTFT on the wall clock of a shared machine (noisy)")
 
 
-def _capacities(text: str) -> list[int | None]:
+def _values(text: str, what: str, cast: type) -> list:
     try:
-        values = [int(float(v)) for v in text.split(",") if v.strip()]
+        values = [cast(float(v)) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"capacities must be token counts separated by commas: {text!r}") from None
-    if any(v <= 0 for v in values):
-        raise ValueError(f"capacities must be > 0: {text!r}")
-    return [None, *sorted(values, reverse=True)]
+        raise ValueError(f"{what} must be numbers separated by commas: {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{what} must be > 0: {text!r}")
+    return values
 
 
 def run(quick: bool = False, **options: object) -> BenchResult:
-    """Options: the CLI's (requests, workers, speed, capacities, offline, jobs, model,
-    live_requests, live_speed, live_workers, mock_speedup). Quick: 1,000 requests, one
-    bounded capacity, 40 live requests."""
+    """Options: the CLI's (requests, trace, workers, speeds, capacities, bandwidths,
+    saturation_speeds, offline, jobs, model, live_requests, live_speed, live_workers,
+    mock_speedup). Quick: 1,000 requests, one cell and one rate of the sweep, 40 live
+    requests."""
     args = bench_options(DEFAULTS, options, QUICK if quick else None)
     result = BenchResult("trace", quick)
-    trace = load_trace(DEFAULT_TRACE, args.requests)
+    trace = load_trace(Path(args.trace), args.requests)
     vocab_size = Checkpoint(model_path(args.model)).config().vocab_size
     prompts = PromptHashes(served_name(args.model), vocab_size)
-    base = ReplayConfig(num_workers=args.workers, speed=args.speed)
+    base = ReplayConfig(num_workers=args.workers)
+    capacities = [None, *sorted(_values(args.capacities, "capacities", int), reverse=True)]
+    bandwidths = [None, *sorted(_values(args.bandwidths, "bandwidths", float), reverse=True)]
+    speeds = sorted(_values(args.speeds, "speeds", float))
+    saturation = sorted(_values(args.saturation_speeds, "saturation_speeds", float))
     print(f"trace: offline replay of {len(trace):,} requests ...", file=sys.stderr, flush=True)
-    offline_table(result, trace, prompts, base, _capacities(args.capacities), args.jobs)
+    offline_table(
+        result, trace, prompts, base, (capacities, bandwidths, speeds), saturation, args.jobs
+    )
     if not args.offline:
         print("trace: live replay ...", file=sys.stderr, flush=True)
         live = LiveConfig(
@@ -231,17 +298,27 @@ def run(quick: bool = False, **options: object) -> BenchResult:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, help="the first N requests (default: all)")
+    parser.add_argument("--trace", default=DEFAULTS["trace"], help="a trace in Mooncake's format")
     parser.add_argument("--workers", type=int, default=DEFAULTS["workers"])
     parser.add_argument(
-        "--speed",
-        type=float,
-        default=DEFAULTS["speed"],
-        help="the trace's arrivals, this many times faster",
+        "--speeds",
+        default=DEFAULTS["speeds"],
+        help="the trace's rate multiples of the grid, comma-separated",
     )
     parser.add_argument(
         "--capacities",
         default=DEFAULTS["capacities"],
-        help="cache sizes per worker, tokens, comma-separated (unlimited too)",
+        help="each worker's own memory, tokens, comma-separated (unlimited too)",
+    )
+    parser.add_argument(
+        "--bandwidths",
+        default=DEFAULTS["bandwidths"],
+        help="the store's read bandwidth per GPU, GB/s, comma-separated (unlimited too)",
+    )
+    parser.add_argument(
+        "--saturation-speeds",
+        default=DEFAULTS["saturation_speeds"],
+        help="rates of the sweep that looks for round-robin's 30 s p99",
     )
     parser.add_argument("--offline", action="store_true", help="skip the live replay")
     parser.add_argument(

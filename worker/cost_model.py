@@ -3,7 +3,8 @@ to first token with it, and the mock's simulated model sleeps what it says for e
 (its store loads are real reads), so a router driven against mock workers is judged against
 its own assumptions, not another model's.
 
-    prefill = compute of the uncached tokens + load of the hit tokens + replay of the window
+    prefill = compute of the uncached tokens + load of the hit tokens (from the worker's own
+              memory, or from the shared store) + replay of the window
     decode step = a fixed part + a part per sequence + a part per context token attended
 
 The rates default to the reference deployment's per-GPU figures (docs/design.md, 'The
@@ -13,10 +14,10 @@ The TTFT the router compares against its objective is Mooncake's Conductor form
 (`T_queue + T_prefill(uncached) + T_transfer`), in seconds, rather than Dynamo's weighted
 overlap score.
 
-Queue wait counts queued tokens at the compute rate: a worker reports (and the router counts
-in flight) the tokens it still has to *compute*. Loading a queued job's hit tokens is left
-out of the wait because at the reference mix it overlaps with compute (1.5M tokens/s at 96%
-hit is exactly 60K miss tokens/s of compute, so the loads cannot be on the critical path).
+Queue wait counts queued tokens at the compute rate: a worker reports the tokens it still
+has to *compute*; the router counts a job it sends as its compute, replay and loads in
+compute-token equivalents (`queue_tokens_of`'s `load_s`: a worker loads a job's prefix before
+computing it, and a saturated store can make the load the larger part).
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ REPLAY_TOKENS = 128
 # and 32.5 us per sequence. An assumption, not a measurement.
 DECODE_STEP_BASE_S = 0.010
 DECODE_STEP_PER_SEQ_S = 0.0000325
+# KV of the full-attention layers per token (`kvfabric plan`'s default): 9 GB/s per GPU of the
+# store's 10 TiB/s is 1.46M tokens/s, the load rate above.
+KV_BYTES_PER_TOKEN = 6_144
+# A worker's own host-memory tier into its device: PCIe Gen5 x16 sustains ~25 GB/s of its
+# 64 GB/s (an assumption, not a measurement); blocks in its device pool cost nothing.
+HOST_LOAD_BYTES_PER_S = 25e9
 
 
 class CostModelError(ValueError):
@@ -47,17 +54,18 @@ class PrefillEstimate:
 
     queue_wait_s: float
     compute_s: float
-    load_s: float
+    load_s: float  # from the shared store, waiting for its bandwidth included
     replay_s: float
+    local_load_s: float = 0.0  # from the worker's own memory
 
     @property
     def ttft_s(self) -> float:
-        return self.queue_wait_s + self.compute_s + self.load_s + self.replay_s
+        return self.queue_wait_s + self.own_s
 
     @property
     def own_s(self) -> float:
         """The request's own prefill time, what an idle worker would take."""
-        return self.compute_s + self.load_s + self.replay_s
+        return self.compute_s + self.local_load_s + self.load_s + self.replay_s
 
 
 @dataclass(frozen=True)
@@ -73,9 +81,17 @@ class CostModel:
     # Attention reads every context token's KV each step. No published figure to derive it
     # from, so off by default; tests and load generators set it.
     decode_step_per_context_token_s: float = 0.0
+    kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
+    host_load_bytes_per_s: float = HOST_LOAD_BYTES_PER_S
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tokens_per_s", "load_tokens_per_s", "replay_tokens_per_s"):
+        for name in (
+            "prefill_tokens_per_s",
+            "load_tokens_per_s",
+            "replay_tokens_per_s",
+            "kv_bytes_per_token",
+            "host_load_bytes_per_s",
+        ):
             if not getattr(self, name) > 0:
                 raise CostModelError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in (
@@ -96,14 +112,31 @@ class CostModel:
         return min(self.replay_tokens, num_cached_tokens)
 
     def prefill_s(
-        self, num_computed_tokens: int, num_loaded_tokens: int = 0, num_replayed_tokens: int = 0
+        self,
+        num_computed_tokens: int,
+        num_loaded_tokens: int = 0,
+        num_replayed_tokens: int = 0,
+        num_local_tokens: int = 0,
     ) -> float:
-        """Serial time of computing, loading and replaying that many tokens."""
+        """Serial time of computing, loading (from the store; `num_local_tokens` from the
+        worker's own memory) and replaying that many tokens."""
         return (
             num_computed_tokens / self.prefill_tokens_per_s
             + num_loaded_tokens / self.load_tokens_per_s
+            + self.local_load_s(num_local_tokens)
             + num_replayed_tokens / self.replay_tokens_per_s
         )
+
+    def local_load_s(self, num_tokens: int) -> float:
+        """Loading from the worker's own host memory into its device."""
+        return num_tokens * self.kv_bytes_per_token / self.host_load_bytes_per_s
+
+    def store_load_s(self, num_tokens: int) -> float:
+        """Reading from the shared store at one GPU's rate, the store not saturated."""
+        return num_tokens / self.load_tokens_per_s
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        return num_tokens * self.kv_bytes_per_token
 
     def queue_wait_s(self, num_queued_tokens: int) -> float:
         return max(num_queued_tokens, 0) / self.prefill_tokens_per_s
@@ -119,22 +152,36 @@ class CostModel:
         num_prompt_tokens: int,
         num_cached_tokens: int,
         has_swa_snapshot: bool,
+        num_local_tokens: int = 0,
+        store_load_s: float | None = None,
     ) -> PrefillEstimate:
-        """The router's estimate for one request on one worker."""
+        """The router's estimate for one request on one worker: of the cached tokens, the
+        first `num_local_tokens` are in the worker's own memory, the rest are read from the
+        store in `store_load_s` (default: at one GPU's rate, the store not saturated)."""
+        num_store_tokens = num_cached_tokens - num_local_tokens
+        if store_load_s is None:
+            store_load_s = self.store_load_s(num_store_tokens)
         return PrefillEstimate(
             queue_wait_s=self.queue_wait_s(num_queued_tokens),
             compute_s=(num_prompt_tokens - num_cached_tokens) / self.prefill_tokens_per_s,
-            load_s=num_cached_tokens / self.load_tokens_per_s,
+            load_s=store_load_s,
             replay_s=self.replay_s(num_cached_tokens, has_swa_snapshot),
+            local_load_s=self.local_load_s(num_local_tokens),
         )
 
     def queue_tokens_of(
-        self, num_prompt_tokens: int, num_cached_tokens: int, has_swa_snapshot: bool
+        self,
+        num_prompt_tokens: int,
+        num_cached_tokens: int,
+        has_swa_snapshot: bool,
+        load_s: float = 0.0,
     ) -> int:
         """Tokens a job adds to its prefill worker's queue: what it has to compute, with a
-        replay counted in compute-token equivalents."""
+        replay (and `load_s` of loads that do not overlap compute: a store read slowed by
+        its bandwidth) counted in compute-token equivalents."""
         replay_s = self.replay_s(num_cached_tokens, has_swa_snapshot)
-        return num_prompt_tokens - num_cached_tokens + round(replay_s * self.prefill_tokens_per_s)
+        extra_s = replay_s + load_s
+        return num_prompt_tokens - num_cached_tokens + round(extra_s * self.prefill_tokens_per_s)
 
     # -- decode --------------------------------------------------------------------------
     def decode_step_s(self, num_seqs: int, num_context_tokens: int = 0) -> float:

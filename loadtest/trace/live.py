@@ -171,7 +171,6 @@ def run_live(trace: Sequence[TraceRequest], config: LiveConfig) -> LiveResult:
         prompts,
         ReplayConfig(
             num_workers=config.num_workers,
-            shared_cache=True,
             speed=config.speed,
             cost=sped_up(CostModel(), config.mock_speedup),
             max_output_tokens=config.max_output_tokens,

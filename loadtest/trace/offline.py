@@ -1,27 +1,31 @@
 """The trace replayed without NATS through the router's real `RoutePolicy` and `LoadTable`
-and kv-index's real `KvIndex`, on a simulated clock.
+and kv-index's real `KvIndex`, on a simulated clock, over two tiers: each prefill worker's own
+memory (an LRU cache of `capacity_tokens`) and the shared store every worker writes what it
+computes to and reads from (unbounded, as 100 PiB is for a day, at `store_gbps_per_gpu` x the
+workers of aggregate read bandwidth).
 
-Per request, at its (time-scaled) arrival: the router's facts (`RequestFacts`: the longest
-hit any cache holds, capped by `RequestBlocks` at the blocks a job may reuse; the nodes
-holding that boundary's window), then the prefill worker from `RoutePolicy.choose` (ours),
-from a baseline that ignores the cache (policies.py), or from RoutePolicy's estimate given
-each worker's own hit (`ours-per-worker-hit`, what the router could do if its facts were per
-worker); the decode worker is always `choose`'s, and the in-flight deltas are recorded as
-the router records them. The chosen worker's own cache gives the hit it really gets
-(refreshed, as a read is).
+Per request, at its (time-scaled) arrival: the router's facts (`RequestFacts`: the store's
+longest hit, capped by `RequestBlocks` at the blocks a job may reuse; each worker's own hit;
+the nodes holding that boundary's window), then the placement: the router's own (`kv`,
+`least-loaded`, `round-robin`: `PolicyConfig.placement`, one copy of each, in the router), or
+the oracle (each request to the worker with the longest own hit, ties by load). The decode
+worker is always `choose`'s, and the in-flight deltas are recorded as the router records
+them. The chosen worker's memory gives the hit it loads from its own tier (refreshed, as a
+read is); the store gives the rest of the cached prefix.
 
 Workers follow the cost model the router estimates with (`worker.cost_model`), as the mock
-engine does: a prefill worker runs its jobs first come, first served, each taking compute
-of the uncached tokens + load of the cached ones + a bounded replay without the window;
-when one ends, its new blocks go to its cache as a BlocksStored batch and its window to its
-node's memcache, and decode starts (`output_length` steps at the batch's step time). At the
-end decode writes the prompt's last complete block (the one holding its last token) into
-the same cache, as the real decode worker writes it to the store; answer blocks are not
-stored (synthetic prompts never contain them). Each worker reports its load (`LoadReport`)
-every `heartbeat_s`.
+engine does: a prefill worker runs its jobs first come, first served, each taking compute of
+the uncached tokens + the load of its own hit from host memory + the read of the rest from the
+store (`StoreReads`: behind the reads before it at the store's bandwidth, never faster than
+one GPU ingests) + a bounded replay without the window; when one ends, its new blocks go to
+its memory and the store, its window to its node's memcache, and decode starts
+(`output_length` steps at the batch's step time). At the end decode writes the prompt's last
+complete block (the one holding its last token) to the store, as the real decode worker does;
+answer blocks are not stored (synthetic prompts never contain them). Each worker reports its
+load (`LoadReport`) every `heartbeat_s`.
 
 Admission is off (no TTFT objective, no queue bound, decode pages without limit), so every
-policy serves every request and the hit rates compare placement alone.
+policy serves every request and the figures compare placement alone.
 """
 
 from __future__ import annotations
@@ -33,17 +37,29 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from loadtest.trace.caches import Caches, WindowMap
-from loadtest.trace.policies import BASELINES, OURS, OURS_PER_WORKER, POLICY_NAMES, baseline
+from loadtest.trace.caches import BlockCache, Caches, WindowMap
 from loadtest.trace.synth import PromptHashes, TraceRequest, arrivals_s
 from loadtest.trace.workers import Job, SimDecode, SimPrefill
-from services.router.policy import PolicyConfig, Rejection, RequestFacts, RoutePolicy
+from services.router.policy import (
+    KV,
+    LEAST_LOADED,
+    PLACEMENTS,
+    ROUND_ROBIN,
+    PolicyConfig,
+    Rejection,
+    RequestFacts,
+    RoutePolicy,
+)
+from services.router.store_reads import StoreReads
 from shared.blocks import RequestBlocks
 from shared.load_table import LoadTable
 from shared.schema import LoadReport, RouteDecision
 from shared.subjects import DECODE, PREFILL
 from worker.cost_model import CostModel
 
+ORACLE = "oracle"  # each request to the worker with the longest own hit, ties by load
+POLICY_NAMES = (*PLACEMENTS, ORACLE)
+BASELINES = (LEAST_LOADED, ROUND_ROBIN)
 ROUTER_ID = "router-offline"
 DECODE_PAGES = 1 << 40  # per decode worker: none ever waits for pages here
 MIN_TTL_S = 600.0
@@ -54,33 +70,44 @@ _DONE, _HEARTBEAT, _ARRIVAL = 0, 1, 2
 @dataclass(frozen=True)
 class ReplayConfig:
     num_workers: int = 8  # prefill workers (each on a node of its own), and as many decode
-    capacity_tokens: int | None = None  # each cache's (None: unlimited)
-    shared_cache: bool = False  # one store all workers read, instead of a cache per worker
+    capacity_tokens: int | None = None  # each worker's own memory (None: unlimited)
+    # The store's read bandwidth per prefill GPU, GB/s (None: unlimited); the reference
+    # deployment's 10 TiB/s over ~1,200 prefill GPUs is ~9.
+    store_gbps_per_gpu: float | None = None
     speed: float = 1.0  # the trace replayed at this many times its rate
     cost: CostModel = field(default_factory=CostModel)
     heartbeat_s: float = 1.0
     max_output_tokens: int | None = None  # cap on each request's decode (None: the trace's)
     window_ttl_s: float = 180.0
-    seed: int = 0  # of the random baseline
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0:
             raise ValueError(f"num_workers must be > 0, got {self.num_workers}")
         if self.capacity_tokens is not None and self.capacity_tokens <= 0:
             raise ValueError(f"capacity_tokens must be > 0, got {self.capacity_tokens}")
+        if self.store_gbps_per_gpu is not None and not self.store_gbps_per_gpu > 0:
+            raise ValueError(f"store_gbps_per_gpu must be > 0, got {self.store_gbps_per_gpu}")
         if not self.speed > 0 or not self.heartbeat_s > 0:
             raise ValueError("speed and heartbeat_s must be > 0")
         if self.max_output_tokens is not None and self.max_output_tokens <= 0:
             raise ValueError(f"max_output_tokens must be > 0, got {self.max_output_tokens}")
+
+    @property
+    def store_bytes_per_s(self) -> float | None:
+        """The store's aggregate read bandwidth."""
+        if self.store_gbps_per_gpu is None:
+            return None
+        return self.store_gbps_per_gpu * 1e9 * self.num_workers
 
 
 @dataclass(frozen=True)
 class Outcome:
     index: int  # the request's position in the trace
     num_prompt_tokens: int
-    num_cached_tokens: int
+    num_cached_tokens: int  # from the worker's own memory and the store
     prefill_worker_id: str
     ttft_s: float  # arrival -> the first decode step's end, on the simulated clock
+    num_local_tokens: int = 0  # of the cached, from the worker's own memory
 
 
 @dataclass
@@ -88,18 +115,38 @@ class ReplayResult:
     policy: str
     config: ReplayConfig
     outcomes: list[Outcome]  # in trace order
-    num_blocks_evicted: int
+    num_blocks_evicted: int  # from the workers' memories
     utilization: float  # of the prefill workers: busy time over theirs from 0 to the last end
+    store_bytes_read: int = 0
+    end_s: float = 0.0  # the last prefill's end
 
     @property
     def hit_rate(self) -> float:
-        """Cached prompt tokens over all prompt tokens."""
+        """Cached prompt tokens (both tiers) over all prompt tokens."""
         total = sum(o.num_prompt_tokens for o in self.outcomes)
         return sum(o.num_cached_tokens for o in self.outcomes) / total
+
+    @property
+    def local_hit_rate(self) -> float:
+        """Prompt tokens loaded from the workers' own memory over all prompt tokens."""
+        total = sum(o.num_prompt_tokens for o in self.outcomes)
+        return sum(o.num_local_tokens for o in self.outcomes) / total
+
+    @property
+    def store_hit_rate(self) -> float:
+        return self.hit_rate - self.local_hit_rate
+
+    @property
+    def store_bytes_per_s(self) -> float:
+        return self.store_bytes_read / self.end_s if self.end_s else 0.0
 
     def ttft_s(self, quantile: float) -> float:
         ordered = sorted(o.ttft_s for o in self.outcomes)
         return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
+
+    @property
+    def mean_ttft_s(self) -> float:
+        return sum(o.ttft_s for o in self.outcomes) / len(self.outcomes)
 
 
 class Replay:
@@ -110,7 +157,7 @@ class Replay:
         requests: Sequence[TraceRequest],
         prompts: PromptHashes,
         config: ReplayConfig,
-        policy: str = OURS,
+        policy: str = KV,
     ) -> None:
         if policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}")
@@ -131,9 +178,12 @@ class Replay:
                 ttft_objective_s=None,
                 max_queued_tokens=1 << 62,
                 decode_page_size_tokens=prompts.block_size,
+                placement=KV if policy == ORACLE else policy,
+                store_read_bytes_per_s=config.store_bytes_per_s,
             ),
         )
-        self.baseline = baseline(policy, config.seed) if policy in BASELINES else None
+        # The store as it is (the router's `policy.store` is its own view of it).
+        self.store_reads = StoreReads(config.store_bytes_per_s)
         # The router's: a worker is gone after three missed heartbeats (1 s and 3 s there).
         self.table = LoadTable(ROUTER_ID, heartbeat_timeout_s=3 * config.heartbeat_s)
         n = config.num_workers
@@ -144,7 +194,8 @@ class Replay:
         self.arrivals_s = arrivals_s(requests, config.speed)
         # Past the replay's end, so only capacity evicts (caches.py on the resolution).
         ttl_s = max(2 * self.arrivals_s[-1], MIN_TTL_S)
-        self.caches = Caches(list(self.prefill), num_blocks, ttl_s, shared=config.shared_cache)
+        self.caches = Caches(list(self.prefill), num_blocks, ttl_s, shared=False)
+        self.store = BlockCache(None, ttl_s)
         self.windows = WindowMap(config.window_ttl_s)
         self.now_s = 0.0
         self._events: list[tuple[float, int, int, Callable[..., None], object]] = []
@@ -166,15 +217,30 @@ class Replay:
         end_s = max(p.free_at_s for p in workers)
         utilization = sum(p.busy_s for p in workers) / (len(workers) * end_s) if end_s else 0.0
         return ReplayResult(
-            self.policy_name, self.config, outcomes, self.caches.num_blocks_evicted, utilization
+            self.policy_name,
+            self.config,
+            outcomes,
+            self.caches.num_blocks_evicted,
+            utilization,
+            self.store_reads.bytes_read,
+            end_s,
         )
 
     def _at(self, at_s: float, kind: int, handler: Callable[..., None], arg: object) -> None:
         heapq.heappush(self._events, (at_s, kind, next(self._order), handler, arg))
 
     # -- routing -------------------------------------------------------------------------
-    def _facts(self, request: TraceRequest, blocks: RequestBlocks, num_hit: int) -> RequestFacts:
-        num_blocks = blocks.num_reusable_blocks(num_hit)
+    def _facts(self, request: TraceRequest, blocks: RequestBlocks) -> RequestFacts:
+        """What the router knows: the store's hit, and each worker's own."""
+        now_s = self.now_s
+        num_blocks = blocks.num_reusable_blocks(
+            self.store.num_hit_blocks(blocks.hashes, now_s, refresh=False)
+        )
+        local = {}
+        for worker_id in self.prefill:
+            hit = self.caches.of(worker_id).num_hit_blocks(blocks.hashes, now_s, refresh=False)
+            if hit:
+                local[worker_id] = blocks.num_reusable_blocks(hit)
         return RequestFacts(
             request_id=str(request.index),
             num_prompt_tokens=request.input_length,
@@ -183,6 +249,7 @@ class Replay:
             block_size_tokens=blocks.block_size,
             boundary_block_hash=blocks.boundary_hash(num_blocks),
             model=self.model,
+            local_hit_blocks=local,
         )
 
     def _choose(self, facts: RequestFacts) -> RouteDecision:
@@ -195,44 +262,43 @@ class Replay:
     def _arrive(self, request: TraceRequest) -> None:
         now_s = self.now_s
         blocks = self.prompts.blocks(request)
-        if self.policy_name == OURS:
-            best = self.caches.best_hit_blocks(blocks.hashes, now_s)
-            facts = self._facts(request, blocks, best)
-            decision = self._choose(facts)
-            worker_id = decision.prefill_worker_id
-        elif self.policy_name == OURS_PER_WORKER:
-            worker_id = self._least_ttft_by_own_hit(request, blocks)
-        else:
-            worker_id = self.baseline.pick(self.table.workers(PREFILL, now_s, self.model))
-        num_hit = self.caches.of(worker_id).num_hit_blocks(blocks.hashes, now_s, refresh=True)
-        own = self._facts(request, blocks, num_hit)
-        prefill = self.prefill[worker_id]
-        has_window = own.num_cached_tokens > 0 and prefill.node_id in self.windows.holders(
-            own.boundary_block_hash, now_s
-        )
-        if self.policy_name != OURS:  # the router's decode choice, the placement's prefill
-            facts = own
+        facts = self._facts(request, blocks)
+        decision = self._choose(facts)
+        if self.policy_name == ORACLE:
+            worker_id = self._longest_own_hit(facts)
+            has_window = facts.num_cached_blocks > 0 and self.prefill[
+                worker_id
+            ].node_id in self.windows.holders(facts.boundary_block_hash, now_s)
             decision = msgspec.structs.replace(
-                self._choose(own), prefill_worker_id=worker_id, has_swa_snapshot=has_window
+                decision, prefill_worker_id=worker_id, has_swa_snapshot=has_window
             )
         for delta in self.policy.inflight_deltas(ROUTER_ID, decision, facts):
             self.table.record_sent(delta, now_s)
+        worker_id = decision.prefill_worker_id
+        own = self.caches.of(worker_id).num_hit_blocks(blocks.hashes, now_s, refresh=True)
+        self.store.num_hit_blocks(blocks.hashes, now_s, refresh=True)
+        num_local = min(blocks.num_reusable_blocks(own), facts.num_cached_blocks)
         self._start(
-            request, blocks, prefill, self.decode[decision.decode_worker_id], own, has_window
+            request,
+            blocks,
+            self.prefill[worker_id],
+            self.decode[decision.decode_worker_id],
+            facts,
+            num_local,
+            decision.has_swa_snapshot,
         )
 
-    def _least_ttft_by_own_hit(self, request: TraceRequest, blocks: RequestBlocks) -> str:
-        """RoutePolicy's estimate for each worker with that worker's own hit (its
-        `prefill_options` for one worker at a time), the least estimated TTFT first."""
-        options = []
-        for worker_id in self.prefill:
-            cache = self.caches.of(worker_id)
-            hit = cache.num_hit_blocks(blocks.hashes, self.now_s, refresh=False)
-            facts = self._facts(request, blocks, hit)
-            holders = self.windows.holders(facts.boundary_block_hash, self.now_s)
-            others = [w for w in self.prefill if w != worker_id]
-            options += self.policy.prefill_options(facts, self.table, holders, self.now_s, others)
-        return min(options, key=lambda o: o.key()).worker.instance_id
+    def _longest_own_hit(self, facts: RequestFacts) -> str:
+        views = self.table.workers(PREFILL, self.now_s, self.model)
+        best = max(
+            views,
+            key=lambda w: (
+                facts.local_hit_blocks.get(w.instance_id, 0),
+                -w.num_queued_tokens,
+                w.instance_id,
+            ),
+        )
+        return best.instance_id
 
     # -- workers -------------------------------------------------------------------------
     def _start(
@@ -242,17 +308,30 @@ class Replay:
         prefill: SimPrefill,
         decode: SimDecode,
         facts: RequestFacts,
+        num_local_blocks: int,
         has_window: bool,
     ) -> None:
-        cost, cached = self.config.cost, facts.num_cached_tokens
+        cost, block = self.config.cost, blocks.block_size
+        cached, local = facts.num_cached_blocks * block, num_local_blocks * block
+        start_s = max(self.now_s, prefill.free_at_s)
+        store_bytes = cost.kv_bytes(cached - local)
+        read_s = self.store_reads.read_s(store_bytes, cost.store_load_s(cached - local), start_s)
+        self.store_reads.add(store_bytes, start_s)
         replayed = cost.num_replay_tokens(cached, has_window)
-        duration_s = cost.prefill_s(request.input_length - cached, cached, replayed)
-        num_tokens = cost.queue_tokens_of(request.input_length, cached, has_window)
+        duration_s = cost.prefill_s(request.input_length - cached, 0, replayed, local) + read_s
+        num_tokens = round(duration_s * cost.prefill_tokens_per_s)
         end_s = prefill.enqueue(self.now_s, duration_s, num_tokens)
         num_pages = self.policy.pages_needed(facts)
         decode.num_pages_used += num_pages
         job = Job(
-            request, blocks, self.now_s, prefill, decode, cached // blocks.block_size, num_pages
+            request,
+            blocks,
+            self.now_s,
+            prefill,
+            decode,
+            facts.num_cached_blocks,
+            num_pages,
+            num_local_blocks,
         )
         self._at(end_s, _DONE, self._prefill_done, job)
 
@@ -261,7 +340,11 @@ class Replay:
         prefill.finish()
         end = blocks.num_prefill_blocks
         new = blocks.hashes[job.num_cached_blocks : end]
-        self.caches.of(prefill.worker_id).store(prefill.worker_id, new, self.now_s)
+        # Its memory holds the whole computed prefix now (the loaded part, the computed).
+        self.caches.of(prefill.worker_id).store(
+            prefill.worker_id, blocks.hashes[job.num_local_blocks : end], self.now_s
+        )
+        self.store.store(prefill.worker_id, new, self.now_s)
         if new:
             self.windows.put(blocks.hashes[end - 1], prefill.node_id, self.now_s)
         step_s = self.config.cost.decode_step_s(decode.num_running + 1)
@@ -273,6 +356,7 @@ class Replay:
             job.num_cached_blocks * blocks.block_size,
             prefill.worker_id,
             self.now_s + step_s - job.arrival_s,
+            job.num_local_blocks * blocks.block_size,
         )
         end_s = self.now_s + self._num_output(request) * step_s
         self._at(end_s, _DONE, self._decode_done, job)
@@ -280,7 +364,7 @@ class Replay:
     def _decode_done(self, job: Job) -> None:
         blocks, decode = job.blocks, job.decode
         last = blocks.hashes[blocks.num_prefill_blocks :]
-        self.caches.of(job.prefill.worker_id).store(decode.worker_id, last, self.now_s)
+        self.store.store(decode.worker_id, last, self.now_s)
         decode.num_running -= 1
         decode.num_pages_used -= job.num_pages
 
@@ -332,6 +416,6 @@ def replay(
     requests: Sequence[TraceRequest],
     prompts: PromptHashes,
     config: ReplayConfig,
-    policy: str = OURS,
+    policy: str = KV,
 ) -> ReplayResult:
     return Replay(requests, prompts, config, policy).run()

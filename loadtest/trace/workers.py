@@ -60,3 +60,4 @@ class Job:
     decode: SimDecode
     num_cached_blocks: int
     num_pages: int
+    num_local_blocks: int = 0  # of the cached, loaded from the prefill worker's own memory

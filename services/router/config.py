@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from services.router.policy import PolicyConfig
+from services.router.policy import PLACEMENTS, PolicyConfig
 from shared.config import ConfigError, ServiceConfig
 
 
@@ -24,6 +24,13 @@ class RouterConfig(ServiceConfig):
     max_attempts: int = 2  # prefill tries per request: the first and one retry
     accept_timeout_s: float = 5.0  # DecodeJob -> JobAccepted
     prefill_timeout_s: float = 600.0  # PrefillJob -> PrefillDone when the request has no deadline
+    # Prefill placement: kv (the least estimated time to first token, from where the prefix
+    # is cached and each worker's load), least-loaded or round-robin (these two ignore the
+    # cache: baselines to measure kv against).
+    placement: str = "kv"
+    # The shared store's aggregate read bandwidth in bytes/s (0: unlimited); the router
+    # queues the store reads it sends behind each other in its estimates.
+    store_read_bytes_per_s: float = 0.0
 
     def validate(self) -> None:
         super().validate()
@@ -39,6 +46,15 @@ class RouterConfig(ServiceConfig):
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(
+                f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
+            )
+        if self.store_read_bytes_per_s < 0:
+            raise ConfigError(
+                f"store_read_bytes_per_s must be >= 0 (0: unlimited), "
+                f"got {self.store_read_bytes_per_s}"
+            )
         if self.ttft_objective_s < 0:
             raise ConfigError(
                 f"ttft_objective_s must be >= 0 (0 turns it off), got {self.ttft_objective_s}"
@@ -51,4 +67,6 @@ class RouterConfig(ServiceConfig):
             decode_page_size_tokens=self.decode_page_size_tokens,
             decode_retry_after_s=self.decode_retry_after_s,
             max_attempts=self.max_attempts,
+            placement=self.placement,
+            store_read_bytes_per_s=self.store_read_bytes_per_s or None,
         )

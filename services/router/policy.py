@@ -4,10 +4,15 @@ Pure and synchronous. The handler gathers the facts (kv-index match -> hit lengt
 memcaches' events -> the nodes holding the boundary block's sliding-window snapshot), calls
 `RoutePolicy.choose`, records the in-flight deltas, forwards.
 
-- prefill: the least estimated time to first token (`CostModel.prefill`). The hit length is
-  global (one shared SSD tier), so workers differ by queue wait and by whether their node
-  holds the boundary's SWA snapshot; an agent's next step returns to the node with its window
-  unless that node's queue costs more than the replay it saves.
+- prefill (placement `kv`, the default): the least estimated time to first token
+  (`CostModel.prefill`): the worker's queue + the compute of what it must recompute + the
+  load of what its own memory holds (`RequestFacts.local_hit_blocks`) + the read of the rest
+  from the shared store at the bandwidth the store has left (`StoreReads`: the reads this
+  router sent) + the window's replay unless its node holds the boundary's SWA snapshot. A
+  holder whose queue costs more than its hit saves loses to a free worker: that is the
+  spill-over that keeps an agent's sessions from piling onto the workers holding them.
+  `least-loaded` (fewest queued tokens, ties in turn) and `round-robin` ignore the cache;
+  they exist to be measured against (`kvfabric bench trace`), with the same admission.
 - decode: the least loaded batch among workers with free KV pages for prompt + max_tokens.
 - aggregated (vLLM workers, prefill and decode in one): for a model no prefill/decode pair
   serves, the least estimated time to first token among those with free KV pages, under the
@@ -20,9 +25,10 @@ memcaches' events -> the nodes holding the boundary block's sliding-window snaps
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
+from services.router.store_reads import StoreReads
 from shared.blocks import RequestBlocks
 from shared.load_table import InflightDelta, LoadTable, WorkerView
 from shared.schema.errors import (
@@ -37,6 +43,9 @@ from shared.schema.inference import GenerateRequest, RouteDecision
 from shared.subjects import DECODE, PREFILL, VLLM_WORKER
 from worker.cost_model import CostModel, PrefillEstimate
 
+KV, LEAST_LOADED, ROUND_ROBIN = "kv", "least-loaded", "round-robin"
+PLACEMENTS = (KV, LEAST_LOADED, ROUND_ROBIN)
+
 
 @dataclass(frozen=True)
 class RequestFacts:
@@ -47,18 +56,34 @@ class RequestFacts:
     block_size_tokens: int = 64
     boundary_block_hash: int | None = None  # whose SWA snapshot restores the cached prefix
     model: str | None = None  # None: any worker (tests of the policy alone)
+    # Per worker, the prefix its own memory holds (blocks, capped as num_cached_blocks is);
+    # num_cached_blocks is the shared store's. A worker absent holds none of it. Every block
+    # a worker computes is written to the store too, so a local hit is within the store's
+    # (the window boundary is the store's).
+    local_hit_blocks: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def num_cached_tokens(self) -> int:
         """The cached prefix in tokens, as the cost model counts work."""
         return self.num_cached_blocks * self.block_size_tokens
 
+    def num_blocks_on(self, worker_id: str) -> tuple[int, int]:
+        """(cached blocks, of which in the worker's own memory) for `worker_id`."""
+        local = min(self.local_hit_blocks.get(worker_id, 0), self.num_cached_blocks)
+        return self.num_cached_blocks, local
+
     @classmethod
     def of(
-        cls, request: GenerateRequest, blocks: RequestBlocks, num_hit_blocks: int
+        cls,
+        request: GenerateRequest,
+        blocks: RequestBlocks,
+        num_hit_blocks: int,
+        local_hit_blocks: Mapping[str, int] | None = None,
     ) -> RequestFacts:
-        """Facts of `request` given kv-index's longest hit (in blocks, over all tiers)."""
+        """Facts of `request` given kv-index's longest hit (in blocks, over all tiers) and
+        each worker's own (in its memory)."""
         num_blocks = blocks.num_reusable_blocks(num_hit_blocks)
+        local = {w: blocks.num_reusable_blocks(n) for w, n in (local_hit_blocks or {}).items()}
         return cls(
             request_id=request.request_id,
             num_prompt_tokens=blocks.num_prompt_tokens,
@@ -67,6 +92,7 @@ class RequestFacts:
             block_size_tokens=blocks.block_size,
             boundary_block_hash=blocks.boundary_hash(num_blocks),
             model=request.model,
+            local_hit_blocks=local,
         )
 
 
@@ -104,6 +130,13 @@ class PolicyConfig:
     prefill_service: str = PREFILL
     decode_service: str = DECODE
     aggregated_service: str = VLLM_WORKER
+    placement: str = KV  # kv | least-loaded | round-robin (the module docstring)
+    # The shared store's aggregate read bandwidth (None: it never saturates).
+    store_read_bytes_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}")
 
 
 @dataclass(frozen=True)
@@ -112,6 +145,8 @@ class PrefillOption:
     estimate: PrefillEstimate
     has_swa_snapshot: bool
     num_job_tokens: int
+    num_cached_blocks: int = 0  # this worker's hit: its own memory's or the store's
+    num_local_blocks: int = 0  # of them, in its own memory
 
     def key(self) -> tuple[float, int, str]:
         # Rounded to the nanosecond so float noise never decides between equal estimates.
@@ -119,10 +154,30 @@ class PrefillOption:
         return (ttft_s, self.worker.num_inflight_requests, self.worker.instance_id)
 
 
+@dataclass
+class _Turn:
+    """Where round-robin and least-loaded's ties go next."""
+
+    next: int = 0
+
+    def take(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+
 @dataclass(frozen=True)
 class RoutePolicy:
+    """Pure but for what a decision changes: the store reads it sends (`store`) and the
+    baselines' turn."""
+
     cost: CostModel = CostModel()
     config: PolicyConfig = PolicyConfig()
+    store: StoreReads = field(default_factory=StoreReads)
+    _turn: _Turn = field(default_factory=_Turn)
+
+    def __post_init__(self) -> None:
+        if self.store.bytes_per_s is None and self.config.store_read_bytes_per_s is not None:
+            self.store.bytes_per_s = self.config.store_read_bytes_per_s
 
     def prefill_options(
         self,
@@ -146,22 +201,50 @@ class RoutePolicy:
         now_s: float,
         exclude: Collection[str] = (),
     ) -> list[PrefillOption]:
+        workers = [
+            w for w in table.workers(service, now_s, facts.model) if w.instance_id not in exclude
+        ]
+        return self._estimates(workers, facts, swa_node_ids, now_s)
+
+    def _estimates(
+        self,
+        workers: Sequence[WorkerView],
+        facts: RequestFacts,
+        swa_node_ids: Collection[str],
+        now_s: float,
+    ) -> list[PrefillOption]:
+        """Each worker's option, best first."""
         options = []
-        for worker in table.workers(service, now_s, facts.model):
-            if worker.instance_id in exclude:
-                continue
-            has_swa = facts.num_cached_tokens > 0 and worker.node_id in swa_node_ids
+        block = facts.block_size_tokens
+        for worker in workers:
+            num_blocks, num_local = facts.num_blocks_on(worker.instance_id)
+            cached, local = num_blocks * block, num_local * block
+            has_swa = cached > 0 and worker.node_id in swa_node_ids
+            store_bytes = self.cost.kv_bytes(cached - local)
+            floor_s = self.cost.store_load_s(cached - local)
             estimate = self.cost.prefill(
                 num_queued_tokens=worker.num_queued_tokens,
                 num_prompt_tokens=facts.num_prompt_tokens,
-                num_cached_tokens=facts.num_cached_tokens,
+                num_cached_tokens=cached,
                 has_swa_snapshot=has_swa,
+                num_local_tokens=local,
+                store_load_s=self.store.read_s(store_bytes, floor_s, now_s),
             )
-            job_tokens = self.cost.queue_tokens_of(
-                facts.num_prompt_tokens, facts.num_cached_tokens, has_swa
+            job_tokens = self.job_tokens(facts, cached, has_swa, estimate)
+            options.append(
+                PrefillOption(worker, estimate, has_swa, job_tokens, num_blocks, num_local)
             )
-            options.append(PrefillOption(worker, estimate, has_swa, job_tokens))
         return sorted(options, key=PrefillOption.key)
+
+    def job_tokens(
+        self, facts: RequestFacts, num_cached_tokens: int, has_swa: bool, estimate: PrefillEstimate
+    ) -> int:
+        """What a job adds to its worker's queue: compute, replay and its loads, in
+        compute-token equivalents (a worker loads a job's prefix before computing it)."""
+        load_s = estimate.load_s + estimate.local_load_s
+        return self.cost.queue_tokens_of(
+            facts.num_prompt_tokens, num_cached_tokens, has_swa, load_s=load_s
+        )
 
     def unserved_model(self, model: str, table: LoadTable, now_s: float) -> Rejection | None:
         """NOT_FOUND naming the served models when no worker serves `model` but some serve
@@ -189,7 +272,7 @@ class RoutePolicy:
         decode = self._choose_decode(facts, table, now_s)
         if isinstance(decode, Rejection):
             return decode
-        return self._decision(facts, prefill, decode.instance_id)
+        return self._decision(facts, prefill, decode.instance_id, now_s)
 
     def retry_target(
         self,
@@ -221,14 +304,19 @@ class RoutePolicy:
             if isinstance(decode, Rejection):
                 return decode
             decode_id = decode.instance_id
-        return self._decision(facts, prefill, decode_id)
+        return self._decision(facts, prefill, decode_id, now_s)
 
     def inflight_deltas(
         self, router_id: str, decision: RouteDecision, facts: RequestFacts
     ) -> tuple[InflightDelta, InflightDelta]:
-        """What to `record_sent` (and announce to peers) once `decision` is taken."""
+        """What to `record_sent` (and announce to peers) once `decision` is taken: its
+        compute, replay and loads (the store's at its idle rate) on the prefill worker."""
+        cached = decision.num_cached_blocks * facts.block_size_tokens
+        _, num_local = facts.num_blocks_on(decision.prefill_worker_id)
+        local = min(num_local * facts.block_size_tokens, cached)
+        load_s = self.cost.local_load_s(local) + self.cost.store_load_s(cached - local)
         job_tokens = self.cost.queue_tokens_of(
-            facts.num_prompt_tokens, facts.num_cached_tokens, decision.has_swa_snapshot
+            facts.num_prompt_tokens, cached, decision.has_swa_snapshot, load_s=load_s
         )
         return (
             InflightDelta(router_id, decision.prefill_worker_id, num_tokens=job_tokens),
@@ -244,8 +332,8 @@ class RoutePolicy:
     def _is_aggregated(self, facts: RequestFacts, table: LoadTable, now_s: float) -> bool:
         """The model is served by aggregated workers and by no prefill worker."""
         config = self.config
-        return bool(table.workers(config.aggregated_service, now_s, facts.model)) and not (
-            table.workers(config.prefill_service, now_s, facts.model)
+        return table.has_workers(config.aggregated_service, now_s, facts.model) and not (
+            table.has_workers(config.prefill_service, now_s, facts.model)
         )
 
     def _choose_aggregated(
@@ -270,7 +358,7 @@ class RoutePolicy:
         chosen = self._admit(fits, check_slo=True)
         if isinstance(chosen, Rejection):
             return chosen
-        return self._decision(facts, chosen, chosen.worker.instance_id, aggregated=True)
+        return self._decision(facts, chosen, chosen.worker.instance_id, now_s, aggregated=True)
 
     def _choose_prefill(
         self,
@@ -282,9 +370,16 @@ class RoutePolicy:
         *,
         check_slo: bool,
     ) -> PrefillOption | Rejection:
-        options = self.prefill_options(facts, table, swa_node_ids, now_s, exclude)
-        if not options:
+        workers = [
+            w
+            for w in table.workers(self.config.prefill_service, now_s, facts.model)
+            if w.instance_id not in exclude
+        ]
+        if not workers:
             return Rejection(ErrorCode.UNAVAILABLE, f"no prefill worker is serving{_of(facts)}")
+        if self.config.placement == KV:
+            workers = _kv_candidates(workers, facts, swa_node_ids)
+        options = self._estimates(workers, facts, swa_node_ids, now_s)
         return self._admit(options, check_slo=check_slo)
 
     def _admit(self, options: list[PrefillOption], *, check_slo: bool) -> PrefillOption | Rejection:
@@ -316,7 +411,19 @@ class RoutePolicy:
                     f"the objective {objective} s",
                     retry_after_s=wait_s,
                 )
-        return room[0]
+        return self._place(room)
+
+    def _place(self, room: list[PrefillOption]) -> PrefillOption:
+        """Among the options with room (best estimate first), the placement's pick."""
+        placement = self.config.placement
+        if placement == KV:
+            return room[0]
+        by_id = sorted(room, key=lambda o: o.worker.instance_id)
+        start = self._turn.take() % len(by_id)
+        turn = by_id[start:] + by_id[:start]
+        if placement == ROUND_ROBIN:
+            return turn[0]
+        return min(turn, key=lambda o: o.worker.num_queued_tokens)  # first in turn on ties
 
     def _decoders(self, facts: RequestFacts, table: LoadTable, now_s: float) -> list[WorkerView]:
         return table.workers(self.config.decode_service, now_s, facts.model)
@@ -349,20 +456,46 @@ class RoutePolicy:
         facts: RequestFacts,
         prefill: PrefillOption,
         decode_id: str,
+        now_s: float,
         *,
         aggregated: bool = False,
     ) -> RouteDecision:
+        """The decision, its store read counted against the store's bandwidth."""
+        num_store_blocks = prefill.num_cached_blocks - prefill.num_local_blocks
+        self.store.add(self.cost.kv_bytes(num_store_blocks * facts.block_size_tokens), now_s)
         return RouteDecision(
             request_id=facts.request_id,
             prefill_worker_id=prefill.worker.instance_id,
             decode_worker_id=decode_id,
             num_prompt_tokens=facts.num_prompt_tokens,
-            num_cached_blocks=facts.num_cached_blocks,
+            num_cached_blocks=prefill.num_cached_blocks,
             block_size_tokens=facts.block_size_tokens,
             has_swa_snapshot=prefill.has_swa_snapshot,
             estimated_ttft_ms=prefill.estimate.ttft_s * 1000.0,
             aggregated=aggregated,
         )
+
+
+def _kv_candidates(
+    workers: Sequence[WorkerView], facts: RequestFacts, swa_node_ids: Collection[str]
+) -> list[WorkerView]:
+    """The workers whose option can be kv's pick, so that only they are estimated (1,200
+    candidates must decide within a millisecond): every worker holding some of the prefix in
+    its own memory or on a node with the window, and of the rest -- whose estimates, job
+    tokens and room differ by their queues alone -- the first by (queued tokens, requests in
+    flight, id), the order `PrefillOption.key` breaks their ties in. The pick, the room check
+    and the objective's check come out as over all of them."""
+    special: list[WorkerView] = []
+    plain: WorkerView | None = None
+    plain_key: tuple[int, int, str] | None = None
+    for worker in workers:
+        if worker.instance_id in facts.local_hit_blocks or worker.node_id in swa_node_ids:
+            special.append(worker)
+            continue
+        key = (worker.num_queued_tokens, worker.num_inflight_requests, worker.instance_id)
+        if plain_key is None or key < plain_key:
+            plain, plain_key = worker, key
+    return special if plain is None else [*special, plain]
 
 
 def _of(facts: RequestFacts) -> str:

@@ -1,7 +1,9 @@
 """The offline trace replay (loadtest/trace/offline.py) through the real RoutePolicy and
-KvIndex: with an unlimited cache it reproduces the trace's own repeat share exactly; no
-cache, policy or capacity beats it; a bounded cache never beats an unlimited one under the
-same placement; and what must hold of our policy against round-robin."""
+KvIndex, over each worker's own memory and the shared store: the store reproduces the
+trace's own repeat share exactly under any placement; no memory, policy or capacity beats
+it; a bounded memory never beats an unlimited one under the same placement; the oracle
+reaches the upper bound; kv keeps each prefix where it was computed on an idle cluster; and
+the store's bytes are what the requests read from it."""
 
 from __future__ import annotations
 
@@ -10,8 +12,7 @@ import dataclasses
 import pytest
 
 from loadtest.trace.caches import BlockCache, WindowMap
-from loadtest.trace.offline import ReplayConfig, ReplayResult, replay
-from loadtest.trace.policies import OURS, OURS_PER_WORKER, POLICY_NAMES
+from loadtest.trace.offline import ORACLE, POLICY_NAMES, ReplayConfig, ReplayResult, replay
 from loadtest.trace.synth import (
     PromptHashes,
     TraceRequest,
@@ -19,7 +20,9 @@ from loadtest.trace.synth import (
     prompt_token_ids,
     upper_bound_hits,
 )
+from services.router.policy import KV, LEAST_LOADED, ROUND_ROBIN
 from shared.blocks import RequestBlocks
+from worker.cost_model import CostModel
 
 MODEL = "tiny-coder"
 VOCAB = 8192
@@ -66,6 +69,10 @@ def _cached(result: ReplayResult) -> list[int]:
     return [o.num_cached_tokens for o in result.outcomes]
 
 
+def _local(result: ReplayResult) -> list[int]:
+    return [o.num_local_tokens for o in result.outcomes]
+
+
 def test_the_upper_bound_from_hash_ids_is_the_repeat_share(
     trace: list[TraceRequest], repeat_hits: list[int]
 ) -> None:
@@ -74,33 +81,33 @@ def test_the_upper_bound_from_hash_ids_is_the_repeat_share(
 
 
 @pytest.mark.parametrize(
-    ("num_workers", "shared", "policy"),
-    [(1, False, OURS), (4, True, "round-robin"), (4, True, "random")],
+    ("num_workers", "policy"), [(1, KV), (4, ROUND_ROBIN), (4, LEAST_LOADED), (4, ORACLE)]
 )
-def test_an_unlimited_cache_reproduces_the_repeat_share_exactly(
+def test_the_store_reproduces_the_repeat_share_exactly(
     spaced: list[TraceRequest],
     prompts: PromptHashes,
     repeat_hits: list[int],
     num_workers: int,
-    shared: bool,
     policy: str,
 ) -> None:
-    """One worker's cache, or one store every worker reads (kvfabric's SSD tier, so any
-    placement will do): request by request, the replay hits what the trace repeats."""
-    config = ReplayConfig(num_workers=num_workers, shared_cache=shared)
-    result = replay(spaced, prompts, config, policy)
+    """The store keeps every block any worker wrote, so any placement will do: request by
+    request, the replay hits what the trace repeats."""
+    result = replay(spaced, prompts, ReplayConfig(num_workers=num_workers), policy)
     assert _cached(result) == repeat_hits
     assert result.hit_rate == sum(repeat_hits) / sum(r.input_length for r in spaced)
     assert result.num_blocks_evicted == 0
+    assert all(loc <= c for loc, c in zip(_local(result), _cached(result), strict=True))
 
 
 def test_the_block_holding_the_last_token_is_stored_by_decode(prompts: PromptHashes) -> None:
     """A 1,024-token prompt: prefill computes 15 blocks (decode computes the last token), and
-    decode writes the 16th when it ends; a later prompt extending it hits all 16."""
+    decode writes the 16th to the store when it ends; a later prompt extending it hits all
+    16, the 16th from the store."""
     first = TraceRequest(0, 0, 1024, 4, (0, 1))
     longer = TraceRequest(1, 3_600_000, 1500, 4, (0, 1, 2))
     result = replay([first, longer], prompts, ReplayConfig(num_workers=1))
     assert _cached(result) == [0, 1024] == upper_bound_hits([first, longer])
+    assert _local(result) == [0, 960]
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
@@ -112,10 +119,12 @@ def test_no_replay_beats_the_upper_bound(
     policy: str,
     capacity: int | None,
 ) -> None:
-    """At the trace's own pace (prefills overlapping, 4 caches), every policy, bounded or
-    not: no request hits more than the blocks seen before it."""
+    """At the trace's own pace (prefills overlapping, 4 workers), every policy, bounded or
+    not, the store starved or not: no request hits more than the blocks seen before it."""
     requests = trace[:600]  # a prefix of the trace: its bounds are the first 600
-    config = ReplayConfig(num_workers=4, capacity_tokens=capacity, speed=4.0)
+    config = ReplayConfig(
+        num_workers=4, capacity_tokens=capacity, speed=4.0, store_gbps_per_gpu=capacity and 2.0
+    )
     result = replay(requests, prompts, config, policy)
     assert [o.index for o in result.outcomes] == [r.index for r in requests]  # all served
     assert all(c <= bound for c, bound in zip(_cached(result), repeat_hits, strict=False))
@@ -124,57 +133,76 @@ def test_no_replay_beats_the_upper_bound(
         assert result.num_blocks_evicted > 0
 
 
-@pytest.mark.parametrize("policy", ["round-robin", "random"])
-def test_a_bounded_cache_never_beats_an_unlimited_one(
-    spaced: list[TraceRequest], prompts: PromptHashes, policy: str
+def test_a_bounded_memory_never_beats_an_unlimited_one(
+    spaced: list[TraceRequest], prompts: PromptHashes
 ) -> None:
-    """Placements that ignore the cache send each request to the same worker whatever the
-    capacity; that worker's bounded cache holds a subset of its unlimited one."""
-    unlimited = replay(spaced, prompts, ReplayConfig(num_workers=3), policy)
+    """Round-robin sends each request to the same worker whatever the capacity; that
+    worker's bounded memory holds a subset of its unlimited one, and the store the rest."""
+    unlimited = replay(spaced, prompts, ReplayConfig(num_workers=3), ROUND_ROBIN)
     bounded = replay(
-        spaced, prompts, ReplayConfig(num_workers=3, capacity_tokens=SMALL_CACHE), policy
+        spaced, prompts, ReplayConfig(num_workers=3, capacity_tokens=SMALL_CACHE), ROUND_ROBIN
     )
     assert [o.prefill_worker_id for o in bounded.outcomes] == [
         o.prefill_worker_id for o in unlimited.outcomes
     ]
     assert bounded.num_blocks_evicted > 0
-    assert all(b <= u for b, u in zip(_cached(bounded), _cached(unlimited), strict=True))
+    assert all(b <= u for b, u in zip(_local(bounded), _local(unlimited), strict=True))
+    assert _cached(bounded) == _cached(unlimited)
+    assert bounded.local_hit_rate < unlimited.local_hit_rate
 
 
-def test_ours_against_round_robin_on_an_idle_cluster(
+def test_with_unlimited_memory_the_oracle_reaches_the_upper_bound(
     spaced: list[TraceRequest], prompts: PromptHashes, repeat_hits: list[int]
 ) -> None:
-    """Nothing queued anywhere: the router's estimates tie but for the window it would
-    replay, so it keeps each conversation where its prefix was computed (the first worker,
-    or the node with the window) and reaches the upper bound; round-robin spreads prefixes
-    over both caches and cannot do better. Bounded, its placement is the same, so its hits
-    can only fall; round-robin's bounded run is compared with its own above."""
-    config = ReplayConfig(num_workers=2)
-    ours = replay(spaced, prompts, config, OURS)
-    rr = replay(spaced, prompts, config, "round-robin")
-    assert _cached(ours) == repeat_hits
-    assert rr.hit_rate <= ours.hit_rate
-    small = dataclasses.replace(config, capacity_tokens=SMALL_CACHE)
-    ours_small = replay(spaced, prompts, small, OURS)
-    assert [o.prefill_worker_id for o in ours_small.outcomes] == [
-        o.prefill_worker_id for o in ours.outcomes
-    ]
-    assert all(s <= u for s, u in zip(_cached(ours_small), _cached(ours), strict=True))
-    assert ours_small.hit_rate < ours.hit_rate  # it did evict something needed again
+    bound = sum(repeat_hits) / sum(r.input_length for r in spaced)
+    oracle = replay(spaced, prompts, ReplayConfig(num_workers=4), ORACLE)
+    assert oracle.hit_rate == bound
+    one = replay(spaced, prompts, ReplayConfig(num_workers=1), ORACLE)
+    assert _local(one) == repeat_hits  # one worker's memory holds every block seen
 
 
-def test_per_worker_hits_send_each_request_to_its_longest_prefix(
-    spaced: list[TraceRequest], prompts: PromptHashes, repeat_hits: list[int]
+def test_kv_keeps_each_prefix_where_it_was_computed_on_an_idle_cluster(
+    spaced: list[TraceRequest], prompts: PromptHashes
 ) -> None:
-    """Given each worker's own hit, the estimate is least where the most is cached: on an
-    idle cluster every request finds its whole repeated prefix, over any number of caches."""
-    result = replay(spaced, prompts, ReplayConfig(num_workers=4), OURS_PER_WORKER)
-    assert _cached(result) == repeat_hits
+    """Nothing queued anywhere: the estimates differ by the load of the hit, faster from a
+    worker's own memory than from the store, so kv sends each request to the worker holding
+    the most of it, as the oracle does; round-robin spreads prefixes over the workers."""
+    config = ReplayConfig(num_workers=4)
+    kv = replay(spaced, prompts, config, KV)
+    oracle = replay(spaced, prompts, config, ORACLE)
+    rr = replay(spaced, prompts, config, ROUND_ROBIN)
+    assert _local(kv) == _local(oracle)
+    assert rr.local_hit_rate < kv.local_hit_rate
+    assert kv.store_bytes_read < rr.store_bytes_read
+
+
+def test_the_store_counts_the_bytes_requests_read_from_it(
+    trace: list[TraceRequest], prompts: PromptHashes
+) -> None:
+    cost = CostModel()
+    config = ReplayConfig(num_workers=4, capacity_tokens=SMALL_CACHE, speed=4.0, cost=cost)
+    result = replay(trace[:400], prompts, config, ROUND_ROBIN)
+    read = sum(o.num_cached_tokens - o.num_local_tokens for o in result.outcomes)
+    assert result.store_bytes_read == read * cost.kv_bytes_per_token > 0
+    assert result.store_bytes_per_s == result.store_bytes_read / result.end_s
+
+
+def test_a_starved_store_slows_what_reads_from_it(
+    trace: list[TraceRequest], prompts: PromptHashes
+) -> None:
+    """The same placement (round-robin) with the store at 0.05 GB/s per GPU: requests wait
+    for its bandwidth, so TTFT grows; with every block in memory nothing reads the store."""
+    base = ReplayConfig(num_workers=4, capacity_tokens=SMALL_CACHE, speed=4.0)
+    free = replay(trace[:400], prompts, base, ROUND_ROBIN)
+    starved_config = dataclasses.replace(base, store_gbps_per_gpu=0.05)
+    starved = replay(trace[:400], prompts, starved_config, ROUND_ROBIN)
+    assert starved.mean_ttft_s > 1.5 * free.mean_ttft_s
+    assert _cached(starved) == _cached(free)
 
 
 def test_a_replay_is_deterministic(trace: list[TraceRequest], prompts: PromptHashes) -> None:
     config = ReplayConfig(num_workers=4, capacity_tokens=SMALL_CACHE, speed=8.0)
-    first, again = (replay(trace[:400], prompts, config, "random") for _ in range(2))
+    first, again = (replay(trace[:400], prompts, config, LEAST_LOADED) for _ in range(2))
     assert first.outcomes == again.outcomes
 
 
@@ -183,6 +211,8 @@ def test_bad_configs_are_refused(trace: list[TraceRequest], prompts: PromptHashe
         ReplayConfig(num_workers=0)
     with pytest.raises(ValueError, match="capacity_tokens must be > 0"):
         ReplayConfig(capacity_tokens=0)
+    with pytest.raises(ValueError, match="store_gbps_per_gpu must be > 0"):
+        ReplayConfig(store_gbps_per_gpu=0)
     with pytest.raises(ValueError, match="speed and heartbeat_s must be > 0"):
         ReplayConfig(speed=-1)
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):

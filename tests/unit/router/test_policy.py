@@ -5,6 +5,7 @@ Expected numbers come from the cost model the policy uses, never typed in by han
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -76,8 +77,10 @@ def test_load_aware_inflight_work_moves_the_next_request():
     assert isinstance(first, RouteDecision) and first.prefill_worker_id == "a"
     for delta in policy.inflight_deltas("r1", first, HIT):
         table.record_sent(delta, 0.0)
-    # a now has 100 + the job's tokens queued, more than b's 300.
-    assert table.view("a", 0.0).num_queued_tokens == 100 + HIT.num_prompt_tokens - 1024 + 128 * 10
+    # a now has 100 + the job's tokens queued (compute, replay, and the load of its 1,024
+    # cached tokens at 10K tokens/s in compute-token equivalents), more than b's 300.
+    job = HIT.num_prompt_tokens - 1024 + 128 * 10 + round(1024 / 10_000 * 1000)
+    assert table.view("a", 0.0).num_queued_tokens == 100 + job
     second = policy.choose(HIT, table, set(), 0.0)
     assert isinstance(second, RouteDecision) and second.prefill_worker_id == "b"
 
@@ -282,3 +285,73 @@ def test_aggregated_workers_are_refused_like_the_others() -> None:
     )
     assert NO_SLO.unserved_model("smol", models_table, 0.0) is None
     assert NO_SLO.unserved_model("other", models_table, 0.0) is not None
+
+
+# -- tiers: each worker's own memory, and the shared store's bandwidth ------------------------
+def test_a_holder_in_memory_beats_an_idle_worker_only_when_the_store_is_saturated():
+    """a holds the whole cached prefix in its own memory behind a 500-token queue (0.5 s);
+    b is idle but must read the prefix from the store. Idle store: b's read (1,024 tokens at
+    10K/s, 0.1 s) costs less than a's queue, so b. The store 10 s behind (10 GB queued at
+    1 GB/s): b's read waits for it, so a."""
+    held = dataclasses.replace(HIT, local_hit_blocks={"a": 16})
+    table = table_with(report("a", queued_tokens=500), report("b"), decoder())
+    idle = RoutePolicy(COST, PolicyConfig(ttft_objective_s=None, max_queued_tokens=10**9))
+    assert idle.choose(held, table, set(), 0.0).prefill_worker_id == "b"
+
+    saturated = RoutePolicy(
+        COST,
+        PolicyConfig(ttft_objective_s=None, max_queued_tokens=10**9, store_read_bytes_per_s=1e9),
+    )
+    saturated.store.add(10_000_000_000, 0.0)
+    [best, other] = saturated.prefill_options(held, table, set(), 0.0)
+    assert best.worker.instance_id == "a" and best.num_local_blocks == 16
+    assert other.estimate.load_s == pytest.approx(10.0 + 1024 * COST.kv_bytes_per_token / 1e9)
+    assert best.estimate.load_s == 0.0
+    assert best.estimate.local_load_s == pytest.approx(1024 * COST.kv_bytes_per_token / 25e9)
+    assert saturated.choose(held, table, set(), 0.0).prefill_worker_id == "a"
+
+
+def test_an_overloaded_holder_loses_to_a_free_worker_when_the_arithmetic_says_so():
+    """The spill-over: a holds the prefix but 5 s of work; b reads it from an idle store
+    (0.1 s). The request goes to b, and b's in-flight work then counts the read."""
+    held = dataclasses.replace(HIT, local_hit_blocks={"a": 16})
+    table = table_with(report("a", queued_tokens=5000), report("b"), decoder())
+    decision = NO_SLO.choose(held, table, set(), 0.0)
+    assert decision.prefill_worker_id == "b" and decision.num_cached_blocks == 16
+    for delta in NO_SLO.inflight_deltas("r1", decision, held):
+        table.record_sent(delta, 0.0)
+    job = 2000 - 1024 + 128 * 10 + round(1024 / 10_000 * 1000)
+    assert table.view("b", 0.0).num_queued_tokens == job
+
+
+def test_a_decision_counts_its_store_read_against_the_bandwidth():
+    policy = RoutePolicy(
+        COST,
+        PolicyConfig(ttft_objective_s=None, max_queued_tokens=10**9, store_read_bytes_per_s=1e7),
+    )
+    half = dataclasses.replace(HIT, local_hit_blocks={"a": 6})
+    table = table_with(report("a"), report("b", queued_tokens=10**6), decoder())
+    decision = policy.choose(half, table, set(), 0.0)
+    assert decision.prefill_worker_id == "a"
+    # 10 of the 16 cached blocks come from the store, 6 from a's memory.
+    assert policy.store.bytes_read == 10 * 64 * COST.kv_bytes_per_token
+    # The next read of the same 10 blocks queues behind it at 10 MB/s (slower than one GPU's
+    # 10K tokens/s here).
+    later = policy.prefill_options(half, table, set(), 0.0)[0]
+    assert later.estimate.load_s == pytest.approx(2 * 10 * 64 * COST.kv_bytes_per_token / 1e7)
+
+
+def test_the_baseline_placements_ignore_the_cache():
+    held = dataclasses.replace(HIT, local_hit_blocks={"a": 16})
+    table = table_with(report("a"), report("b", queued_tokens=50), report("c"), decoder())
+    config = {"ttft_objective_s": None, "max_queued_tokens": 10**9}
+    rr = RoutePolicy(COST, PolicyConfig(placement="round-robin", **config))
+    assert [rr.choose(held, table, set(), 0.0).prefill_worker_id for _ in range(4)] == [
+        "a", "b", "c", "a",
+    ]  # fmt: skip
+    least = RoutePolicy(COST, PolicyConfig(placement="least-loaded", **config))
+    # a and c tie at 0 queued tokens: the tie goes round them in turn; b's 50 never wins.
+    picks = [least.choose(held, table, set(), 0.0).prefill_worker_id for _ in range(4)]
+    assert picks == ["a", "c", "c", "a"]
+    with pytest.raises(ValueError, match="placement must be one of kv, least-loaded"):
+        PolicyConfig(placement="random")
