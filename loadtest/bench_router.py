@@ -266,31 +266,33 @@ def decision_times(
     96% hit."""
     rng = np.random.default_rng(2)
     table = LoadTable("bench-router", heartbeat_timeout_s=3600.0)
-    seq = 0
-    for i in range(num_candidates):
-        seq += 1
-        report = LoadReport(
+    beats = [
+        LoadReport(
             service=PREFILL,
             instance_id=f"prefill-{i}",
-            seq=seq,
-            ts_ms=0,
             node_id=f"node-{i // 8}",
-            model=MODEL,
             num_queued_tokens=int(rng.integers(0, 200_000)),
+            seq=1,
+            ts_ms=0,
+            model=MODEL,
         )
-        table.observe(report, 0.0)
-    for i in range(max(num_candidates // 8, 1)):
-        seq += 1
-        report = LoadReport(
+        for i in range(num_candidates)
+    ]
+    no_limit = 1 << 40  # decode pages: every decision fits
+    beats += [
+        LoadReport(
             service=DECODE,
             instance_id=f"decode-{i}",
-            seq=seq,
+            num_kv_pages_total=no_limit,
+            num_kv_pages_free=no_limit,
+            seq=1,
             ts_ms=0,
             model=MODEL,
-            num_kv_pages_total=1 << 40,
-            num_kv_pages_free=1 << 40,
         )
-        table.observe(report, 0.0)
+        for i in range(max(num_candidates // 8, 1))
+    ]
+    for beat in beats:
+        table.observe(beat, 0.0)
     policy = RoutePolicy(
         config=PolicyConfig(
             ttft_objective_s=None, max_queued_tokens=1 << 40, store_read_bytes_per_s=10 * 2**40

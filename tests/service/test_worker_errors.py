@@ -204,6 +204,47 @@ async def decode_worker(
         store.close()
 
 
+async def a_job_awaiting_its_suffix(
+    bus: Bus, bus_factory: BusFactory, worker: DecodeWorker, config: DecodeConfig
+) -> tuple[Bus, Any, GenerateRequest]:
+    """`worker` serving its run and suffix endpoints on `bus`, and one job it accepted from
+    a caller (ingress's bus), waiting for its suffix: (the caller, its stream inbox, the
+    request)."""
+    subjects = bus.subjects
+    await bus.serve(Endpoint("run", subjects.decode_run, DecodeJob, worker.handle_job))
+    await bus.serve(Endpoint("suffix", subjects.decode_suffix, SuffixReady, worker.handle_suffix))
+    caller = await bus_factory("ingress")
+    inbox = await caller.open_inbox()
+    request = build_request(list(range(3, 103)), model=config.model_name, block_size_tokens=BLOCK)
+    request = msgspec.structs.replace(request, stream_inbox=inbox.subject)
+    await caller.request(
+        subjects.instance(subjects.decode_run, "decode-0"),
+        DecodeJob(request=request, decision=decision(request.request_id)),
+        JobAccepted,
+    )
+    return caller, inbox, request
+
+
+def suffix_without_blocks(
+    request: GenerateRequest,
+    worker: DecodeWorker,
+    prefill_worker_id: str,
+    num_computed_tokens: int = 0,
+) -> SuffixReady:
+    """A prefill worker's SuffixReady for `request` that stages no block."""
+    return SuffixReady(
+        request_id=request.request_id,
+        attempt=0,
+        prefill_worker_id=prefill_worker_id,
+        num_computed_tokens=num_computed_tokens,
+        first_block_index=0,
+        num_blocks=0,
+        block_nbytes=worker.runner.layout.block_nbytes,
+        region_offset=0,
+        window_nbytes=0,
+    )
+
+
 async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
     bus_factory: BusFactory, tmp_path: Path
 ) -> None:
@@ -214,33 +255,9 @@ async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
             raise RuntimeError(SECRET)
 
         worker._join = broken_join  # type: ignore[method-assign]
+        caller, inbox, request = await a_job_awaiting_its_suffix(bus, bus_factory, worker, config)
         subjects = bus.subjects
-        await bus.serve(Endpoint("run", subjects.decode_run, DecodeJob, worker.handle_job))
-        await bus.serve(
-            Endpoint("suffix", subjects.decode_suffix, SuffixReady, worker.handle_suffix)
-        )
-        caller = await bus_factory("ingress")
-        inbox = await caller.open_inbox()
-        request = build_request(
-            list(range(3, 103)), model=config.model_name, block_size_tokens=BLOCK
-        )
-        request = msgspec.structs.replace(request, stream_inbox=inbox.subject)
-        await caller.request(
-            subjects.instance(subjects.decode_run, "decode-0"),
-            DecodeJob(request=request, decision=decision(request.request_id)),
-            JobAccepted,
-        )
-        ready = SuffixReady(
-            request_id=request.request_id,
-            attempt=0,
-            prefill_worker_id="prefill-0",
-            num_computed_tokens=99,
-            first_block_index=0,
-            num_blocks=0,
-            block_nbytes=worker.runner.layout.block_nbytes,
-            region_offset=0,
-            window_nbytes=0,
-        )
+        ready = suffix_without_blocks(request, worker, "prefill-0", num_computed_tokens=99)
         with capture_logs() as events, pytest.raises(InternalError) as caught:
             await caller.request(
                 subjects.instance(subjects.decode_suffix, "decode-0"), ready, JobAccepted
@@ -274,35 +291,11 @@ async def test_a_duplicate_suffix_during_the_first_join_is_accepted_not_joined_a
             raise Unavailable(f"NIXL READ to {ready.prefill_worker_id} failed")
 
         worker._join = pull_from_a_dead_prefill  # type: ignore[method-assign]
+        caller, inbox, request = await a_job_awaiting_its_suffix(bus, bus_factory, worker, config)
         subjects = bus.subjects
-        await bus.serve(Endpoint("run", subjects.decode_run, DecodeJob, worker.handle_job))
-        await bus.serve(
-            Endpoint("suffix", subjects.decode_suffix, SuffixReady, worker.handle_suffix)
-        )
-        caller = await bus_factory("ingress")
-        inbox = await caller.open_inbox()
-        request = build_request(
-            list(range(3, 103)), model=config.model_name, block_size_tokens=BLOCK
-        )
-        request = msgspec.structs.replace(request, stream_inbox=inbox.subject)
-        await caller.request(
-            subjects.instance(subjects.decode_run, "decode-0"),
-            DecodeJob(request=request, decision=decision(request.request_id)),
-            JobAccepted,
-        )
 
         def ready(prefill_worker_id: str) -> SuffixReady:
-            return SuffixReady(
-                request_id=request.request_id,
-                attempt=0,
-                prefill_worker_id=prefill_worker_id,
-                num_computed_tokens=0,
-                first_block_index=0,
-                num_blocks=0,
-                block_nbytes=worker.runner.layout.block_nbytes,
-                region_offset=0,
-                window_nbytes=0,
-            )
+            return suffix_without_blocks(request, worker, prefill_worker_id)
 
         suffix = subjects.instance(subjects.decode_suffix, "decode-0")
         first = asyncio.create_task(caller.request(suffix, ready("prefill-0"), JobAccepted))
