@@ -354,6 +354,10 @@ class EngineWorkerConfig(ServiceConfig):
     num_kv_blocks: int = 0
     # The KV pool's size in bytes when `num_kv_blocks` is 0 (see above).
     kv_pool_bytes: int = 1 << 30
+    # The host-memory tier behind the pool: the bytes of blocks the pool hands out again,
+    # kept (least recently used out first) up to this size and read back before the store
+    # (0: none).
+    host_tier_bytes: int = 256 << 20
     # Torch threads; 0: every core this process may run on (its CPU affinity). Workers on
     # one host then share the cores through the OS: a prefill with decode idle gets them
     # all, and both get about half while both compute (measured, docs/benchmarks.md).
@@ -412,6 +416,8 @@ class EngineWorkerConfig(ServiceConfig):
         for name in ("num_kv_blocks", "handoff_staging_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0: sized for the model)")
+        if self.host_tier_bytes < 0:
+            raise ConfigError(f"host_tier_bytes must be >= 0 (0: none), got {self.host_tier_bytes}")
         if self.num_threads < 0:
             raise ConfigError("num_threads must be >= 0 (0: every core this process may use)")
         if self.warmup_tokens < 0:

@@ -99,7 +99,7 @@ async def setup(runtime: ServiceRuntime) -> None:
         write_through=config.write_through,
     )
     subjects = bus.subjects
-    start_worker(runtime, worker, kv.store, kv.agent.close)
+    start_worker(runtime, worker, kv.store, kv.agent.close, host_tier=runner.host_tier)
     await bus.serve(Endpoint("run", subjects.decode_run, DecodeJob, worker.handle_job))
     await bus.serve(Endpoint("suffix", subjects.decode_suffix, SuffixReady, worker.handle_suffix))
     await bus.subscribe(subjects.cancel, CancelRequest, worker.on_cancel)

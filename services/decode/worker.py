@@ -193,6 +193,7 @@ class DecodeWorker:
                 state.job.cached_blocks,
                 state.blocks.hashes,
                 num_blocks,
+                host=self.runner.host_tier,
             )
         state.prefix_load_ms = (time.perf_counter() - started) * 1000
         return prefix

@@ -74,7 +74,7 @@ async def setup(runtime: ServiceRuntime) -> None:
         model_thread=model_thread,
         metrics=runtime.metrics,
     )
-    start_worker(runtime, worker, kv.store, kv.agent.close)
+    start_worker(runtime, worker, kv.store, kv.agent.close, host_tier=runner.host_tier)
     await bus.serve(Endpoint("run", bus.subjects.prefill_run, PrefillJob, worker.handle_job))
     await bus.subscribe(bus.subjects.cancel, CancelRequest, worker.on_cancel)
 

@@ -136,6 +136,7 @@ class PrefixRestorer:
                 locations,
                 blocks.hashes,
                 num_blocks,
+                host=self.runner.host_tier,
             )
 
     async def _window(

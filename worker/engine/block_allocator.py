@@ -7,7 +7,8 @@ tier (docs/design.md, 'KV tiers': device, then the store). A page holding a comp
 can be tagged with that block's chained hash (`tag`); a free tagged page keeps its bytes
 until it is handed out again, and free pages are handed out oldest first, so a worker's
 recent prefixes stay in its pool. `revive` takes the pages of a prompt's leading blocks
-back from there instead of reading them from the store.
+back from there instead of reading them from the store. A tagged page handed out again is
+first offered to `on_evict` (the host-memory tier behind the pool: host_tier.py).
 
 No torch here: it counts page ids, never touches their bytes.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 
 from worker.engine.errors import OutOfBlocksError, SequenceStateError
 
@@ -24,8 +26,11 @@ class BlockAllocator:
     """Thread-safe: a worker's event loop takes pages for a prefix load while its model
     thread reserves pages for a step (one lock around every change)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[int, int], None] | None = None) -> None:
+        """on_evict(block_id, block_hash): a free tagged page is about to be written over,
+        its bytes still intact (called under the lock: it must not call back in here)."""
         self.num_blocks = num_blocks
+        self.on_evict = on_evict
         self._lock = threading.Lock()
         # Free blocks, oldest first. A revived block leaves its entry behind (`_is_free` says
         # which entries still count), so taking one out of the middle costs nothing.
@@ -55,6 +60,8 @@ class BlockAllocator:
                 block_id = self._free.popleft()
                 if not self._is_free[block_id]:
                     continue  # revived since it was freed
+                if self.on_evict is not None and block_id in self._hash_of:
+                    self.on_evict(block_id, self._hash_of[block_id])
                 self._untag(block_id)  # about to be written over
                 self._take(block_id)
                 block_ids.append(block_id)
@@ -87,12 +94,21 @@ class BlockAllocator:
         """The blocks holding the leading run of `block_hashes` that this pool still has,
         each with one more owner (the caller's): in use elsewhere, or free and not yet handed
         out again. Stops at the first hash it does not hold."""
+        found = self.pin(block_hashes, leading=True)
+        return [b for b in found if b is not None]
+
+    def pin(self, block_hashes: list[int], *, leading: bool = False) -> list[int | None]:
+        """Each of `block_hashes`' block in this pool (with one more owner, the caller's), or
+        None where it holds none; `leading`: up to the first it does not hold."""
         with self._lock:
-            block_ids = []
+            block_ids: list[int | None] = []
             for block_hash in block_hashes:
                 block_id = self._block_of.get(block_hash)
                 if block_id is None:
-                    break
+                    if leading:
+                        break
+                    block_ids.append(None)
+                    continue
                 if self._is_free[block_id]:
                     self._take(block_id)
                 else:

@@ -24,6 +24,7 @@ from worker.engine.attention import (
 from worker.engine.block_allocator import BlockAllocator
 from worker.engine.block_manager import BlockManager, block_table_tensor
 from worker.engine.errors import DraftError, SequenceStateError
+from worker.engine.host_tier import HostTier
 from worker.engine.kv_cache import (
     DEFAULT_BLOCK_SIZE_TOKENS,
     KVBlockLayout,
@@ -51,16 +52,21 @@ class ModelRunner:
         block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS,
         kv_dtype: torch.dtype | None = None,
         paged_kernel: bool = True,
+        host_tier_bytes: int = 0,
     ) -> None:
         """paged_kernel: full layers of a prefill read the pool in place through
-        shared/kernels/cpu/paged_attention.c where it serves (False: always SDPA)."""
+        shared/kernels/cpu/paged_attention.c where it serves (False: always SDPA).
+        host_tier_bytes: the host-memory tier behind the pool (0: none)."""
         self.model = model
         self.paged_kernel = paged_kernel
         self.config = model.config
         self.dtype = kv_dtype or model.dtype
         self.layout = KVBlockLayout.for_model(self.config, block_size_tokens, self.dtype)
         self.pool = PagedKVPool(self.layout, num_blocks)
-        self.allocator = BlockAllocator(num_blocks)
+        self.host_tier = HostTier(self.pool, host_tier_bytes)
+        self.allocator = BlockAllocator(
+            num_blocks, on_evict=self.host_tier.save if host_tier_bytes else None
+        )
         self.block_manager = BlockManager(self.allocator, block_size_tokens)
         self._last_stack: tuple[list[SlidingWindowState], torch.Tensor] | None = None
 

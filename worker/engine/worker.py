@@ -46,6 +46,7 @@ def build_runner(
         num_blocks=config.pool_pages(layout.block_nbytes),
         block_size_tokens=config.kv_block_size_tokens,
         kv_dtype=dtype,
+        host_tier_bytes=config.host_tier_bytes,
     )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from shared.metrics import Metrics
 from shared.usage_outbox import UsageOutbox
+from worker.engine.host_tier import HostTier
 from worker.kvstore.slots import MissReason
 from worker.kvstore.store import KvStore, SkipReason
 
@@ -158,4 +159,24 @@ def observe_outbox(metrics: Metrics, outbox: UsageOutbox) -> None:
         "kvfabric_usage_outbox_pending",
         "Records not yet acknowledged by JetStream.",
         lambda: outbox.num_pending,
+    )
+
+
+def observe_host_tier(metrics: Metrics, host: HostTier) -> None:
+    """The host-memory tier behind the KV pool (worker/engine/host_tier.py)."""
+    metrics.gauge_from(
+        "kvfabric_worker_host_tier_bytes",
+        "KV bytes kept in the host-memory tier.",
+        lambda: host.nbytes,
+    )
+    metrics.counter_from(
+        "kvfabric_worker_host_tier_blocks_total",
+        "Blocks into the host-memory tier (saved: pages the pool handed out again), out of it "
+        "(evicted: least recently used past its capacity) and back into the pool (restored).",
+        lambda: {
+            "saved": host.num_saved,
+            "evicted": host.num_evicted,
+            "restored": host.num_restored,
+        },
+        labels={"outcome": ("saved", "evicted", "restored")},
     )

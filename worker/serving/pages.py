@@ -15,6 +15,7 @@ from shared import telemetry
 from shared.blocks import RequestBlocks
 from shared.schema.inference import BlockLocations
 from worker.engine.block_allocator import BlockAllocator
+from worker.engine.host_tier import HostTier
 from worker.engine.kv_cache import PagedKVPool
 from worker.kvstore.slots import SlotRef
 from worker.kvstore.store import KvStore
@@ -25,7 +26,8 @@ from worker.serving.kv_io import store_payloads
 @dataclass(frozen=True)
 class LoadedPrefix:
     pages: list[int]  # pool pages holding blocks 0..len(pages)-1 of the prompt
-    num_local: int = 0  # of them, the leading ones found in the pool, not read from the store
+    num_local: int = 0  # of them, found in the pool (not read from the store)
+    num_host: int = 0  # copied back from the host-memory tier
 
     @property
     def num_blocks(self) -> int:
@@ -69,17 +71,36 @@ async def take_prefix(
     locations: BlockLocations,
     block_hashes: Sequence[int],
     num_blocks: int,
+    host: HostTier | None = None,
 ) -> LoadedPrefix:
     """The first `num_blocks` cached blocks (fewer after a store miss): the leading ones the
-    pool still holds from an earlier request (tagged with `tag_blocks`), the rest read from
-    the store (`load_prefix`). Recorded on the current span (the caller's load span)."""
+    pool still holds from an earlier request (tagged with `tag_blocks`) or the host-memory
+    tier kept, the rest read from the store (`load_prefix`). Recorded on the current span
+    (the caller's load span)."""
     if num_blocks == 0:
         return LoadedPrefix([])
-    local = allocator.revive(list(block_hashes[:num_blocks]))
+    # Every block of the prefix the pool still holds, pinned first: filling a gap from the
+    # host tier takes free pages, and must not take those (an earlier turn's oldest blocks
+    # are handed out first, so the pool and the host tier alternate along a prefix).
+    hashes = list(block_hashes[:num_blocks])
+    found: list[int | None] = []
+    found += allocator.pin(hashes) if host is not None else allocator.revive(hashes)
+    held: list[int] = []
+    num_local = num_host = 0
+    for i, page in enumerate(found):
+        if page is None:  # only with a host tier: `revive` stops at the first gap
+            kept = host.restore(allocator, [hashes[i]]) if host is not None else []
+            if not kept:
+                allocator.free([p for p in found[i + 1 :] if p is not None])
+                break
+            page, num_host = kept[0], num_host + 1
+        else:
+            num_local += 1
+        held.append(page)
     try:
-        rest = await load_prefix(store, pool, allocator, locations, num_blocks, len(local))
+        rest = await load_prefix(store, pool, allocator, locations, num_blocks, len(held))
     except BaseException:
-        allocator.free(local)
+        allocator.free(held)
         raise
     span = telemetry.current_span()
     if span.is_recording():
@@ -88,10 +109,11 @@ async def take_prefix(
                 "kvfabric.tier": locations.tier,
                 "kvfabric.num_blocks": rest.num_blocks,
                 "kvfabric.bytes": rest.num_blocks * pool.layout.block_nbytes,
-                "kvfabric.num_local_blocks": len(local),
+                "kvfabric.num_local_blocks": num_local,
+                "kvfabric.num_host_blocks": num_host,
             }
         )
-    return LoadedPrefix(local + rest.pages, num_local=len(local))
+    return LoadedPrefix(held + rest.pages, num_local=num_local, num_host=num_host)
 
 
 def tag_blocks(

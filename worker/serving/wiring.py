@@ -25,11 +25,12 @@ from shared.discovery import discover
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime
 from shared.subjects import SWA_MEMCACHE
+from worker.engine.host_tier import HostTier
 from worker.kvstore.backends import alloc_staging
 from worker.kvstore.store import KvStore
 from worker.kvstore.writer import KvEventPublisher
 from worker.serving.kv_io import open_store
-from worker.serving.metrics import observe_load, observe_store
+from worker.serving.metrics import observe_host_tier, observe_load, observe_store
 from worker.serving.staging import StagingSpace
 from worker.swa_client import SwaClient
 from worker.transfer import KvTransferAgent
@@ -150,9 +151,11 @@ def start_worker(
     worker: ServedWorker,
     store: KvStore,
     *closers: Callable[[], None],
+    host_tier: HostTier | None = None,
 ) -> None:
-    """Start the worker's loop and report its load and its store's figures; at shutdown stop
-    it (its in-flight work ends), then close what it used: `closers`, then the store."""
+    """Start the worker's loop and report its load, its store's and its host tier's figures;
+    at shutdown stop it (its in-flight work ends), then close what it used: `closers`, then
+    the store."""
     worker.start()
     runtime.load_fields = worker.load_fields
 
@@ -163,6 +166,8 @@ def start_worker(
     runtime.in_flight = in_flight
     observe_load(runtime.metrics, worker.load_fields)
     observe_store(runtime.metrics, store)
+    if host_tier is not None:
+        observe_host_tier(runtime.metrics, host_tier)
 
     async def close() -> None:
         await worker.stop()

@@ -1,0 +1,87 @@
+"""The host-memory tier behind a worker's KV pool (docs/design.md, 'KV tiers': device, host,
+then the store): the bytes of the tagged pages the pool hands out again, kept by block hash,
+least recently used out first past `capacity_bytes`. A later prompt's leading blocks come
+back from here into fresh pages (`restore`) before anything is read from the store: a copy
+in memory, where the store costs a read.
+
+Thread-safe: the pool's allocator saves into it from whichever thread allocates (the model
+thread for a step, the event loop for a load); the event loop restores.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from worker.engine.block_allocator import BlockAllocator
+from worker.engine.errors import OutOfBlocksError
+
+if TYPE_CHECKING:  # the pool's module loads torch, which the services load later (wiring.py)
+    from worker.engine.kv_cache import PagedKVPool
+
+
+class HostTier:
+    def __init__(self, pool: PagedKVPool, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.pool = pool
+        self.block_nbytes = pool.layout.block_nbytes
+        # A model without full-attention layers has empty blocks: nothing to keep.
+        self.capacity_blocks = capacity_bytes // self.block_nbytes if self.block_nbytes else 0
+        self._lock = threading.Lock()
+        self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()  # hash -> bytes, LRU first
+        self.num_saved = 0
+        self.num_evicted = 0
+        self.num_restored = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._blocks) * self.block_nbytes
+
+    def holds(self, block_hash: int) -> bool:
+        return block_hash in self._blocks
+
+    def save(self, block_id: int, block_hash: int) -> None:
+        """Keep page `block_id`'s bytes as block `block_hash` (the allocator's on_evict)."""
+        if self.capacity_blocks == 0:
+            return
+        data = np.array(self.pool.block_view(block_id), copy=True)
+        with self._lock:
+            self._blocks[block_hash] = data
+            self._blocks.move_to_end(block_hash)
+            self.num_saved += 1
+            while len(self._blocks) > self.capacity_blocks:
+                self._blocks.popitem(last=False)
+                self.num_evicted += 1
+
+    def restore(self, allocator: BlockAllocator, block_hashes: Sequence[int]) -> list[int]:
+        """Fresh pages holding the leading run of `block_hashes` this tier has, tagged (the
+        pool holds them again) and owned by the caller; none when the pool has no room."""
+        with self._lock:
+            run = []
+            for block_hash in block_hashes:
+                data = self._blocks.get(block_hash)
+                if data is None:
+                    break
+                self._blocks.move_to_end(block_hash)
+                run.append((block_hash, data))
+        if not run:
+            return []
+        try:
+            # May hand out tagged pages, whose bytes come here (save): outside our lock.
+            pages = allocator.allocate(len(run))
+        except OutOfBlocksError:
+            return []
+        for page, (block_hash, data) in zip(pages, run, strict=True):
+            self.pool.block_view(page)[:] = data
+            allocator.tag(page, block_hash)
+        self.num_restored += len(run)
+        return pages
