@@ -18,8 +18,10 @@ is deterministic; TTFT is simulated (the cost model's clock), not measured. `--t
 another trace in the same (Mooncake) format.
 
 Live (loadtest/trace/live.py; skipped with --offline): the first requests through a
-mock-engine cluster, the hit share its usage reports against the offline prediction for the
-same requests, TTFT p50/p99 (wall clock: noisy on a shared machine) and errors.
+mock-engine cluster under each of the router's placements in turn (quick: kv alone), the hit
+share its usage reports against the offline prediction for the same requests under the same
+placement, TTFT p50/p99 (wall clock: noisy on a shared machine) beside the prediction's, and
+errors.
 """
 
 from __future__ import annotations
@@ -229,28 +231,37 @@ def _saturation(
 
 
 def live_figures(result: BenchResult, trace: list[TraceRequest], config: LiveConfig) -> None:
+    """The cluster under `config.placement` against the offline replay of the same requests
+    under the same placement."""
     live = run_live(trace, config)
+    name = config.placement
     if live.answered:
         result.ratio(
-            "live hit share vs offline prediction",
+            f"live hit share vs offline prediction, {name}",
             live.hit_share,
             live.predicted_share,
             "offline replay, same requests",
             SHARE,
         )
-    result.figure("live: hit share from the cluster's usage", live.hit_share, SHARE)
-    result.figure("live: predicted hit share", live.predicted_share, SHARE)
-    result.figure("live: requests answered", len(live.answered), "requests")
-    result.figure("live: requests with exactly the predicted hit", live.num_exact, "requests")
-    result.figure("live: errors", sum(live.errors.values()), "requests", 0, lower_is_better=True)
+    result.figure(f"live {name}: hit share from the cluster's usage", live.hit_share, SHARE)
+    result.figure(f"live {name}: predicted hit share", live.predicted_share, SHARE)
+    result.figure(f"live {name}: requests answered", len(live.answered), "requests")
+    result.figure(
+        f"live {name}: requests with exactly the predicted hit", live.num_exact, "requests"
+    )
+    result.figure(
+        f"live {name}: errors", sum(live.errors.values()), "requests", 0, lower_is_better=True
+    )
     if any(o.ttft_s is not None for o in live.answered):
-        result.figure("live: TTFT p50", live.ttft_s(0.5) * 1e3, "ms")
-        result.figure("live: TTFT p99", live.ttft_s(0.99) * 1e3, "ms")
+        for q in (0.5, 0.99):
+            result.figure(f"live {name}: TTFT p{q * 100:g}", live.ttft_s(q) * 1e3, "ms")
+            result.figure(
+                f"live {name}: predicted TTFT p{q * 100:g}", live.predicted.ttft_s(q) * 1e3, "ms"
+            )
     for line in live.reductions():
-        result.note(f"live: {line}")
+        result.note(f"live {name}: {line}")
     for error, count in live.errors.items():
-        result.note(f"live: {count} x {error}")
-    result.note("live: TTFT on the wall clock of a shared machine (noisy)")
+        result.note(f"live {name}: {count} x {error}")
 
 
 def _values(text: str, what: str, cast: type) -> list:
@@ -284,14 +295,18 @@ def run(quick: bool = False, **options: object) -> BenchResult:
     )
     if not args.offline:
         print("trace: live replay ...", file=sys.stderr, flush=True)
-        live = LiveConfig(
-            num_requests=args.live_requests,
-            speed=args.live_speed,
-            mock_speedup=args.mock_speedup,
-            num_workers=args.live_workers,
-            model=args.model,
-        )
-        live_figures(result, trace, live)
+        # Each placement in turn on a fresh cluster (quick: kv alone).
+        for placement in (KV,) if quick else (KV, LEAST_LOADED, ROUND_ROBIN):
+            live = LiveConfig(
+                num_requests=args.live_requests,
+                speed=args.live_speed,
+                mock_speedup=args.mock_speedup,
+                num_workers=args.live_workers,
+                model=args.model,
+                placement=placement,
+            )
+            live_figures(result, trace, live)
+        result.note("live: TTFT on the wall clock of a shared machine (noisy)")
     return result.finish()
 
 

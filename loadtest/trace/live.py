@@ -32,6 +32,7 @@ import msgspec
 from loadtest.trace.offline import ReplayConfig, ReplayResult, replay
 from loadtest.trace.synth import PromptHashes, TraceRequest, arrivals_s, prompt_token_ids
 from services.admin.launcher import Cluster, ClusterSpec
+from services.router.policy import PLACEMENTS
 from shared.bus import Bus, now_ms
 from shared.client import build_request, generate
 from shared.models import model_path, served_name
@@ -60,6 +61,7 @@ class LiveConfig:
     max_output_tokens: int = 16
     model: str = "tiny-coder"
     ready_timeout_s: float = 120.0
+    placement: str = "kv"  # the router's (`[router] placement`), and the prediction's
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "num_workers", "max_output_tokens"):
@@ -69,6 +71,8 @@ class LiveConfig:
             raise ValueError("speed and mock_speedup must be > 0")
         if self.max_model_len <= self.max_output_tokens:
             raise ValueError("max_model_len must exceed max_output_tokens")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}")
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -153,6 +157,7 @@ def sped_up(cost: CostModel, factor: float) -> CostModel:
         prefill_tokens_per_s=cost.prefill_tokens_per_s * factor,
         load_tokens_per_s=cost.load_tokens_per_s * factor,
         replay_tokens_per_s=cost.replay_tokens_per_s * factor,
+        host_load_bytes_per_s=cost.host_load_bytes_per_s * factor,
         decode_step_base_s=cost.decode_step_base_s / factor,
         decode_step_per_seq_s=cost.decode_step_per_seq_s / factor,
         decode_step_per_context_token_s=cost.decode_step_per_context_token_s / factor,
@@ -175,6 +180,7 @@ def run_live(trace: Sequence[TraceRequest], config: LiveConfig) -> LiveResult:
             cost=sped_up(CostModel(), config.mock_speedup),
             max_output_tokens=config.max_output_tokens,
         ),
+        config.placement,
     )
     generate_requests = [
         build_request(
@@ -217,7 +223,11 @@ def _spec(state_dir: Path, config: LiveConfig) -> ClusterSpec:
         models=(config.model,),
         log_level="warning",
         shutdown_grace_s=3.0,
-        extra_args={PREFILL: mock, DECODE: mock, ROUTER: NO_ADMISSION},
+        extra_args={
+            PREFILL: mock,
+            DECODE: mock,
+            ROUTER: [*NO_ADMISSION, "--placement", config.placement],
+        },
     )
 
 

@@ -39,8 +39,8 @@ BLOCK = 16
 STORE_BYTES = 48 << 20
 # Slot files of 1 MiB: each write of a few blocks soon needs a new file, which a full disk
 # refuses (files are preallocated, so a full disk shows at file creation).
-# Pools of 48 pages: a few other prompts push a prompt's blocks out of the workers' own
-# memory, so that serving it again reads the store.
+# Pools of 48 pages and no host tier: a few other prompts push a prompt's blocks out of the
+# workers' own memory, so that serving it again reads the store (the faults under test).
 WORKER_ARGS = [
     "--kv-block-size-tokens",
     str(BLOCK),
@@ -48,6 +48,8 @@ WORKER_ARGS = [
     str(1 << 20),
     "--num-kv-blocks",
     "48",
+    "--host-tier-bytes",
+    "0",
 ]
 BOUND_S = 30.0
 
