@@ -35,7 +35,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from loadtest.results import BenchResult, bench_options
+from loadtest.results import BenchResult, OptionError, bench_options
 from loadtest.trace.live import LiveConfig, run_live
 from loadtest.trace.offline import ORACLE, POLICY_NAMES, ReplayConfig, ReplayResult, replay
 from loadtest.trace.synth import (
@@ -264,13 +264,14 @@ def live_figures(result: BenchResult, trace: list[TraceRequest], config: LiveCon
         result.note(f"live {name}: {count} x {error}")
 
 
-def _values(text: str, what: str, cast: type) -> list:
+def _values(text: object, what: str, cast: type) -> list:
+    # `--set speeds=8` arrives as a number, `--set speeds=1,2` as text.
     try:
-        values = [cast(float(v)) for v in text.split(",") if v.strip()]
+        values = [cast(float(v)) for v in str(text).split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"{what} must be numbers separated by commas: {text!r}") from None
+        raise OptionError(f"{what} must be numbers separated by commas: {text!r}") from None
     if not values or any(v <= 0 for v in values):
-        raise ValueError(f"{what} must be > 0: {text!r}")
+        raise OptionError(f"{what} must be > 0: {text!r}")
     return values
 
 
