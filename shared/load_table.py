@@ -19,6 +19,7 @@ a worker whose event loop is busy in a step.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from shared.schema.control import InstanceState, LoadReport
@@ -185,15 +186,15 @@ class LoadTable:
         known = self._instances.get(instance_id)
         if known is None or self._is_stale(known, now_s):
             return None
-        if known.view is None:
-            known.view = self._build_view(known)
-        return known.view
+        return self._view_of(known)
 
     @staticmethod
-    def _build_view(known: _Instance) -> WorkerView:
+    def _view_of(known: _Instance) -> WorkerView:
+        if known.view is not None:
+            return known.view
         report = known.report
         deltas = [d for _, d in known.inflight]
-        return WorkerView(
+        known.view = WorkerView(
             instance_id=report.instance_id,
             service=report.service,
             node_id=report.node_id,
@@ -207,6 +208,7 @@ class LoadTable:
             num_inflight_kv_pages=sum(d.num_kv_pages for d in deltas),
             num_inflight_requests=sum(d.num_requests for d in deltas),
         )
+        return known.view
 
     def workers(self, service: str, now_s: float, model: str | None = None) -> list[WorkerView]:
         """Instances of `service` that take new work: fresh heartbeat and SERVING (draining
@@ -214,26 +216,18 @@ class LoadTable:
         # Filtered before views are built: the table also holds every swa-memcache (~150 at
         # the reference deployment), and building all their views on each call was most of
         # the router's CPU per request (measured: 3.2 of 4.1 ms, loadtest/bench_router.py).
-        views = []
-        instances, timeout_s = self._instances, self.heartbeat_timeout_s
-        for instance_id in self._ids_of(service, model):  # view() inlined: ~1,200 a request
-            known = instances[instance_id]
-            if now_s - known.received_s > timeout_s:
-                continue
-            if known.report.state != InstanceState.SERVING:
-                continue
-            if known.view is None:
-                known.view = self._build_view(known)
-            views.append(known.view)
-        return views
+        return [self._view_of(known) for known in self._serving(service, now_s, model)]
 
     def has_workers(self, service: str, now_s: float, model: str | None = None) -> bool:
         """Whether `workers(service, now_s, model)` is non-empty, without building it."""
+        return next(self._serving(service, now_s, model), None) is not None
+
+    def _serving(self, service: str, now_s: float, model: str | None) -> Iterator[_Instance]:
+        """Instances of `service` (serving `model`) with a fresh heartbeat, SERVING, by id."""
         for instance_id in self._ids_of(service, model):
             known = self._instances[instance_id]
             if known.report.state == InstanceState.SERVING and not self._is_stale(known, now_s):
-                return True
-        return False
+                yield known
 
     def _ids_of(self, service: str, model: str | None) -> list[str]:
         ids = self._ids.get((service, model))

@@ -177,8 +177,7 @@ class CostModel:
         load_s: float = 0.0,
     ) -> int:
         """Tokens a job adds to its prefill worker's queue: what it has to compute, with a
-        replay (and `load_s` of loads that do not overlap compute: a store read slowed by
-        its bandwidth) counted in compute-token equivalents."""
+        replay and `load_s` of loads counted in compute-token equivalents."""
         replay_s = self.replay_s(num_cached_tokens, has_swa_snapshot)
         extra_s = replay_s + load_s
         return num_prompt_tokens - num_cached_tokens + round(extra_s * self.prefill_tokens_per_s)

@@ -275,16 +275,16 @@ class Replay:
         for delta in self.policy.inflight_deltas(ROUTER_ID, decision, facts):
             self.table.record_sent(delta, now_s)
         worker_id = decision.prefill_worker_id
-        own = self.caches.of(worker_id).num_hit_blocks(blocks.hashes, now_s, refresh=True)
+        # Read, so refreshed: the worker's own memory and the store.
+        self.caches.of(worker_id).num_hit_blocks(blocks.hashes, now_s, refresh=True)
         self.store.num_hit_blocks(blocks.hashes, now_s, refresh=True)
-        num_local = min(blocks.num_reusable_blocks(own), facts.num_cached_blocks)
         self._start(
             request,
             blocks,
             self.prefill[worker_id],
             self.decode[decision.decode_worker_id],
             facts,
-            num_local,
+            facts.num_local_blocks(worker_id),
             decision.has_swa_snapshot,
         )
 

@@ -67,10 +67,9 @@ class RequestFacts:
         """The cached prefix in tokens, as the cost model counts work."""
         return self.num_cached_blocks * self.block_size_tokens
 
-    def num_blocks_on(self, worker_id: str) -> tuple[int, int]:
-        """(cached blocks, of which in the worker's own memory) for `worker_id`."""
-        local = min(self.local_hit_blocks.get(worker_id, 0), self.num_cached_blocks)
-        return self.num_cached_blocks, local
+    def num_local_blocks(self, worker_id: str) -> int:
+        """Of the cached blocks, those in `worker_id`'s own memory."""
+        return min(self.local_hit_blocks.get(worker_id, 0), self.num_cached_blocks)
 
     @classmethod
     def of(
@@ -145,8 +144,7 @@ class PrefillOption:
     estimate: PrefillEstimate
     has_swa_snapshot: bool
     num_job_tokens: int
-    num_cached_blocks: int = 0  # this worker's hit: its own memory's or the store's
-    num_local_blocks: int = 0  # of them, in its own memory
+    num_local_blocks: int = 0  # of the cached blocks, those in the worker's own memory
 
     def key(self) -> tuple[float, int, str]:
         # Rounded to the nanosecond so float noise never decides between equal estimates.
@@ -172,12 +170,11 @@ class RoutePolicy:
 
     cost: CostModel = CostModel()
     config: PolicyConfig = PolicyConfig()
-    store: StoreReads = field(default_factory=StoreReads)
-    _turn: _Turn = field(default_factory=_Turn)
+    store: StoreReads = field(init=False)
+    _turn: _Turn = field(default_factory=_Turn, init=False)
 
     def __post_init__(self) -> None:
-        if self.store.bytes_per_s is None and self.config.store_read_bytes_per_s is not None:
-            self.store.bytes_per_s = self.config.store_read_bytes_per_s
+        object.__setattr__(self, "store", StoreReads(self.config.store_read_bytes_per_s))
 
     def prefill_options(
         self,
@@ -215,10 +212,10 @@ class RoutePolicy:
     ) -> list[PrefillOption]:
         """Each worker's option, best first."""
         options = []
-        block = facts.block_size_tokens
+        block, cached = facts.block_size_tokens, facts.num_cached_tokens
         for worker in workers:
-            num_blocks, num_local = facts.num_blocks_on(worker.instance_id)
-            cached, local = num_blocks * block, num_local * block
+            num_local = facts.num_local_blocks(worker.instance_id)
+            local = num_local * block
             has_swa = cached > 0 and worker.node_id in swa_node_ids
             store_bytes = self.cost.kv_bytes(cached - local)
             floor_s = self.cost.store_load_s(cached - local)
@@ -231,9 +228,7 @@ class RoutePolicy:
                 store_load_s=self.store.read_s(store_bytes, floor_s, now_s),
             )
             job_tokens = self.job_tokens(facts, cached, has_swa, estimate)
-            options.append(
-                PrefillOption(worker, estimate, has_swa, job_tokens, num_blocks, num_local)
-            )
+            options.append(PrefillOption(worker, estimate, has_swa, job_tokens, num_local))
         return sorted(options, key=PrefillOption.key)
 
     def job_tokens(
@@ -311,9 +306,8 @@ class RoutePolicy:
     ) -> tuple[InflightDelta, InflightDelta]:
         """What to `record_sent` (and announce to peers) once `decision` is taken: its
         compute, replay and loads (the store's at its idle rate) on the prefill worker."""
-        cached = decision.num_cached_blocks * facts.block_size_tokens
-        _, num_local = facts.num_blocks_on(decision.prefill_worker_id)
-        local = min(num_local * facts.block_size_tokens, cached)
+        cached = facts.num_cached_tokens
+        local = facts.num_local_blocks(decision.prefill_worker_id) * facts.block_size_tokens
         load_s = self.cost.local_load_s(local) + self.cost.store_load_s(cached - local)
         job_tokens = self.cost.queue_tokens_of(
             facts.num_prompt_tokens, cached, decision.has_swa_snapshot, load_s=load_s
@@ -461,14 +455,14 @@ class RoutePolicy:
         aggregated: bool = False,
     ) -> RouteDecision:
         """The decision, its store read counted against the store's bandwidth."""
-        num_store_blocks = prefill.num_cached_blocks - prefill.num_local_blocks
+        num_store_blocks = facts.num_cached_blocks - prefill.num_local_blocks
         self.store.add(self.cost.kv_bytes(num_store_blocks * facts.block_size_tokens), now_s)
         return RouteDecision(
             request_id=facts.request_id,
             prefill_worker_id=prefill.worker.instance_id,
             decode_worker_id=decode_id,
             num_prompt_tokens=facts.num_prompt_tokens,
-            num_cached_blocks=prefill.num_cached_blocks,
+            num_cached_blocks=facts.num_cached_blocks,
             block_size_tokens=facts.block_size_tokens,
             has_swa_snapshot=prefill.has_swa_snapshot,
             estimated_ttft_ms=prefill.estimate.ttft_s * 1000.0,
