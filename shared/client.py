@@ -50,6 +50,7 @@ from shared.schema import (
     RouteDecision,
     SamplingParams,
     ServiceError,
+    StreamGap,
     TokenChunk,
     TokenUsage,
     Unavailable,
@@ -58,7 +59,7 @@ from shared.schema import (
     pack_token_ids,
     unpack_token_ids,
 )
-from shared.streams import ChunkReader
+from shared.streams import STREAM_ENDED, ChunkReader
 from shared.subjects import DECODE, INGRESS, ROUTER, VLLM_WORKER
 from shared.telemetry import REQUEST_ID
 from shared.usage import usage_publisher, usage_record
@@ -174,7 +175,9 @@ async def generate(
     makes the continuation miss the cache and recompute the whole context, as vLLM and
     Dynamo migrate. A stalled stream is probed after four of its usual intervals between
     chunks, at most `probe_after_s`: a worker whose process is gone is known then (no
-    responders), not `liveness_timeout_s` later.
+    responders), not `liveness_timeout_s` later; one that answers twice that it has ended
+    the stream (its last chunks lost in flight) raises `StreamGap`, retryable, and is not
+    continued (the worker billed what it sent).
 
     Raises the router's typed error (`Overloaded` with `retry_after_s` once the wait is
     spent, `BadRequest`, `NoResponders` when no router runs), the stream's
@@ -534,26 +537,38 @@ class _Generation:
         beating as a new process (restarted: the stream died with the old one), or, probed
         once the stream has stalled (`_probe_after_s`; then twice as long after each answer),
         answered for by NATS with no responders (its process died, and its subscriptions
-        with its connection)."""
+        with its connection). Raises `StreamGap` when the worker answers two probes in a
+        row that it has ended the stream the caller still waits on."""
         ping = self.bus.subjects.ping(decision.decode_worker_id)
         backoff = 1.0  # doubles with each answered probe until the stream moves again
+        num_ended = 0  # answers in a row that the worker's stream has ended
         last_chunk_at = self.last_chunk_at
         while (wait_s := liveness.wait_s()) > 0:
             if self.last_chunk_at != last_chunk_at:
-                backoff, last_chunk_at = 1.0, self.last_chunk_at
+                backoff, num_ended, last_chunk_at = 1.0, 0, self.last_chunk_at
             stalled_s = time.monotonic() - self.last_chunk_at
             probe_s = backoff * self._probe_after_s()
             if stalled_s < probe_s:
                 await asyncio.sleep(min(wait_s, probe_s - stalled_s))
                 continue
             try:
-                await self.bus.request(ping, b"", bytes, timeout_s=min(wait_s, 1.0))
+                answer = await self.bus.request(
+                    ping, self.request.request_id.encode(), bytes, timeout_s=min(wait_s, 1.0)
+                )
             except NoResponders:
                 return f"{streamer} process gone: no responders"
             except ServiceError:  # no answer in time, or our own connection is down
                 pass
             else:
                 backoff *= 2
+                num_ended = num_ended + 1 if answer == STREAM_ENDED else 0
+                # Twice, a probe apart: the first answer can overtake the reader's last
+                # chunks, already received but not yet read.
+                if num_ended == 2:
+                    raise StreamGap(
+                        f"the end of the stream from {decision.decode_worker_id} was lost "
+                        f"(it ended the stream; chunk {self.reader.num_received} never came)"
+                    )
         if liveness.restarted:
             return "restarted"
         return f"no heartbeat for {self.limits.liveness_timeout_s:.1f}s"

@@ -52,6 +52,7 @@ from shared.schema import (
     decode,
 )
 from shared.schema import base as schema_base
+from shared.streams import stream_state
 from shared.tasks import cancel_and_wait
 
 VERSION = "0.1.0"
@@ -311,8 +312,13 @@ class ServiceRuntime:
         return (self._bus.num_inflight if self._bus else 0) + self.in_flight()
 
     async def _on_ping(self, msg: RawMessage) -> None:
+        """Alive; a ping that names a request is answered whether its stream is still open
+        here (the caller of a stalled stream probes)."""
         if msg.reply:
-            await self.bus.publish_raw(msg.reply, b"")
+            request_id = msg.data.decode(errors="replace")
+            await self.bus.publish_raw(
+                msg.reply, stream_state(self.bus, request_id) if request_id else b""
+            )
 
     async def _on_drain(self, msg: RawMessage) -> None:
         try:

@@ -45,6 +45,11 @@ from shared.subjects import INBOX_PREFIX, is_inbox
 
 T = TypeVar("T")
 
+# Answers to a probe that names a request (`stream_state`); an empty answer: the instance
+# is alive and says nothing of its streams.
+STREAM_OPEN = b"open"
+STREAM_ENDED = b"ended"
+
 
 class StreamWriter:
     """Publishes one stream's chunks to its inbox. Not safe for concurrent `send`s."""
@@ -57,6 +62,8 @@ class StreamWriter:
         self.request_id = request_id
         self.num_sent = 0
         self.is_finished = False
+        if request_id:
+            bus.open_streams[request_id] = self
 
     def _headers(self, *, final: bool) -> dict[str, str]:
         headers = {HEADER_SEQ: str(self.num_sent)}
@@ -71,14 +78,15 @@ class StreamWriter:
             raise RuntimeError("stream already finished")
         await self._bus.publish_raw(self.inbox, encode(chunk), self._headers(final=final))
         self.num_sent += 1
-        self.is_finished = final
+        if final:
+            self._finished()
 
     async def finish(self) -> None:
         """End the stream (idempotent)."""
         if not self.is_finished:
             await self._bus.publish_raw(self.inbox, b"", self._headers(final=True))
             self.num_sent += 1
-            self.is_finished = True
+            self._finished()
 
     async def fail(self, error: ServiceError) -> None:
         """End the stream with a typed error (idempotent; ignored after a normal finish)."""
@@ -87,7 +95,21 @@ class StreamWriter:
         headers = self._headers(final=True) | error_headers(error)
         await self._bus.publish_raw(self.inbox, encode(error.to_reply(self.request_id)), headers)
         self.num_sent += 1
+        self._finished()
+
+    def _finished(self) -> None:
         self.is_finished = True
+        if self._bus.open_streams.get(self.request_id) is self:
+            del self._bus.open_streams[self.request_id]
+
+
+def stream_state(bus: Bus, request_id: str) -> bytes:
+    """What a probe of `request_id`'s stream is answered: STREAM_OPEN while a writer of this
+    process has not sent its final message, else STREAM_ENDED (also for a stream it never
+    had). The answer leaves after every chunk the writer sent (one connection keeps order),
+    so a reader told STREAM_ENDED that still waits has lost the end of its stream."""
+    writer = bus.open_streams.get(request_id)
+    return STREAM_OPEN if writer is not None and not writer.is_finished else STREAM_ENDED
 
 
 class ChunkReader(Generic[T]):

@@ -44,7 +44,10 @@ class DecodeRequest(StreamedRequest):
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the store, not prefill
     num_blocks_written: int = 0  # blocks 0..n-1 are in the store or on their way there
     writes: list[asyncio.Task[None]] = field(default_factory=list)  # write-through's, pending
-    joining: bool = False  # a suffix is being pulled: a duplicate waits for nothing
+    # The first suffix's join, once one came: whose it is (prefill worker, attempt) and its
+    # outcome, which that prefill's resend of the same SuffixReady waits for.
+    joining_from: tuple[str, int] | None = None
+    join_done: asyncio.Future[None] | None = None
     joined: bool = False  # the suffix arrived and the sequence is in the engine
     seq_id: int | None = None
     last_token_s: float | None = None  # when its latest tokens were emitted (metrics' ITL)

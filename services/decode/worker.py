@@ -204,12 +204,32 @@ class DecodeWorker:
         accepted = JobAccepted(request_id=ready.request_id, instance_id=self.bus.instance_id)
         if state is None:
             raise NotFound(f"no decode job {ready.request_id} here (cancelled or timed out)")
-        if state.joined or state.joining:
-            # A retried prefill's duplicate: the first suffix is in use. One that comes while
-            # the first is still being pulled (from a prefill killed after it sent it) must not
-            # join again: the prefix it would take is already taken.
+        if state.joined:
+            return accepted  # a resend whose first answer was lost, or a retried prefill's
+        if state.join_done is not None:
+            # A retried prefill's, while the first suffix is still being pulled (from a
+            # prefill killed after it sent it), is answered at once: it must not join again,
+            # the prefix it would take is already taken. The same prefill's resend (its first
+            # answer late or lost) is answered once that pull is done: its staged region is
+            # being read until then.
+            if state.joining_from == (ready.prefill_worker_id, ready.attempt):
+                await asyncio.shield(state.join_done)
             return accepted
-        state.joining = True
+        state.joining_from = (ready.prefill_worker_id, ready.attempt)
+        done = state.join_done = asyncio.get_running_loop().create_future()
+        try:
+            await self._join_suffix(state, ready)
+        except Exception as exc:
+            failed = InternalError("joining the suffix failed")
+            _settle(done, exc if isinstance(exc, ServiceError) else failed)
+            raise
+        except asyncio.CancelledError:
+            _settle(done, Cancelled(f"decode job {ready.request_id} ended while joining"))
+            raise
+        _settle(done, None)
+        return accepted
+
+    async def _join_suffix(self, state: DecodeRequest, ready: SuffixReady) -> None:
         try:
             seq_id = await self._join(state, ready)
         except ServiceError as exc:
@@ -231,7 +251,6 @@ class DecodeWorker:
         state.generate_span = telemetry.child_span(state.span, "decode generate")
         self._by_seq[seq_id] = state
         self._wake.set()
-        return accepted
 
     async def _join(self, state: DecodeRequest, ready: SuffixReady) -> int:
         """Add the request's sequence to the engine, its prompt computed up to n - 1, or
@@ -501,3 +520,13 @@ class DecodeWorker:
         if finished is not None and stopped_by_string:
             finished.reason = "stop"
         return finished
+
+
+def _settle(done: asyncio.Future[None], error: BaseException | None) -> None:
+    """A join's outcome, for the resends waiting on it (retrieved here, so that an outcome
+    nobody waited for is not reported as never retrieved)."""
+    if error is None:
+        done.set_result(None)
+    else:
+        done.set_exception(error)
+        done.exception()

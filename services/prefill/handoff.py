@@ -8,12 +8,23 @@ import time
 
 from services.prefill.jobs import JobState
 from shared import telemetry
-from shared.bus import Bus
+from shared.bus import Bus, now_ms
 from shared.logging import get_logger
-from shared.schema import JobAccepted, PrefillTimings, ServiceError, SuffixReady
+from shared.schema import (
+    DeadlineExceeded,
+    JobAccepted,
+    PrefillTimings,
+    ServiceError,
+    SuffixReady,
+)
 from worker.swa_client import SwaClient
 
 log = get_logger(__name__)
+
+# How long the first SuffixReady waits for decode's answer before it is sent again; each
+# resend waits twice as long, up to the last bound.
+RESEND_AFTER_S = 1.0
+MAX_RESEND_AFTER_S = 8.0
 
 
 async def tell_decode(
@@ -56,15 +67,29 @@ async def tell_decode(
         )
     subject = bus.subjects.instance(bus.subjects.decode_suffix, decode_worker_id)
     started = time.perf_counter()
-    await bus.request(
-        subject,
-        ready,
-        JobAccepted,
-        timeout_s=timeout_s,
-        request_id=request.request_id,
-        deadline_ms=request.deadline_ms,
-    )
-    return (time.perf_counter() - started) * 1000
+    deadline = started + timeout_s
+    wait_s = RESEND_AFTER_S
+    while True:
+        try:
+            await bus.request(
+                subject,
+                ready,
+                JobAccepted,
+                timeout_s=min(wait_s, deadline - time.perf_counter()),
+                request_id=request.request_id,
+                deadline_ms=request.deadline_ms,
+            )
+            return (time.perf_counter() - started) * 1000
+        except DeadlineExceeded:
+            passed = request.deadline_ms is not None and now_ms() >= request.deadline_ms
+            if time.perf_counter() >= deadline or passed:
+                raise DeadlineExceeded(
+                    f"{decode_worker_id} did not take the suffix within {timeout_s:g} s"
+                ) from None
+        # The message or its answer was lost (a NATS server died with it in flight), or the
+        # pull is still running: decode answers a resend once the pull it resends for is done.
+        log.info("no answer to SuffixReady yet: sending it again", request_id=request.request_id)
+        wait_s = min(2 * wait_s, MAX_RESEND_AFTER_S)
 
 
 async def put_window(swa: SwaClient, entry: JobState, snapshot: bytes) -> bool:

@@ -20,6 +20,7 @@ import contextlib
 import os
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -120,6 +121,9 @@ class Bus:
         self._endpoints = EndpointServer(nc, subjects, service, instance_id)
         self._event_subscriptions: list[Subscription] = []
         self.js = JetStream(nc, self._event_subscriptions)
+        # The streams this process is writing, by request id (shared.streams.StreamWriter
+        # keeps it): what a caller's probe of a stalled stream asks about.
+        self.open_streams: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
     @classmethod
     async def connect(

@@ -401,20 +401,26 @@ class JetStream:
 
     # -- key-value buckets (stored responses, API keys): shared by every replica ----------
     async def ensure_kv(self, bucket: str, *, ttl_s: float | None = None) -> None:
-        """Create the bucket if it is missing (idempotent); `ttl_s`: entries expire."""
+        """Create the bucket if it is missing (idempotent); `ttl_s`: entries expire. Waits
+        for JetStream as `ensure_stream` does (an ingress started while the cluster was busy
+        electing leaders died on its first timeout)."""
         js = self._nc.jetstream()
-        try:
-            await js.key_value(bucket)
-        except nats.js.errors.BucketNotFoundError:
-            config = KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1, replicas=self.replicas)
+
+        async def ensure() -> None:
             try:
+                await js.key_value(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                config = KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1, replicas=self.replicas)
                 await js.create_key_value(config)
-            except nats.js.errors.APIError as exc:  # e.g. R3 on a single server
-                raise StreamRefused(
-                    f"JetStream refused bucket {bucket}: {exc.description or exc!r}"
-                ) from None
-        else:
-            await self._raise_replicas(f"KV_{bucket}")
+            else:
+                await self._raise_replicas(f"KV_{bucket}")
+
+        try:
+            await until_answered(f"bucket {bucket}", ensure)
+        except nats.js.errors.APIError as exc:  # e.g. R3 on a single server
+            raise StreamRefused(
+                f"JetStream refused bucket {bucket}: {exc.description or exc!r}"
+            ) from None
 
     async def _raise_replicas(self, stream: str) -> None:
         """Bring an existing bucket's stream up to `replicas` copies (JetStream scales a

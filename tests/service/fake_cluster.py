@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from shared.bus import Bus, Context, Endpoint, Handler
+from shared.bus import Bus, Context, Endpoint, Handler, RawMessage
 from shared.schema import (
     DecodeStats,
     GenerateRequest,
@@ -20,7 +20,7 @@ from shared.schema import (
     Unavailable,
     pack_token_ids,
 )
-from shared.streams import StreamWriter
+from shared.streams import StreamWriter, stream_state
 from shared.subjects import DECODE
 from shared.tasks import cancel_and_wait
 from shared.testing.fixtures import BusFactory
@@ -31,11 +31,13 @@ DECODE_ID = "decode-a"
 @dataclass
 class FakeDecode:
     """Streams `chunks` (token id lists) to the request's inbox while heartbeating; then
-    finishes, fails, dies (stops heartbeating and streaming) or hangs (heartbeats only)."""
+    finishes, fails, dies (stops heartbeating and streaming), hangs (heartbeats only) or
+    loses its final chunk in flight (sent, as the worker knows, but never delivered). It
+    answers pings as a worker's runtime does."""
 
     bus: Bus
     chunks: list[list[int]]
-    end: str = "finish"  # finish | fail | die | hang
+    end: str = "finish"  # finish | fail | die | hang | lose
     reply_delay_s: float = 0.0
     heartbeat_s: float = 0.1
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -53,7 +55,9 @@ class FakeDecode:
     async def stream(self, request: GenerateRequest) -> None:
         writer = StreamWriter(self.bus, request.stream_inbox, request_id=request.request_id)
         for seq, ids in enumerate(self.chunks):
-            is_last = seq == len(self.chunks) - 1 and self.end == "finish"
+            is_last = seq == len(self.chunks) - 1 and self.end in ("finish", "lose")
+            if is_last and self.end == "lose":
+                writer.inbox += ".lost"  # published where nobody listens
             chunk = TokenChunk(
                 request_id=request.request_id,
                 seq=seq,
@@ -97,6 +101,16 @@ async def cluster(
     await router.serve(
         Endpoint("generate", router.subjects.router_generate, GenerateRequest, handler)
     )
+    if decode is not None:
+
+        async def answer(msg: RawMessage) -> None:
+            if not decode.beating:  # died, or cut off: nothing answers
+                return
+            request_id = msg.data.decode()
+            await decode.bus.publish_raw(msg.reply, stream_state(decode.bus, request_id))
+
+        await decode.bus.subscribe_raw(decode.bus.subjects.ping(DECODE_ID), answer)
+        await decode.bus.flush()
     await router.flush()
     beat = asyncio.create_task(decode.heartbeat()) if decode else None
     try:

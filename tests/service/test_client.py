@@ -19,6 +19,7 @@ from shared.schema import (
     NoResponders,
     Overloaded,
     RouteDecision,
+    StreamGap,
     TokenChunk,
     TokenUsage,
     Unavailable,
@@ -187,6 +188,22 @@ async def test_a_decode_worker_that_stops_heartbeating_is_billed_and_raised(
     assert (record.api_key_id, record.model) == ("key-1", "tiny-coder")
     cancel = await asyncio.wait_for(cancels.get(), 5)  # the worker may only be unreachable
     assert cancel.request_id == request.request_id
+
+
+async def test_a_stream_whose_end_was_lost_is_raised_retryable_at_once(
+    bus_factory: BusFactory,
+) -> None:
+    """The worker sent its final chunk and it never came (a NATS server died with it in
+    flight): the worker, alive and beating, answers the stalled stream's probe that the
+    stream has ended, and the caller raises the retryable StreamGap, not after the idle
+    timeout and not as a failover (the worker billed the request)."""
+    decode = FakeDecode(await bus_factory("decode", DECODE_ID), [[5, 6], [7]], end="lose")
+    client = await bus_factory("client")
+    async with cluster(bus_factory, decode):
+        with pytest.raises(StreamGap, match="was lost"):
+            async with asyncio.timeout(10):  # the idle timeout (30 s) is far off
+                await generate(client, a_request(), idle_timeout_s=30, probe_after_s=0.05)
+    assert len(decode.requests) == 1  # no continuation
 
 
 async def test_a_lost_decode_worker_s_request_continues_from_what_was_delivered(

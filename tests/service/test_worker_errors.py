@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -20,9 +21,11 @@ from tokenizers import Tokenizer
 from services.decode.config import DecodeConfig
 from services.decode.finish import Finisher
 from services.decode.worker import DecodeWorker
+from services.prefill import handoff
 from services.prefill.config import PrefillConfig
 from services.prefill.restore import PrefixRestorer, RestorePolicy
 from services.prefill.worker import PrefillWorker
+from shared import schema
 from shared.bus import Bus, Context, Endpoint
 from shared.client import build_request
 from shared.schema import (
@@ -33,6 +36,7 @@ from shared.schema import (
     JobAccepted,
     PrefillDone,
     PrefillJob,
+    PrefillTimings,
     Resume,
     RouteDecision,
     SuffixReady,
@@ -310,6 +314,90 @@ async def test_a_duplicate_suffix_during_the_first_join_is_accepted_not_joined_a
         with pytest.raises(Unavailable) as ended:
             await reader.next()
         assert "prefill-0" in ended.value.message
+
+
+async def test_the_same_prefills_resend_is_answered_once_the_pull_it_resends_for_is_done(
+    bus_factory: BusFactory, tmp_path: Path
+) -> None:
+    """A prefill whose SuffixReady got no answer in time sends it again (its first copy, or
+    the answer, lost with a NATS server): the resend is not joined again, and not answered
+    while the first copy's pull still reads the prefill's staged region, but with the pull's
+    outcome once it is done."""
+    bus = await bus_factory("decode", "decode-0")
+    async with decode_worker(bus, tmp_path) as (worker, config):
+        pulling, release = asyncio.Event(), asyncio.Event()
+        joins: list[str] = []
+
+        async def slow_pull(state: Any, ready: SuffixReady) -> int:
+            joins.append(ready.prefill_worker_id)
+            pulling.set()
+            await release.wait()
+            raise Unavailable(f"NIXL READ to {ready.prefill_worker_id} failed")
+
+        worker._join = slow_pull  # type: ignore[method-assign]
+        caller, _, request = await a_job_awaiting_its_suffix(bus, bus_factory, worker, config)
+        subjects = bus.subjects
+        suffix = subjects.instance(subjects.decode_suffix, "decode-0")
+
+        def send(prefill_worker_id: str) -> asyncio.Task[JobAccepted]:
+            ready = suffix_without_blocks(request, worker, prefill_worker_id)
+            return asyncio.create_task(caller.request(suffix, ready, JobAccepted))
+
+        first = send("prefill-0")
+        await pulling.wait()
+        resend = send("prefill-0")
+        # Sent after the resend on the same connection, answered at once: by its answer the
+        # worker has taken the resend in too.
+        assert (await send("prefill-1")).request_id == request.request_id
+        assert not resend.done()
+        release.set()
+        for call in (first, resend):
+            with pytest.raises(Unavailable):
+                await call
+        assert joins == ["prefill-0"]
+
+
+async def test_a_suffix_whose_answer_does_not_come_is_sent_again(
+    bus_factory: BusFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill's side: a SuffixReady lost in flight (a NATS server of three killed with it)
+    is sent again after RESEND_AFTER_S, not waited on for the whole handoff timeout."""
+    monkeypatch.setattr(handoff, "RESEND_AFTER_S", 0.05)
+    prefill = await bus_factory("prefill", "prefill-0")
+    decode = await bus_factory("decode", "decode-0")
+    subjects = decode.subjects
+    received: list[SuffixReady] = []
+
+    async def lose_the_first(msg: Any) -> None:
+        received.append(schema.decode(msg.data, SuffixReady))
+        if len(received) > 1:
+            await decode.publish(msg.reply, JobAccepted(request_id="r", instance_id="decode-0"))
+
+    await decode.subscribe_raw(
+        subjects.instance(subjects.decode_suffix, "decode-0"), lose_the_first
+    )
+    await decode.flush()
+    request = build_request(list(range(3, 103)), model="m", block_size_tokens=BLOCK)
+    job = PrefillJob(request=request, decision=decision(request.request_id))
+    entry = SimpleNamespace(
+        job=job,
+        token_ids=list(range(100)),
+        num_cached_blocks=0,
+        first_token_id=None,
+        sampler_state=b"",
+    )
+    transfer_ms = await handoff.tell_decode(
+        prefill,
+        entry,
+        PrefillTimings(),
+        num_blocks=0,
+        block_nbytes=64,
+        region_offset=0,
+        window_nbytes=0,
+        timeout_s=30.0,
+    )
+    assert len(received) == 2 and received[0] == received[1]
+    assert transfer_ms < 30_000
 
 
 async def test_a_continuation_replaces_the_attempt_a_live_decode_worker_holds(
