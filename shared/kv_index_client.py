@@ -80,6 +80,36 @@ def merge(replies: list[MatchReply], num_blocks: int) -> dict[str, PrefixMatch]:
     return merged
 
 
+@dataclass(frozen=True)
+class MemoryHit:
+    """A worker's own hit: the request's leading blocks its memory holds (KV pool or host
+    tier), and of those the leading ones in its pool."""
+
+    num_blocks: int
+    num_device_blocks: int
+
+
+def merge_holders(replies: list[MatchReply], num_blocks: int) -> dict[str, MemoryHit]:
+    """Each worker's own hit, from every shard's part: a worker's prefix ends at the first
+    miss any shard reports for it, and a shard that does not name it reports its own first
+    owned block. Workers whose hit is empty are left out."""
+    names = {h.holder for reply in replies for h in reply.holders}
+    hits = {}
+    for name in names:
+        memory, device = num_blocks, num_blocks
+        for reply in replies:
+            part = next((h for h in reply.holders if h.holder == name), None)
+            if part is None:
+                memory = min(memory, reply.first_owned_index)
+                device = min(device, reply.first_owned_index)
+            else:
+                memory = min(memory, part.first_miss_index)
+                device = min(device, part.first_device_miss_index)
+        if memory:
+            hits[name] = MemoryHit(memory, min(device, memory))
+    return hits
+
+
 async def match(
     bus: Bus,
     block_hashes: list[int] | bytes,
@@ -90,8 +120,23 @@ async def match(
 ) -> dict[str, PrefixMatch]:
     """Longest cached prefix per tier, asking every shard concurrently. `block_hashes` may
     come packed (u64, as a request carries them): the router sends them on as they came."""
+    tiers, _ = await match_with_holders(
+        bus, block_hashes, num_shards=num_shards, timeout_s=timeout_s, refresh=refresh
+    )
+    return tiers
+
+
+async def match_with_holders(
+    bus: Bus,
+    block_hashes: list[int] | bytes,
+    *,
+    num_shards: int,
+    timeout_s: float = 1.0,
+    refresh: bool = True,
+) -> tuple[dict[str, PrefixMatch], dict[str, MemoryHit]]:
+    """`match`, and each worker's own hit in its memory (`merge_holders`), in one query."""
     if not block_hashes:
-        return {}
+        return {}, {}
     packed = block_hashes if isinstance(block_hashes, bytes) else pack_block_hashes(block_hashes)
     request = MatchRequest(block_hashes=packed, refresh=refresh)
     replies = await asyncio.gather(
@@ -102,4 +147,5 @@ async def match(
             for shard in range(num_shards)
         )
     )
-    return merge(list(replies), len(packed) // 8)
+    num_blocks = len(packed) // 8
+    return merge(list(replies), num_blocks), merge_holders(list(replies), num_blocks)

@@ -241,10 +241,11 @@ def swa_client(s: Subjects) -> tuple[str, ...]:
 
 def kv_writer(s: Subjects) -> Grants:
     """worker/kvstore/writer.py: `KvEventBatch`es to the event log (JetStream), kv-index's
-    resync requests and evictions heard."""
+    resync requests and evictions heard; worker/serving/holdings.py: its own memory's
+    holdings out, kv-index's syncs heard."""
     return (
-        (each(s.kv_events(ANY)), *js_basics()),
-        (each(s.kv_resync(ANY)), each(s.kv_evict(ANY))),
+        (each(s.kv_events(ANY)), each(s.kv_holdings(ANY)), *js_basics()),
+        (each(s.kv_resync(ANY)), each(s.kv_evict(ANY)), each(s.kv_holdings_sync(ANY))),
     )
 
 
@@ -362,6 +363,7 @@ def _kv_index(s: Subjects) -> Grants:
         (
             each(s.kv_resync(ANY)),
             each(s.kv_evict(ANY)),
+            each(s.kv_holdings_sync(ANY)),
             *stream_own(s.kv_events_stream),  # created with its bounds; its info read
             *stream_consume(s.kv_events_stream),  # every replica replays it in order
             *obj_own(kv_index_snapshots(s)),
@@ -372,6 +374,7 @@ def _kv_index(s: Subjects) -> Grants:
             # Served here, asked only by admin (`kvfabric cache`): see `admin_only`.
             *endpoint_subjects(any_shard(s.kv_index_admin)),
             *endpoint_subjects(any_shard(s.kv_index_rebuild)),
+            s.kv_holdings_all,
         ),
     )
 

@@ -268,6 +268,19 @@ class Subjects:
     def kv_events_all(self) -> str:
         return f"{self.root}.kv.events.*"
 
+    def kv_holdings(self, holder: str) -> str:
+        """`HoldingsUpdate`s of one worker's own memory (core NATS: a lost update shows as
+        a sequence gap and costs a sync)."""
+        return f"{self.root}.kv.holdings.{check_token(holder, 'holder id')}"
+
+    @property
+    def kv_holdings_all(self) -> str:
+        return f"{self.root}.kv.holdings.*"
+
+    def kv_holdings_sync(self, holder: str) -> str:
+        """kv-index -> a worker: `HoldingsSync`, answered by a full `HoldingsUpdate`."""
+        return f"{self.root}.kv.holdings_sync.{check_token(holder, 'holder id')}"
+
     def swa_events(self, instance_id: str) -> str:
         """`SwaHeld` batches of one swa-memcache instance (core NATS: a lost batch shows as
         a sequence gap and costs a resync)."""

@@ -30,6 +30,7 @@ from worker.serving.metrics import observe_outbox
 from worker.serving.wiring import (
     limit_openmp_spin,
     open_model_kv,
+    publish_holdings,
     start_model_thread,
     start_worker,
 )
@@ -100,6 +101,7 @@ async def setup(runtime: ServiceRuntime) -> None:
     )
     subjects = bus.subjects
     start_worker(runtime, worker, kv.store, kv.agent.close, host_tier=runner.host_tier)
+    await publish_holdings(runtime, runner)
     await bus.serve(Endpoint("run", subjects.decode_run, DecodeJob, worker.handle_job))
     await bus.serve(Endpoint("suffix", subjects.decode_suffix, SuffixReady, worker.handle_suffix))
     await bus.subscribe(subjects.cancel, CancelRequest, worker.on_cancel)

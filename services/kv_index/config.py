@@ -45,6 +45,9 @@ class KvIndexConfig(ServiceConfig):
     # How long start-up waits for the event log to be replayed before serving anyway, and
     # reporting itself not ready until it has caught up (0: do not wait).
     catch_up_timeout_s: float = 60.0
+    # Seconds a worker's own-memory holdings are kept without an update from it (workers
+    # send one at least every second): a worker gone is forgotten after this.
+    holder_ttl_s: float = 5.0
 
     def capacity_bytes(self) -> dict[str, int]:
         result = {}
@@ -63,7 +66,13 @@ class KvIndexConfig(ServiceConfig):
             )
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ConfigError("watermarks must satisfy 0 < low_watermark < high_watermark <= 1")
-        for name in ("ttl_s", "evict_interval_s", "snapshot_interval_s", "log_max_age_s"):
+        for name in (
+            "ttl_s",
+            "evict_interval_s",
+            "snapshot_interval_s",
+            "log_max_age_s",
+            "holder_ttl_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.catch_up_timeout_s < 0:

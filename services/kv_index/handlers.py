@@ -3,12 +3,14 @@ background duties (event log consumption, eviction, snapshots) live in `KvIndexS
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
 import msgspec
 
 from services.kv_index.config import KvIndexConfig
+from services.kv_index.holders import HolderIndex
 from services.kv_index.index import KvIndex, Removal
 from shared import telemetry
 from shared.bus import Bus, Context, RawMessage
@@ -18,12 +20,16 @@ from shared.schema import (
     BadRequest,
     BlocksRemoved,
     KvEventBatch,
+    ServiceError,
+    decode,
     pack_block_hashes,
     unpack_block_hashes,
 )
 from shared.schema.kv_index import (
     CacheCommand,
     CacheStats,
+    HoldingsSync,
+    HoldingsUpdate,
     MatchReply,
     MatchRequest,
     RebuildBatch,
@@ -49,6 +55,13 @@ class KvIndexService:
             low_watermark=config.low_watermark,
         )
         self.last_stream_seq = 0  # the event log position the state covers
+        # Each worker's own memory (pool, host tier), from its HoldingsUpdates; not
+        # snapshotted: workers are synced again after a restart.
+        self.holders = HolderIndex(
+            shard_id=config.shard_id, num_shards=config.num_shards, ttl_s=config.holder_ttl_s
+        )
+        self._syncing: set[str] = set()
+        self._sync_tasks: set[asyncio.Task[None]] = set()
         # Blocks adopted from slot headers are in no log: once any are, every snapshot says
         # so and a restart must load it rather than replay the log alone.
         self.holds_adopted = False
@@ -76,12 +89,15 @@ class KvIndexService:
                 for r in results:  # this shard's hits of the prefix, and where it ends
                     span.set_attribute(f"kvfabric.hit_blocks.{r.tier}", len(r.indices))
                     span.set_attribute(f"kvfabric.first_miss.{r.tier}", r.first_miss_index)
+            first_owned, holders = self.holders.match(hashes)
         return MatchReply(
             shard_id=self.config.shard_id,
             num_shards=self.config.num_shards,
             tiers=tuple(
                 to_wire(r.tier, r.first_miss_index, r.indices, r.locations) for r in results
             ),
+            first_owned_index=first_owned,
+            holders=tuple(holders),
         )
 
     async def handle_admin(self, command: CacheCommand, ctx: Context) -> CacheStats:
@@ -109,8 +125,42 @@ class KvIndexService:
             shard_id=self.config.shard_id,
             instance_id=self.bus.instance_id,
             tiers=self.index.stats(),
-            counters=dataclasses.asdict(self.index.counters),
+            counters=dataclasses.asdict(self.index.counters) | self.holders.counters(),
         )
+
+    # -- workers' own memory -------------------------------------------------------------
+    async def on_holdings(self, msg: RawMessage) -> None:
+        try:
+            update = decode(msg.data, HoldingsUpdate)
+        except msgspec.DecodeError as exc:
+            log.warning("malformed holdings update", error=str(exc))
+            return
+        if self.holders.apply(update, time.monotonic()) and update.holder not in self._syncing:
+            self._syncing.add(update.holder)
+            task = asyncio.create_task(self._sync(update.holder))
+            self._sync_tasks.add(task)
+            task.add_done_callback(self._sync_tasks.discard)
+
+    async def _sync(self, holder: str) -> None:
+        """Ask `holder` for what this shard owns of its holdings, whole; on no answer forget
+        it (its next update starts over)."""
+        sync = HoldingsSync(shard_id=self.config.shard_id, num_shards=self.config.num_shards)
+        try:
+            snapshot = await self.bus.request(
+                self.bus.subjects.kv_holdings_sync(holder), sync, HoldingsUpdate, timeout_s=2.0
+            )
+        except ServiceError as exc:
+            log.info("holdings sync not answered: forgotten", holder=holder, error=exc.message)
+            self.holders.drop(holder)
+            return
+        finally:
+            self._syncing.discard(holder)
+        if self.holders.apply(snapshot, time.monotonic()):
+            await self._sync(holder)  # changed again meanwhile: once more
+
+    async def expire_holders(self) -> None:
+        for holder in self.holders.expire(time.monotonic()):
+            log.info("worker silent: its holdings forgotten", holder=holder)
 
     # -- the event log -------------------------------------------------------------------
     async def on_event_batch(self, batch: KvEventBatch, stream_seq: int) -> None:

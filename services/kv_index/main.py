@@ -7,6 +7,9 @@ Serves (per shard, replicas of a shard in one queue group):
   <root>.kv-index.rebuild.shard<N> RebuildBatch (slot headers, `kvfabric cache rebuild`)
 Consumes: the JetStream stream of `KvEventBatch`es on <root>.kv.events.* (every replica of
   every shard reads all of it and keeps the hashes its shard owns).
+Hears: workers' `HoldingsUpdate`s on <root>.kv.holdings.* (core NATS: what each one's pool
+  and host tier hold, services/kv_index/holders.py); asks one for its holdings whole with
+  `HoldingsSync` on <root>.kv.holdings_sync.<id> after a gap or a digest that differs.
 Publishes: BlocksRemoved to <root>.kv.evict.<writer_id> after eviction (the writer frees the
   slots and logs the removal), ResyncRequest to <root>.kv.resync.<writer_id> on a sequence gap.
 Recovery: a snapshot (JetStream object store) every `snapshot_interval_s` and at shutdown,
@@ -129,6 +132,8 @@ async def setup(runtime: ServiceRuntime) -> None:
     await bus.serve(
         Endpoint("rebuild", subjects.kv_index_rebuild(shard), RebuildBatch, service.handle_rebuild)
     )
+    await bus.subscribe_raw(subjects.kv_holdings_all, service.on_holdings)
+    runtime.every(1.0, service.expire_holders)
     runtime.metadata["shard"] = f"{shard}/{config.num_shards}"
     runtime.every(config.evict_interval_s, service.evict_once)
     runtime.every(config.snapshot_interval_s, service.save_snapshot)

@@ -25,6 +25,7 @@ from shared.subjects import PREFILL
 from worker.serving.wiring import (
     limit_openmp_spin,
     open_model_kv,
+    publish_holdings,
     start_model_thread,
     start_worker,
 )
@@ -75,6 +76,7 @@ async def setup(runtime: ServiceRuntime) -> None:
         metrics=runtime.metrics,
     )
     start_worker(runtime, worker, kv.store, kv.agent.close, host_tier=runner.host_tier)
+    await publish_holdings(runtime, runner)
     await bus.serve(Endpoint("run", bus.subjects.prefill_run, PrefillJob, worker.handle_job))
     await bus.subscribe(bus.subjects.cancel, CancelRequest, worker.on_cancel)
 

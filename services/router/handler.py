@@ -31,7 +31,7 @@ from shared import kv_index_client as index_client
 from shared import telemetry
 from shared.blocks import BlockLayoutError, RequestBlocks
 from shared.bus import Bus, Context, Endpoint
-from shared.kv_index_client import PrefixMatch
+from shared.kv_index_client import MemoryHit, PrefixMatch
 from shared.load_table import InflightDelta, LoadTable
 from shared.logging import get_logger
 from shared.metrics import Metrics, tier_label
@@ -266,8 +266,9 @@ class Router:
         if unserved is not None:
             raise unserved.to_error()
         blocks = checked_request(request)
-        match = await self._match(request.request_id, request.block_hashes)
-        facts = RequestFacts.of(request, blocks, match.num_blocks if match else 0)
+        match, own = await self._match(request.request_id, request.block_hashes)
+        local = {worker: hit.num_blocks for worker, hit in own.items()}
+        facts = RequestFacts.of(request, blocks, match.num_blocks if match else 0, local)
         swa_node_ids = self._swa_holders(facts.boundary_block_hash)
         cached = cached_prefix(match, facts.num_cached_blocks)
         decision = await self._place(request, facts, swa_node_ids, cached)
@@ -302,14 +303,17 @@ class Router:
         )
         return decision
 
-    async def _match(self, request_id: str, hashes: bytes) -> PrefixMatch | None:
-        """kv-index's longest hit. Whatever goes wrong there, the request is routed cold:
-        computing the whole prompt is always correct, only slower."""
+    async def _match(
+        self, request_id: str, hashes: bytes
+    ) -> tuple[PrefixMatch | None, dict[str, MemoryHit]]:
+        """kv-index's longest hit, and each worker's own in its memory. Whatever goes wrong
+        there, the request is routed cold: computing the whole prompt is always correct,
+        only slower."""
         if not hashes:
-            return None
+            return None, {}
         with telemetry.span("router match") as span:
             try:
-                matches = await index_client.match(
+                matches, own = await index_client.match_with_holders(
                     self.bus,
                     hashes,
                     num_shards=self.config.kv_index_shards,
@@ -325,14 +329,15 @@ class Router:
                 )
                 if span.is_recording():
                     span.set_attribute("kvfabric.routed_cold", f"{exc.code.value}: {exc.message}")
-                return None
+                return None, {}
             if span.is_recording():
                 span.set_attribute("kvfabric.num_blocks", len(hashes) // 8)
                 for tier, match in matches.items():
                     span.set_attribute(f"kvfabric.hit_blocks.{tier}", match.num_blocks)
+                span.set_attribute("kvfabric.num_holders", len(own))
         if not matches:
-            return None
-        return max(matches.values(), key=lambda m: (m.num_blocks, m.tier == "ssd"))
+            return None, own
+        return max(matches.values(), key=lambda m: (m.num_blocks, m.tier == "ssd")), own
 
     def _swa_holders(self, boundary_block_hash: int | None) -> frozenset[str]:
         """Nodes whose swa-memcache holds the boundary's snapshot, as far as the map knows."""

@@ -8,6 +8,16 @@ from shared.schema.base import Message
 from shared.schema.inference import BlockLocations
 from shared.schema.kv_events import StoredBlock
 
+HOLD_DEVICE = 1  # HoldingsUpdate.masks: in the worker's KV pool
+HOLD_HOST = 2  # in its host-memory tier
+_MASK64 = (1 << 64) - 1
+
+
+def digest_share(block_hash: int, mask: int) -> int:
+    """One holding's share of a `HoldingsUpdate` digest: the shares XORed together, so the
+    order never matters and a change is two XORs."""
+    return (block_hash ^ (mask * 0x9E3779B97F4A7C15)) & _MASK64
+
 
 class MatchRequest(Message, tag="match_request"):
     block_hashes: bytes  # packed u64, the request's chain in order
@@ -24,10 +34,53 @@ class TierMatch(msgspec.Struct, frozen=True, kw_only=True):
     locations: BlockLocations = BlockLocations()
 
 
+class HolderMatch(msgspec.Struct, frozen=True, kw_only=True):
+    """One shard's view of one worker's own memory: the first of the request's blocks that
+    this shard owns and the worker holds neither in its device pool nor in its host tier,
+    and the first it does not hold in its device pool."""
+
+    holder: str
+    first_miss_index: int
+    first_device_miss_index: int
+
+
 class MatchReply(Message, tag="match_reply"):
     shard_id: int
     num_shards: int
     tiers: tuple[TierMatch, ...] = ()
+    # The first of the request's blocks this shard owns (len(request) if none): a worker
+    # `holders` does not name lacks it, so its own hit ends there on this shard.
+    first_owned_index: int = 0
+    holders: tuple[HolderMatch, ...] = ()
+
+
+class HoldingsUpdate(Message, tag="holdings_update"):
+    """A prefill or decode worker -> kv-index (core NATS): the blocks its own memory holds,
+    as changes since its previous update, or whole (`full`, answering `HoldingsSync`).
+
+    `masks[i]` says where `block_hashes[i]` is now: HOLD_DEVICE (the KV pool), HOLD_HOST
+    (the host tier), both, or 0 (gone). Updates are numbered per `epoch` (one per process):
+    a shard that sees a gap asks for the whole set again. `digests[n][k]` is (count, digest)
+    of the holdings whose hash % n == k, for each shard count n a shard asked about: a shard
+    whose own count and digest differ after an update asks again too. `final`: the worker
+    is stopping, forget it."""
+
+    holder: str
+    epoch: int
+    seq: int
+    block_hashes: bytes = b""  # packed u64
+    masks: bytes = b""  # one byte per hash
+    full: bool = False
+    digests: dict[int, list[tuple[int, int]]] = {}
+    final: bool = False
+
+
+class HoldingsSync(Message, tag="holdings_sync"):
+    """kv-index shard -> a worker: send me the holdings this shard owns (hash % num_shards
+    == shard_id), whole; and their digest in every update from now on."""
+
+    shard_id: int
+    num_shards: int
 
 
 class ResyncRequest(Message, tag="resync_request"):

@@ -67,6 +67,13 @@ from shared.schema import (
     pack_block_hashes,
     pack_token_ids,
 )
+from shared.schema.kv_index import (
+    HOLD_DEVICE,
+    HOLD_HOST,
+    HolderMatch,
+    HoldingsSync,
+    HoldingsUpdate,
+)
 from shared.schema.transfer import NixlAgentInfo, NixlMetadataRequest, NixlRegion
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -275,7 +282,18 @@ EXAMPLES: dict[str, Message] = {
                 tier="ssd", first_miss_index=3, indices=pack_token_ids([1]), locations=_blocks
             ),
         ),
+        first_owned_index=1,
+        holders=(HolderMatch(holder="prefill-0", first_miss_index=3, first_device_miss_index=1),),
     ),
+    "HoldingsUpdate": HoldingsUpdate(
+        holder="prefill-0",
+        epoch=1234,
+        seq=7,
+        block_hashes=pack_block_hashes([5, 2**64 - 1]),
+        masks=bytes([HOLD_DEVICE, HOLD_DEVICE | HOLD_HOST]),
+        digests={2: [(1, 5), (1, 9)]},
+    ),
+    "HoldingsSync": HoldingsSync(shard_id=1, num_shards=2),
     "RebuildBatch": RebuildBatch(
         tier="ssd",
         writer_id="prefill-3",

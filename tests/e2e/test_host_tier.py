@@ -5,16 +5,21 @@ from its host tier, not from the store, and the answer is the one the model give
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from services.admin.launcher import Cluster
+from shared import kv_index_client as index_client
 from shared.blocks import RequestBlocks
+from shared.bus import Bus
 from shared.client import GenerateResult, build_request, generate
+from shared.kv_index_client import MemoryHit
 from shared.models import BUNDLED_MODEL_DIR
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
 from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster
@@ -81,6 +86,10 @@ async def test_an_agents_next_turn_comes_back_from_the_host_tier(cluster: Cluste
             await ask(prompt)
         before = host_tier_blocks(cluster, prefill_id)
         assert before["saved"] >= 19 and before["restored"] == 0
+        # kv-index heard it from the worker: the turn's blocks in its memory, most of them
+        # in its host tier now, not its pool.
+        own = await held_by(bus, hashes, prefill_id, lambda hit: hit.num_device_blocks < 19)
+        assert own.num_blocks == len(hashes)
 
         next_turn = turn + [rng.randrange(3, VOCAB) for _ in range(40)]
         result = await ask(next_turn)
@@ -90,3 +99,17 @@ async def test_an_agents_next_turn_comes_back_from_the_host_tier(cluster: Cluste
         assert after["restored"] - before["restored"] >= 19
     finally:
         await bus.close()
+
+
+async def held_by(
+    bus: Bus, hashes: list[int], holder: str, until: Callable[[MemoryHit], bool]
+) -> MemoryHit:
+    """`holder`'s own hit on `hashes` as kv-index answers it, once `until` holds (its
+    updates come every 0.25 s)."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        _, own = await index_client.match_with_holders(bus, hashes, num_shards=1)
+        hit = own.get(holder, MemoryHit(0, 0))
+        if until(hit) or time.monotonic() > deadline:
+            return hit
+        await asyncio.sleep(0.05)

@@ -31,6 +31,9 @@ class BlockAllocator:
         its bytes still intact (called under the lock: it must not call back in here)."""
         self.num_blocks = num_blocks
         self.on_evict = on_evict
+        # on_hold(block_hash, held): the pool now holds (or no longer holds) that block, for
+        # the holdings kv-index hears of (worker/serving/holdings.py); under the lock too.
+        self.on_hold: Callable[[int, bool], None] | None = None
         self._lock = threading.Lock()
         # Free blocks, oldest first. A revived block leaves its entry behind (`_is_free` says
         # which entries still count), so taking one out of the middle costs nothing.
@@ -84,11 +87,15 @@ class BlockAllocator:
                 del self._hash_of[old]
             self._hash_of[block_id] = block_hash
             self._block_of[block_hash] = block_id
+            if self.on_hold is not None:
+                self.on_hold(block_hash, True)
 
     def _untag(self, block_id: int) -> None:
         block_hash = self._hash_of.pop(block_id, None)
         if block_hash is not None:
             del self._block_of[block_hash]
+            if self.on_hold is not None:
+                self.on_hold(block_hash, False)
 
     def revive(self, block_hashes: list[int]) -> list[int]:
         """The blocks holding the leading run of `block_hashes` that this pool still has,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,6 +37,8 @@ class HostTier:
         self.num_saved = 0
         self.num_evicted = 0
         self.num_restored = 0
+        # on_hold(block_hash, held), as the allocator's: under this tier's lock.
+        self.on_hold: Callable[[int, bool], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -58,9 +60,13 @@ class HostTier:
             self._blocks[block_hash] = data
             self._blocks.move_to_end(block_hash)
             self.num_saved += 1
+            if self.on_hold is not None:
+                self.on_hold(block_hash, True)
             while len(self._blocks) > self.capacity_blocks:
-                self._blocks.popitem(last=False)
+                evicted, _ = self._blocks.popitem(last=False)
                 self.num_evicted += 1
+                if self.on_hold is not None:
+                    self.on_hold(evicted, False)
 
     def restore(self, allocator: BlockAllocator, block_hashes: Sequence[int]) -> list[int]:
         """Fresh pages holding the leading run of `block_hashes` this tier has, tagged (the

@@ -24,11 +24,13 @@ from shared.config import EngineWorkerConfig
 from shared.discovery import discover
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime
+from shared.schema.kv_index import HOLD_DEVICE, HOLD_HOST
 from shared.subjects import SWA_MEMCACHE
 from worker.engine.host_tier import HostTier
 from worker.kvstore.backends import alloc_staging
 from worker.kvstore.store import KvStore
 from worker.kvstore.writer import KvEventPublisher
+from worker.serving.holdings import Holdings, HoldingsPublisher
 from worker.serving.kv_io import open_store
 from worker.serving.metrics import observe_host_tier, observe_load, observe_store
 from worker.serving.staging import StagingSpace
@@ -215,3 +217,20 @@ async def start_model_thread(
     warmup_s = await model_thread.run(warm_up, runner, config.warmup_tokens)
     log.info("model warmed up", num_tokens=config.warmup_tokens, s=round(warmup_s, 2))
     return runner, model_thread
+
+
+async def publish_holdings(runtime: ServiceRuntime, runner: ModelRunner) -> Holdings:
+    """Tell kv-index what this worker's pool and host tier hold (holdings.py), from now
+    until shutdown (a goodbye then)."""
+    holdings = Holdings(runtime.instance_id)
+    runner.allocator.on_hold = lambda block_hash, held: holdings.set(block_hash, HOLD_DEVICE, held)
+    runner.host_tier.on_hold = lambda block_hash, held: holdings.set(block_hash, HOLD_HOST, held)
+    publisher = HoldingsPublisher(runtime.bus, holdings)
+    await publisher.start()
+    runtime.on_stop(publisher.stop)
+    runtime.metrics.gauge_from(
+        "kvfabric_worker_holdings_blocks",
+        "Blocks this worker's pool and host tier hold, as kv-index is told",
+        lambda: holdings.num_blocks,
+    )
+    return holdings

@@ -26,8 +26,10 @@ from shared.schema import (
     StoredBlock,
     unpack_block_hashes,
 )
-from shared.schema.kv_index import CacheCommand, CacheStats, ResyncRequest
+from shared.schema.kv_index import HOLD_DEVICE, HOLD_HOST, CacheCommand, CacheStats, ResyncRequest
+from shared.tasks import cancel_and_wait
 from shared.testing.fixtures import BusFactory
+from worker.serving.holdings import Holdings, HoldingsPublisher
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[3]
@@ -399,3 +401,54 @@ async def test_an_event_log_jetstream_cannot_reserve_stops_start_up_with_the_rea
     assert "insufficient storage resources available" in failed
     assert "max_bytes 1073741824 is reserved from the server's max_file_store" in failed
     assert "Traceback" not in failed
+
+
+async def test_workers_own_memory_is_answered_with_the_match(
+    nats_server: NatsServer, subject_root: str, bus_factory: BusFactory
+) -> None:
+    """A worker's holdings reach both shards over core NATS and come back with a match, per
+    worker, in one query; an update lost in flight is repaired by a sync; a worker that says
+    goodbye is forgotten at once, one that falls silent after --holder-ttl-s."""
+    shards = [start_index(nats_server, subject_root, s, 2, "--holder-ttl-s", "1") for s in range(2)]
+    try:
+        worker = await bus_factory("prefill", "prefill-0")
+        await wait_ready(worker, num_shards=2)
+        holdings = Holdings("prefill-0")
+        publisher = HoldingsPublisher(worker, holdings, interval_s=0.05, keepalive_s=0.2)
+        await publisher.start()
+        for block_hash in HASHES[:6]:
+            holdings.set(block_hash, HOLD_DEVICE, True)
+        for block_hash in HASHES[6:9]:
+            holdings.set(block_hash, HOLD_HOST, True)
+
+        async def own() -> dict[str, index_client.MemoryHit]:
+            _, hits = await index_client.match_with_holders(worker, HASHES, num_shards=2)
+            return hits
+
+        async def hit_is(expected: index_client.MemoryHit) -> bool:
+            return (await own()).get("prefill-0") == expected
+
+        assert await eventually(lambda: hit_is(index_client.MemoryHit(9, 6)))
+        holdings.set(HASHES[9], HOLD_HOST, True)
+        holdings.take_update()  # lost in flight: the next one shows the gap
+        assert await eventually(lambda: hit_is(index_client.MemoryHit(10, 6)))
+        await publisher.stop()  # goodbye
+        assert await eventually(lambda: _is(own(), {}))
+
+        other = Holdings("decode-0")
+        other.set(HASHES[0], HOLD_DEVICE, True)
+        silent = HoldingsPublisher(worker, other, interval_s=0.05, keepalive_s=0.2)
+        await silent.start()
+        assert await eventually(lambda: _is(own(), {"decode-0": index_client.MemoryHit(1, 1)}))
+        await cancel_and_wait(silent._task)  # its process frozen or cut off: no goodbye
+        assert await eventually(lambda: _is(own(), {}))  # forgotten after 1 s
+        stats = [
+            await worker.request(
+                worker.subjects.kv_index_admin(s), CacheCommand(action="stats"), CacheStats
+            )
+            for s in range(2)
+        ]
+        assert sum(s.counters["num_holder_syncs"] for s in stats) >= 4  # 2 first, 2 after gaps
+    finally:
+        for shard in shards:
+            stop(shard)
