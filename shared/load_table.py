@@ -188,6 +188,14 @@ class LoadTable:
             return None
         return self._view_of(known)
 
+    def incarnation(self, instance_id: str, now_s: float) -> object | None:
+        """A token of the process heartbeating under `instance_id` now (a process restarted
+        under the id gives another), None if its heartbeat is stale or unknown."""
+        known = self._instances.get(instance_id)
+        if known is None or self._is_stale(known, now_s):
+            return None
+        return known
+
     @staticmethod
     def _view_of(known: _Instance) -> WorkerView:
         if known.view is not None:

@@ -277,11 +277,14 @@ class RoutePolicy:
         swa_node_ids: Collection[str],
         now_s: float,
         attempt: int,
+        *,
+        restarted: bool = False,
     ) -> RouteDecision | Rejection:
         """Another prefill worker for a job whose worker died before streaming a token.
 
         `attempt` is the failed job's (0 for the first). The request was already admitted, so
-        the TTFT objective is not applied again; full queues still are.
+        the TTFT objective is not applied again; full queues still are. `restarted`: a new
+        process heartbeats under the failed worker's id, and may take it.
         """
         if attempt + 1 >= self.config.max_attempts:
             return Rejection(
@@ -289,7 +292,7 @@ class RoutePolicy:
                 f"prefill worker {previous.prefill_worker_id} failed on attempt {attempt + 1} "
                 f"of {self.config.max_attempts}",
             )
-        exclude = (previous.prefill_worker_id,)
+        exclude = () if restarted else (previous.prefill_worker_id,)
         prefill = self._choose_prefill(facts, table, swa_node_ids, now_s, exclude, check_slo=False)
         if isinstance(prefill, Rejection):
             return prefill

@@ -39,7 +39,11 @@ Record = Callable[[Sequence[InflightDelta]], Awaitable[None]]
 
 
 class PrefillWorkerGone(Unavailable):
-    """The job's prefill worker stopped heartbeating while it held the job."""
+    """The job's prefill worker stopped heartbeating, or restarted, while it held the job."""
+
+
+class PrefillWorkerRestarted(PrefillWorkerGone):
+    """A new process heartbeats under the worker's id: it may take the job sent again."""
 
 
 class PrefillJobs:
@@ -127,8 +131,10 @@ class PrefillJobs:
                             attempt=job.attempt,
                             error=exc.message,
                         )
-                        self.table.remove(worker_id)
-                        retried = await self._retried(job, facts, swa_node_ids)
+                        restarted = isinstance(exc, PrefillWorkerRestarted)
+                        if not restarted:
+                            self.table.remove(worker_id)
+                        retried = await self._retried(job, facts, swa_node_ids, restarted)
                     except ServiceError as exc:
                         retried = exc
                     if isinstance(retried, ServiceError):
@@ -164,19 +170,36 @@ class PrefillJobs:
         if reply.done() and not reply.cancelled():
             reply.result()  # PrefillDone, or the typed error the worker (or the bus) raised
             return
+        if self.table.incarnation(worker_id, time.monotonic()) is not None:
+            raise PrefillWorkerRestarted(f"prefill worker {worker_id} restarted")
         raise PrefillWorkerGone(f"prefill worker {worker_id} stopped heartbeating")
 
     async def _until_gone(self, worker_id: str) -> None:
-        # A draining worker still finishes what it holds: only a missing heartbeat counts.
-        while self.table.view(worker_id, time.monotonic()) is not None:
+        # A draining worker still finishes what it holds: only a missing heartbeat counts, or
+        # a new process beating under its id (restarted within the heartbeat timeout, as a
+        # supervisor does: the job died with the old one, and nothing would answer it).
+        process = self.table.incarnation(worker_id, time.monotonic())
+        while (
+            process is not None and self.table.incarnation(worker_id, time.monotonic()) is process
+        ):
             await asyncio.sleep(self.liveness_poll_s)
 
     async def _retried(
-        self, job: PrefillJob, facts: RequestFacts, swa_node_ids: frozenset[str]
+        self,
+        job: PrefillJob,
+        facts: RequestFacts,
+        swa_node_ids: frozenset[str],
+        restarted: bool = False,
     ) -> PrefillJob | ServiceError:
-        """The job for another prefill worker, or why there is none."""
+        """The job for another prefill worker (or the restarted one), or why there is none."""
         target = self.policy.retry_target(
-            job.decision, facts, self.table, swa_node_ids, time.monotonic(), job.attempt
+            job.decision,
+            facts,
+            self.table,
+            swa_node_ids,
+            time.monotonic(),
+            job.attempt,
+            restarted=restarted,
         )
         if isinstance(target, Rejection):
             return target.to_error()

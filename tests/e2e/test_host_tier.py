@@ -70,20 +70,11 @@ async def test_an_agents_next_turn_comes_back_from_the_host_tier(cluster: Cluste
     others = [[rng.randrange(3, VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(3)]
     bus = await connect(cluster)
     try:
-
-        async def ask(prompt: list[int]) -> GenerateResult:
-            request = build_request(
-                prompt, model=MODEL, block_size_tokens=BLOCK, max_tokens=MAX_TOKENS
-            )
-            result = await generate(bus, request, liveness_timeout_s=10.0)
-            assert result.token_ids == simulated_output(prompt, MAX_TOKENS, VOCAB)
-            return result
-
-        await ask(turn)
+        await ask(bus, turn)
         hashes = RequestBlocks.hash_prompt(turn, model=MODEL, block_size_tokens=BLOCK).hashes
         assert await num_indexed_blocks(bus, hashes, timeout_s=10.0) == len(hashes)
         for prompt in others:  # 60 more pages through a pool of 48: the first turn's go
-            await ask(prompt)
+            await ask(bus, prompt)
         before = host_tier_blocks(cluster, prefill_id)
         assert before["saved"] >= 19 and before["restored"] == 0
         # kv-index heard it from the worker: the turn's blocks in its memory, most of them
@@ -92,7 +83,7 @@ async def test_an_agents_next_turn_comes_back_from_the_host_tier(cluster: Cluste
         assert own.num_blocks == len(hashes)
 
         next_turn = turn + [rng.randrange(3, VOCAB) for _ in range(40)]
-        result = await ask(next_turn)
+        result = await ask(bus, next_turn)
         assert result.usage is not None and result.usage.num_cached_tokens == 20 * BLOCK
         after = host_tier_blocks(cluster, prefill_id)
         # Its prefix (the blocks a job reuses: all 20) copied back from host memory.
@@ -113,3 +104,11 @@ async def held_by(
         if until(hit) or time.monotonic() > deadline:
             return hit
         await asyncio.sleep(0.05)
+
+
+async def ask(bus: Bus, prompt: list[int]) -> GenerateResult:
+    """`prompt` through the cluster; the mock's answer to it, checked."""
+    request = build_request(prompt, model=MODEL, block_size_tokens=BLOCK, max_tokens=MAX_TOKENS)
+    result = await generate(bus, request, liveness_timeout_s=10.0)
+    assert result.token_ids == simulated_output(prompt, MAX_TOKENS, VOCAB)
+    return result

@@ -6,7 +6,6 @@ the shared store holds them for both."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from collections.abc import Iterator
 
@@ -15,21 +14,14 @@ import pytest
 from services.admin.launcher import Cluster
 from shared.blocks import RequestBlocks
 from shared.bus import Bus
-from shared.client import GenerateResult, build_request, generate
-from shared.models import BUNDLED_MODEL_DIR
+from shared.client import GenerateResult
 from shared.schema import LoadReport
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
 from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster
-from tests.e2e.test_host_tier import held_by
-from worker.mock_engine.simulated import simulated_output
+from tests.e2e.test_host_tier import BLOCK, MOCK_ARGS, MODEL, VOCAB, ask, held_by
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-BLOCK = 16
-MAX_TOKENS = 8
-MODEL = BUNDLED_MODEL_DIR.name
-VOCAB = json.loads((BUNDLED_MODEL_DIR / "config.json").read_text())["vocab_size"]
-MOCK_ARGS = ["--engine", "mock", "--kv-block-size-tokens", str(BLOCK)]
 NUM_SESSIONS, NUM_TURNS = 4, 3
 
 
@@ -53,15 +45,6 @@ async def test_an_agents_next_turn_goes_to_the_worker_holding_its_context(
     rng = random.Random(5)
     bus = await connect(cluster)
     try:
-
-        async def ask(prompt: list[int]) -> GenerateResult:
-            request = build_request(
-                prompt, model=MODEL, block_size_tokens=BLOCK, max_tokens=MAX_TOKENS
-            )
-            result = await generate(bus, request, liveness_timeout_s=10.0)
-            assert result.token_ids == simulated_output(prompt, MAX_TOKENS, VOCAB)
-            return result
-
         sessions = [[rng.randrange(3, VOCAB) for _ in range(160)] for _ in range(NUM_SESSIONS)]
         served_by: list[list[str]] = [[] for _ in sessions]
 
@@ -79,7 +62,7 @@ async def test_an_agents_next_turn_goes_to_the_worker_holding_its_context(
             sessions[index] = context + [rng.randrange(3, VOCAB) for _ in range(40)]
 
         # First turns at once: the router spreads them over both workers by their queues.
-        firsts = await asyncio.gather(*(ask(prompt) for prompt in sessions))
+        firsts = await asyncio.gather(*(ask(bus, prompt) for prompt in sessions))
         for index, (prompt, result) in enumerate(zip(list(sessions), firsts, strict=True)):
             await after(index, prompt, result)
         assert {turns[0] for turns in served_by} == {"prefill-0", "prefill-1"}, served_by
@@ -89,7 +72,7 @@ async def test_an_agents_next_turn_goes_to_the_worker_holding_its_context(
         for _ in range(NUM_TURNS - 1):
             for index, prompt in enumerate(sessions):
                 await idle_reported(bus)
-                result = await ask(prompt)
+                result = await ask(bus, prompt)
                 assert result.decision.prefill_worker_id == served_by[index][-1], served_by
                 await after(index, prompt, result)
     finally:

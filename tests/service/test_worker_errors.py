@@ -249,6 +249,21 @@ def suffix_without_blocks(
     )
 
 
+class HeldPull:
+    """A decode worker's join whose pull runs until `release`, then fails as a read from a
+    prefill that died: each join's prefill worker in `joins`."""
+
+    def __init__(self) -> None:
+        self.pulling, self.release = asyncio.Event(), asyncio.Event()
+        self.joins: list[str] = []
+
+    async def __call__(self, state: Any, ready: SuffixReady) -> int:
+        self.joins.append(ready.prefill_worker_id)
+        self.pulling.set()
+        await self.release.wait()
+        raise Unavailable(f"NIXL READ to {ready.prefill_worker_id} failed")
+
+
 async def test_a_failed_join_ends_the_stream_with_a_fixed_message(
     bus_factory: BusFactory, tmp_path: Path
 ) -> None:
@@ -285,16 +300,8 @@ async def test_a_duplicate_suffix_during_the_first_join_is_accepted_not_joined_a
     retryable error, never an internal one."""
     bus = await bus_factory("decode", "decode-0")
     async with decode_worker(bus, tmp_path) as (worker, config):
-        pulling, release = asyncio.Event(), asyncio.Event()
-        joins: list[str] = []
-
-        async def pull_from_a_dead_prefill(state: Any, ready: SuffixReady) -> int:
-            joins.append(ready.prefill_worker_id)
-            pulling.set()
-            await release.wait()
-            raise Unavailable(f"NIXL READ to {ready.prefill_worker_id} failed")
-
-        worker._join = pull_from_a_dead_prefill  # type: ignore[method-assign]
+        pull = HeldPull()
+        worker._join = pull  # type: ignore[method-assign]
         caller, inbox, request = await a_job_awaiting_its_suffix(bus, bus_factory, worker, config)
         subjects = bus.subjects
 
@@ -303,13 +310,13 @@ async def test_a_duplicate_suffix_during_the_first_join_is_accepted_not_joined_a
 
         suffix = subjects.instance(subjects.decode_suffix, "decode-0")
         first = asyncio.create_task(caller.request(suffix, ready("prefill-0"), JobAccepted))
-        await pulling.wait()
+        await pull.pulling.wait()
         second = await caller.request(suffix, ready("prefill-1"), JobAccepted)
         assert second.request_id == request.request_id
-        release.set()
+        pull.release.set()
         with pytest.raises(Unavailable):
             await first
-        assert joins == ["prefill-0"]
+        assert pull.joins == ["prefill-0"]
         reader = ChunkReader(inbox, TokenChunk, "decode-0", first_chunk_timeout_s=5)
         with pytest.raises(Unavailable) as ended:
             await reader.next()
@@ -325,16 +332,8 @@ async def test_the_same_prefills_resend_is_answered_once_the_pull_it_resends_for
     outcome once it is done."""
     bus = await bus_factory("decode", "decode-0")
     async with decode_worker(bus, tmp_path) as (worker, config):
-        pulling, release = asyncio.Event(), asyncio.Event()
-        joins: list[str] = []
-
-        async def slow_pull(state: Any, ready: SuffixReady) -> int:
-            joins.append(ready.prefill_worker_id)
-            pulling.set()
-            await release.wait()
-            raise Unavailable(f"NIXL READ to {ready.prefill_worker_id} failed")
-
-        worker._join = slow_pull  # type: ignore[method-assign]
+        pull = HeldPull()
+        worker._join = pull  # type: ignore[method-assign]
         caller, _, request = await a_job_awaiting_its_suffix(bus, bus_factory, worker, config)
         subjects = bus.subjects
         suffix = subjects.instance(subjects.decode_suffix, "decode-0")
@@ -344,17 +343,17 @@ async def test_the_same_prefills_resend_is_answered_once_the_pull_it_resends_for
             return asyncio.create_task(caller.request(suffix, ready, JobAccepted))
 
         first = send("prefill-0")
-        await pulling.wait()
+        await pull.pulling.wait()
         resend = send("prefill-0")
         # Sent after the resend on the same connection, answered at once: by its answer the
         # worker has taken the resend in too.
         assert (await send("prefill-1")).request_id == request.request_id
         assert not resend.done()
-        release.set()
+        pull.release.set()
         for call in (first, resend):
             with pytest.raises(Unavailable):
                 await call
-        assert joins == ["prefill-0"]
+        assert pull.joins == ["prefill-0"]
 
 
 async def test_a_suffix_whose_answer_does_not_come_is_sent_again(

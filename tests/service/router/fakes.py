@@ -102,6 +102,7 @@ class FakeWorker:
         self.hold = False
         self._released = asyncio.Event()
         self._seq = 0
+        self._num_beats = 0
         self._beating: asyncio.Task[None] | None = None
 
     @property
@@ -110,11 +111,12 @@ class FakeWorker:
 
     async def beat(self) -> None:
         self._seq += 1
+        self._num_beats += 1
         report = LoadReport(
             service=self.bus.service,
             instance_id=self.instance_id,
             seq=self._seq,
-            ts_ms=0,
+            ts_ms=self._num_beats,  # the send time's order, across restarts
             state=InstanceState.SERVING,
             node_id=self.node_id,
             num_queued_tokens=self.queued_tokens,
@@ -124,6 +126,11 @@ class FakeWorker:
         )
         await self.bus.publish(self.bus.subjects.load(self.bus.service, self.instance_id), report)
         await self.bus.flush()
+
+    def restart(self) -> None:
+        """From the next heartbeat on, a new process under the same id (its seq starts over);
+        the jobs the old one held are never answered."""
+        self._seq = 0
 
     def beat_every(self, interval_s: float) -> None:
         async def loop() -> None:

@@ -129,6 +129,32 @@ async def test_silent_workers_are_dropped_and_a_held_job_moves_off_a_dead_one(
         p1.release()
 
 
+async def test_a_held_job_moves_off_a_worker_restarted_within_the_heartbeat_timeout(
+    bus_factory: BusFactory, start_router: StartRouter
+) -> None:
+    """A supervisor restarts a killed worker under its id faster than its heartbeats go
+    stale: the job the old process held is sent again, not awaited forever."""
+    router = await start_router(heartbeat_timeout_s=5.0)
+    [p1] = await start_workers(bus_factory, PREFILL, {"queued_tokens": 0})
+    [d1] = await start_workers(bus_factory, DECODE, {"pages_free": 900})
+    await p1.serve(hold=True)  # takes the job and never finishes it
+    await d1.serve()
+    for worker in (p1, d1):
+        worker.beat_every(0.1)
+    await known(router, "prefill-1", "decode-1")
+    client = await bus_factory("ingress", "ingress-0")
+    try:
+        await client.request(client.subjects.router_generate, make_request("r1"), RouteDecision)
+        await eventually(lambda: len(p1.jobs) == 1)
+        p1.restart()  # never silent for the 5 s the timeout would take
+        await eventually(lambda: len(p1.jobs) == 2)
+        assert [job.attempt for job in p1.jobs] == [0, 1]
+    finally:
+        for worker in (p1, d1):
+            await worker.stop_beating()
+        p1.release()
+
+
 async def test_a_decode_worker_without_responders_is_replaced_before_the_reply(
     bus_factory: BusFactory, start_router: StartRouter
 ) -> None:

@@ -68,6 +68,20 @@ def test_an_instance_restarted_under_its_id_is_taken_at_its_first_heartbeat():
     assert not table.observe(msgspec.structs.replace(last, seq=39, ts_ms=999_000), 0.6)
 
 
+def test_a_restart_gives_another_incarnation_and_a_heartbeat_the_same():
+    """What the router's watch on a job's prefill worker compares: a new process beating
+    under the id within the timeout is not the one that held the job."""
+    table = LoadTable("r1", heartbeat_timeout_s=3.0)
+    assert table.incarnation("a", 0.0) is None
+    table.observe(msgspec.structs.replace(report("a"), seq=5, ts_ms=1_000), 0.0)
+    old = table.incarnation("a", 0.0)
+    table.observe(msgspec.structs.replace(report("a"), seq=6, ts_ms=2_000), 1.0)
+    assert table.incarnation("a", 1.0) is old
+    table.observe(msgspec.structs.replace(report("a"), seq=1, ts_ms=3_000), 2.0)
+    assert table.incarnation("a", 2.0) not in (None, old)
+    assert table.incarnation("a", 5.5) is None  # stale
+
+
 def test_inflight_from_two_routers_adds_up_and_settles_on_the_next_heartbeat():
     r1 = table_with(report("a", queued_tokens=100), router_id="r1")
     r2 = table_with(report("a", queued_tokens=100), router_id="r2")
