@@ -64,7 +64,8 @@ DEFAULTS: dict[str, object] = {
     "model": "tiny-coder",
     "live_requests": 200,
     "live_speed": 2.0,  # LiveConfig.speed: why not faster
-    "live_workers": 2,
+    "live_workers": 4,  # prefill workers; the issue's live shape: 4 prefill, 2 decode
+    "live_decode_workers": 2,
     "mock_speedup": 10.0,
 }
 QUICK = {
@@ -74,6 +75,7 @@ QUICK = {
     "bandwidths": "2",
     "saturation_speeds": "16",
     "live_requests": 40,
+    "live_workers": 2,
 }
 
 # The requests and their hashes, set before the pool forks: its processes inherit them
@@ -278,8 +280,8 @@ def _values(text: object, what: str, cast: type) -> list:
 def run(quick: bool = False, **options: object) -> BenchResult:
     """Options: the CLI's (requests, trace, workers, speeds, capacities, bandwidths,
     saturation_speeds, offline, jobs, model, live_requests, live_speed, live_workers,
-    mock_speedup). Quick: 1,000 requests, one cell and one rate of the sweep, 40 live
-    requests."""
+    live_decode_workers, mock_speedup). Quick: 1,000 requests, one cell and one rate of the
+    sweep, 40 live requests on 2 prefill and 2 decode workers."""
     args = bench_options(DEFAULTS, options, QUICK if quick else None)
     result = BenchResult("trace", quick)
     trace = load_trace(Path(args.trace), args.requests)
@@ -303,6 +305,7 @@ def run(quick: bool = False, **options: object) -> BenchResult:
                 speed=args.live_speed,
                 mock_speedup=args.mock_speedup,
                 num_workers=args.live_workers,
+                num_decode_workers=args.live_decode_workers,
                 model=args.model,
                 placement=placement,
             )
@@ -346,7 +349,10 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULTS["model"])
     parser.add_argument("--live-requests", type=int, default=DEFAULTS["live_requests"])
     parser.add_argument("--live-speed", type=float, default=DEFAULTS["live_speed"])
-    parser.add_argument("--live-workers", type=int, default=DEFAULTS["live_workers"])
+    parser.add_argument(
+        "--live-workers", type=int, default=DEFAULTS["live_workers"], help="prefill workers"
+    )
+    parser.add_argument("--live-decode-workers", type=int, default=DEFAULTS["live_decode_workers"])
     parser.add_argument("--mock-speedup", type=float, default=DEFAULTS["mock_speedup"])
     parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
     args = vars(parser.parse_args())

@@ -56,7 +56,8 @@ class LiveConfig:
     # were stored.
     speed: float = 2.0
     mock_speedup: float = 10.0  # simulated GPU seconds per wall-clock second
-    num_workers: int = 2  # prefill workers, and as many decode workers
+    num_workers: int = 2  # prefill workers
+    num_decode_workers: int | None = None  # None: as many as prefill workers
     max_model_len: int = 32_768  # the mock workers' context
     max_output_tokens: int = 16
     model: str = "tiny-coder"
@@ -64,6 +65,8 @@ class LiveConfig:
     placement: str = "kv"  # the router's (`[router] placement`), and the prediction's
 
     def __post_init__(self) -> None:
+        if self.num_decode_workers is not None and self.num_decode_workers <= 0:
+            raise ValueError(f"num_decode_workers must be > 0, got {self.num_decode_workers}")
         for name in ("num_requests", "num_workers", "max_output_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -137,6 +140,7 @@ class LiveResult:
 
     def reductions(self) -> list[str]:
         c = self.config
+        num_decode = c.num_decode_workers or c.num_workers
         span_s = (self.requests[-1].timestamp_ms - self.requests[0].timestamp_ms) / 1000
         return [
             f"the first {len(self.requests)} requests of the trace, arrivals {c.speed:g}x "
@@ -145,7 +149,7 @@ class LiveResult:
             f" of {sum(r.input_length for r in self.requests) + self.num_tokens_cut:,} prompt "
             "tokens dropped)",
             f"answers capped at {c.max_output_tokens} tokens; mock engine {c.mock_speedup:g}x "
-            f"faster than its cost model; {c.num_workers} prefill + {c.num_workers} decode "
+            f"faster than its cost model; {c.num_workers} prefill + {num_decode} decode "
             f"workers of {c.model}; router admission control off",
         ]
 
@@ -219,7 +223,12 @@ def _spec(state_dir: Path, config: LiveConfig) -> ClusterSpec:
         nats_port=0,
         http_port=0,
         root=f"trace{uuid.uuid4().hex[:8]}.{DEFAULT_ROOT}",
-        replicas={PREFILL: config.num_workers, DECODE: config.num_workers, BILLING: 0, INGRESS: 0},
+        replicas={
+            PREFILL: config.num_workers,
+            DECODE: config.num_decode_workers or config.num_workers,
+            BILLING: 0,
+            INGRESS: 0,
+        },
         models=(config.model,),
         log_level="warning",
         shutdown_grace_s=3.0,

@@ -29,6 +29,13 @@ log = get_logger(__name__)
 # request whose publish was refused gets no answer, only a timeout, and a command line tool
 # says why from here.
 refusals: collections.deque[str] = collections.deque(maxlen=16)
+_num_refusals = 0
+
+
+def num_refusals() -> int:
+    """Permissions violations this process has been told of so far."""
+    return _num_refusals
+
 
 CREDS_ENV = "KVF_NATS_CREDS"
 TLS_CA_ENV = "KVF_NATS_TLS_CA"
@@ -158,6 +165,8 @@ async def _log_error(exc: Exception) -> None:
     if "permissions violation" in text.lower():
         # This role may not publish or subscribe there: a bug in its permissions, or a
         # process doing what its role forbids. Either way an operator must see it.
+        global _num_refusals
+        _num_refusals += 1
         refusals.append(text)
         log.error("nats refused: outside this process's permissions", error=text)
         return

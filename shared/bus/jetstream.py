@@ -30,6 +30,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from shared.bus.connection import num_refusals
 from shared.bus.wire import RawMessage, raw_message
 from shared.logging import get_logger
 from shared.schema import Unavailable, decode, encode
@@ -74,14 +75,17 @@ CONSUMER_HEARTBEAT_S = 1.0
 async def until_answered(
     what: str, call: Callable[[], Awaitable[T]], *, retry_s: float = SETUP_RETRY_S
 ) -> T:
-    """`call()`, again while JetStream does not answer, for `retry_s` at most."""
+    """`call()`, again while JetStream does not answer, for `retry_s` at most; not when the
+    server refused what it sent (outside this process's permissions: a request refused gets
+    no answer, only a timeout, and waiting changes nothing)."""
     deadline = time.monotonic() + retry_s
     delay_s = 0.25
+    refused_before = num_refusals()
     while True:
         try:
             return await call()
         except _NOT_ANSWERED as exc:
-            if time.monotonic() + delay_s > deadline:
+            if time.monotonic() + delay_s > deadline or num_refusals() != refused_before:
                 raise
             log.warning("JetStream did not answer: trying again", what=what, error=repr(exc))
             await asyncio.sleep(delay_s)
