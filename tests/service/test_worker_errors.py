@@ -469,7 +469,8 @@ async def test_a_continuation_takes_the_place_of_the_attempt_it_continues(
         def run(attempt: GenerateRequest) -> asyncio.Task[PrefillDone]:
             job = PrefillJob(request=attempt, decision=decision(request.request_id))
             subject = client.subjects.instance(client.subjects.prefill_run, "prefill-0")
-            return asyncio.create_task(client.request(subject, job, PrefillDone))
+            # Answered once the gate opens, however long a loaded machine took to get there.
+            return asyncio.create_task(client.request(subject, job, PrefillDone, timeout_s=60))
 
         def num_taken() -> float:
             return worker.metrics.snapshot()["kvfabric_prefill_jobs_received_total"]
