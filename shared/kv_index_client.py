@@ -93,12 +93,12 @@ def merge_holders(replies: list[MatchReply], num_blocks: int) -> dict[str, Memor
     """Each worker's own hit, from every shard's part: a worker's prefix ends at the first
     miss any shard reports for it, and a shard that does not name it reports its own first
     owned block. Workers whose hit is empty are left out."""
-    names = {h.holder for reply in replies for h in reply.holders}
+    parts = [{h.holder: h for h in reply.holders} for reply in replies]
     hits = {}
-    for name in names:
+    for name in {name for named in parts for name in named}:
         memory, device = num_blocks, num_blocks
-        for reply in replies:
-            part = next((h for h in reply.holders if h.holder == name), None)
+        for reply, named in zip(replies, parts, strict=True):
+            part = named.get(name)
             if part is None:
                 memory = min(memory, reply.first_owned_index)
                 device = min(device, reply.first_owned_index)

@@ -26,8 +26,7 @@ class _Holder:
     seq: int = 0
     last_heard_s: float = 0.0
     hashes: set[int] = field(default_factory=set)
-    count: int = 0  # of this shard's part, and its digest: compared with the holder's own
-    digest: int = 0
+    digest: int = 0  # of this shard's part (with len(hashes)): compared with the holder's own
     syncing: bool = False  # a sync asked and not answered: updates wait in `held_back`
     held_back: list[HoldingsUpdate] = field(default_factory=list)
 
@@ -101,10 +100,8 @@ class HolderIndex:
             entry = self.blocks.get(block_hash)
             old = entry.get(name, 0) if entry is not None else 0
             if old:
-                holder.count -= 1
                 holder.digest ^= digest_share(block_hash, old)
             if mask:
-                holder.count += 1
                 holder.digest ^= digest_share(block_hash, mask)
                 if entry is None:
                     entry = self.blocks[block_hash] = {}
@@ -122,7 +119,7 @@ class HolderIndex:
         shards = update.digests.get(self.num_shards)
         if shards is None or len(shards) != self.num_shards:
             return True  # not asked for yet (the sync that follows a first update asks)
-        return tuple(shards[self.shard_id]) == (holder.count, holder.digest)
+        return tuple(shards[self.shard_id]) == (len(holder.hashes), holder.digest)
 
     def drop(self, name: str) -> None:
         """Forget everything `name` holds."""

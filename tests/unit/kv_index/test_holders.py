@@ -126,7 +126,7 @@ def test_a_lost_update_or_a_digest_that_differs_is_synced() -> None:
     victim.blocks[chain[0]].pop("decode-0")
     held = victim.holders["decode-0"]
     held.hashes.discard(chain[0])
-    held.count, held.digest = held.count - 1, held.digest ^ digest_share(chain[0], HOLD_HOST)
+    held.digest ^= digest_share(chain[0], HOLD_HOST)  # its count is len(hashes)
     assert "decode-0" not in answer(index, chain)  # its first block lost here
     assert deliver(index, holdings.take_update(), holdings) == 1
     assert answer(index, chain) == {"decode-0": MemoryHit(6, 0)}
