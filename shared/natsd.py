@@ -25,6 +25,11 @@ from typing import Any
 from shared.tls_certs import ServerTls
 
 DEFAULT_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+# JetStream's file-store ceiling, stated rather than the server's default (75% of the disk's
+# free space when it starts): a stream's max_bytes is reserved from it at creation, and on a
+# disk shared with other work that default refused kv-index's 1 GiB event log whenever the
+# free space dipped at start-up. Writes still stop when the disk itself is full.
+DEFAULT_MAX_FILE_STORE_BYTES = 64 << 30
 _LISTEN = re.compile(r"Listening for client connections on ([0-9.]+|\[[0-9a-f:]+\]):(\d+)")
 _ROUTES = re.compile(r"Listening for route connections on ([0-9.]+|\[[0-9a-f:]+\]):(\d+)")
 _MONITOR = re.compile(r"Starting http monitor on ([0-9.]+|\[[0-9a-f:]+\]):(\d+)")
@@ -63,7 +68,7 @@ class NatsServer:
         jetstream: bool = True,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         monitor_port: int | None = None,
-        max_file_store_bytes: int | None = None,
+        max_file_store_bytes: int | None = DEFAULT_MAX_FILE_STORE_BYTES,
         server_name: str | None = None,
         cluster_name: str | None = None,
         cluster_port: int | None = None,
@@ -78,7 +83,7 @@ class NatsServer:
         self.max_payload_bytes = max_payload_bytes
         self.monitor_port = monitor_port
         # JetStream's file-store ceiling; None: the server's default, 75% of the disk's free
-        # space. A stream's max_bytes is reserved from it when the stream is created.
+        # space when it starts. A stream's max_bytes is reserved from it at creation.
         self.max_file_store_bytes = max_file_store_bytes
         # Clustering (NatsCluster): on when `cluster_port` is set (0: a free one); JetStream
         # clustering needs the server's name and the cluster block.
@@ -223,7 +228,7 @@ class NatsCluster:
         cluster_ports: Sequence[int] = (),
         cluster_name: str = "kvfabric",
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-        max_file_store_bytes: int | None = None,
+        max_file_store_bytes: int | None = DEFAULT_MAX_FILE_STORE_BYTES,
         authorization: str | None = None,
         tls: ServerTls | None = None,
     ) -> None:

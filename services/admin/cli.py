@@ -32,7 +32,14 @@ from services.admin import (
     trace_cli,
 )
 from services.admin.demo import demo_requests
-from services.admin.launcher import START_ORDER, Cluster, ClusterSpec, module_of, parse_replicas
+from services.admin.launcher import (
+    GIB,
+    START_ORDER,
+    Cluster,
+    ClusterSpec,
+    module_of,
+    parse_replicas,
+)
 from services.admin.output import check_format, emit, format_option
 from services.admin.status import render, render_supervision
 from services.admin.supervisor import RestartPolicy, load_state
@@ -155,6 +162,12 @@ def up(
         None,
         help="replicas of every stream, bucket and object store (default: min(servers, 3); "
         "1 with --nats-url unless given: say what an external cluster supports)",
+    ),
+    nats_max_store_gib: float = typer.Option(
+        64,
+        min=0,
+        help="embedded servers' JetStream store ceiling, GiB (streams reserve their limits "
+        "from it; 0: the server's default, 75% of the disk's free space at start)",
     ),
     http_port: int = typer.Option(
         8000, help="ingress HTTP port; replicas take the next ports (0: any)"
@@ -280,6 +293,7 @@ def up(
             param_hint="--js-replicas",
         )
     spec.nats_cluster, spec.js_replicas = nats_cluster, js_replicas
+    spec.nats_max_store_bytes = int(nats_max_store_gib * GIB)
     spec.nats_auth, spec.nats_creds_dir, spec.nats_tls = nats_auth, nats_creds_dir, nats_tls
     spec.config_file = config
     raise typer.Exit(asyncio.run(_up(spec, serve_forever=True)))

@@ -41,7 +41,13 @@ from shared.config import CONFIG_ENV, ServiceConfig, load_config
 from shared.discovery import Instance, discover
 from shared.metrics import Metrics
 from shared.nats_auth import ADMIN, ROLES, authorization_conf, ensure_credentials, seed_path
-from shared.natsd import NatsCluster, NatsServer, NatsServerError, die_with_parent
+from shared.natsd import (
+    DEFAULT_MAX_FILE_STORE_BYTES,
+    NatsCluster,
+    NatsServer,
+    NatsServerError,
+    die_with_parent,
+)
 from shared.subjects import (
     BILLING,
     DECODE,
@@ -74,6 +80,7 @@ MODEL_WORKERS = (PREFILL, DECODE, VLLM_WORKER)  # the services that run a model
 # Instances a service gets unless `replicas` says: one each, but no vLLM workers (they take
 # vLLM's own venv; `kvfabric up --engine vllm` runs them instead of prefill and decode).
 DEFAULT_REPLICAS = {VLLM_WORKER: 0}
+GIB = 1 << 30
 assert set(START_ORDER) == set(SERVICES)
 
 
@@ -168,6 +175,9 @@ class ClusterSpec:
     nats_cluster: int = 1
     # Replicas of every stream, bucket and object store; None: min(servers, 3).
     js_replicas: int | None = None
+    # Embedded servers' JetStream store ceiling (shared/natsd.py says why it is stated);
+    # 0: the server's default, 75% of the disk's free space when it starts.
+    nats_max_store_bytes: int = DEFAULT_MAX_FILE_STORE_BYTES
     # NATS credentials, one nkey per role (shared/nats_auth.py): embedded servers get them
     # unless `nats_auth` is off (made under <state_dir>/nats-creds, the servers configured
     # with each role's permissions); an external server's come from `nats_creds_dir`.
@@ -297,6 +307,7 @@ class Cluster:
                     size,
                     host=placed.address,
                     ports=[base + i if base else 0 for i in range(size)],
+                    max_file_store_bytes=self.spec.nats_max_store_bytes or None,
                     authorization=authorization,
                     tls=tls,
                 )
@@ -310,6 +321,7 @@ class Cluster:
                 self.spec.state_dir / "nats",
                 host=placed.address,
                 port=self.spec.nats_port,
+                max_file_store_bytes=self.spec.nats_max_store_bytes or None,
                 authorization=authorization,
                 tls=tls,
             )

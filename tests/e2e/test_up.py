@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -367,3 +368,67 @@ def test_demo_serves_requests_and_stops(tmp_path: Path) -> None:
     assert out.rstrip().endswith("stopped nats-server")
     pids = [int(p) for p in re.findall(r"pid (\d+)", out)]
     assert len(pids) == 10 and not [pid for pid in pids if _is_alive(pid)]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 256 MiB tmpfs: a disk whose free space is far below kv-index's 1 GiB event log."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+ONLY_KV_INDEX = "router=0,prefill=0,decode=0,billing=0,ingress=0,swa-memcache=0"
+
+
+@pytest.mark.parametrize("store_gib", ["64", "0"])
+def test_up_starts_on_a_disk_with_little_free_space(small_disk: Path, store_gib: str) -> None:
+    """The embedded server's JetStream ceiling is stated (--nats-max-store-gib, 64 by default),
+    not 75% of the disk's free space at start: a disk short of room no longer refuses
+    kv-index's event log at start-up. 0 keeps the server's default, which refuses it here."""
+    up = subprocess.Popen(
+        [
+            KVFABRIC,
+            "up",
+            "--engine",
+            "mock",
+            "--nats-port",
+            "0",
+            "--http-port",
+            "0",
+            "--state-dir",
+            str(small_disk),
+            "--root",
+            unique_root(),
+            "--replicas",
+            ONLY_KV_INDEX,
+            "--nats-max-store-gib",
+            store_gib,
+            "--shutdown-grace-s",
+            "3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        if store_gib == "0":
+            output, _ = up.communicate(timeout=120)
+            assert up.returncode != 0
+            assert "insufficient storage resources available" in output
+        else:
+            text = "\n".join(_read_until_ready(up, timeout_s=120))
+            assert "kv-index-0" in text
+            assert (
+                "max_file_store: 68719476736" in (small_disk / "nats/nats-server.conf").read_text()
+            )
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            up.communicate(timeout=60)
