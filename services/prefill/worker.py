@@ -53,6 +53,7 @@ from shared.schema import (
 )
 from shared.subjects import PREFILL
 from shared.tasks import cancel_and_wait
+from worker.cost_model import CostModel
 from worker.engine.runner import ModelRunner
 from worker.engine.sampler import generator_state, make_generator, sample_one
 from worker.engine.scheduler import Scheduler, SchedulerConfig
@@ -116,6 +117,12 @@ class PrefillWorker:
             SchedulerConfig(max_num_batched_tokens=max_batch_tokens, max_num_seqs=MAX_JOBS),
         )
         self._jobs: dict[str, JobState] = {}
+        # Jobs still restoring their prefix (not yet in `_jobs`): request id -> the queue
+        # tokens they bring (`CostModel.queue_tokens_of`, as the router counts a job it sends).
+        # Reported with the queue: on a loaded worker the restore can take longer than the
+        # router's in-flight count lasts, and a job in neither looked like an idle worker.
+        self._admitting: dict[str, int] = {}
+        self._cost = CostModel()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._finishing: set[asyncio.Task[None]] = set()
@@ -134,8 +141,8 @@ class PrefillWorker:
         computing = [j for j in self._jobs.values() if not j.finishing]
         allocator = self.runner.allocator
         return {
-            "num_queued": len(computing),
-            "num_queued_tokens": sum(j.num_left for j in computing),
+            "num_queued": len(computing) + len(self._admitting),
+            "num_queued_tokens": sum(j.num_left for j in computing) + sum(self._admitting.values()),
             "num_running": len(self._jobs),
             "num_kv_pages_total": allocator.num_blocks,
             "num_kv_pages_free": allocator.num_free_blocks,
@@ -155,7 +162,13 @@ class PrefillWorker:
         accepted_s = time.perf_counter()
         self.counts.jobs_received.inc()
         num_cached_blocks = blocks.num_reusable_blocks(job.decision.num_cached_blocks)
-        entry = await self._admit(job, token_ids, blocks, num_cached_blocks, accepted_s)
+        self._admitting[request.request_id] = self._queue_tokens(
+            len(token_ids), num_cached_blocks, job.decision.has_swa_snapshot
+        )
+        try:
+            entry = await self._admit(job, token_ids, blocks, num_cached_blocks, accepted_s)
+        finally:
+            self._admitting.pop(request.request_id, None)
         entry.span = telemetry.current_span()
         self.counts.cached_tokens.inc(entry.num_cached_blocks * self.block_size)
         self.counts.restores.labels(entry.restored.swa_restore or "none").inc()
@@ -166,6 +179,13 @@ class PrefillWorker:
         except asyncio.CancelledError:  # the bus is stopping: do not leave the job behind
             self._drop(entry, Cancelled("prefill worker stopping"))
             raise
+
+    def _queue_tokens(self, num_prompt_tokens: int, num_cached_blocks: int, has_swa: bool) -> int:
+        """What an admitted job adds to the queue before its prefix is restored: its compute,
+        with the replay and the store read in compute-token equivalents."""
+        num_cached = num_cached_blocks * self.block_size
+        load_s = self._cost.store_load_s(num_cached)
+        return self._cost.queue_tokens_of(num_prompt_tokens, num_cached, has_swa, load_s=load_s)
 
     def _validate(self, job: PrefillJob) -> tuple[list[int], RequestBlocks]:
         token_ids, blocks = checked_prompt(
