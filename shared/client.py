@@ -38,6 +38,7 @@ from shared.blocks import RequestBlocks
 from shared.bus import Bus, now_ms
 from shared.logging import get_logger
 from shared.schema import (
+    CacheProbe,
     CancelRequest,
     DeadlineExceeded,
     DecodeStats,
@@ -100,6 +101,7 @@ def build_request(
     deadline_s: float | None = None,
     api_key_id: str = "",
     account: str = "",
+    cache_probe: CacheProbe | None = None,
 ) -> GenerateRequest:
     """A `GenerateRequest` for a tokenized prompt: packed ids, the chained block hashes the
     router matches against the KV cache (the one place on the request path that hashes the
@@ -128,6 +130,7 @@ def build_request(
         cache_salt=cache_salt,
         arrival_ms=arrival_ms,
         deadline_ms=None if deadline_s is None else arrival_ms + round(deadline_s * 1000),
+        cache_probe=cache_probe,
     )
 
 

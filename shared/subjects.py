@@ -177,6 +177,12 @@ class Subjects:
         return f"KVF_RESPONSES_{self.root.replace('.', '_').replace('-', '_')}"
 
     @property
+    def sessions_bucket(self) -> str:
+        """KV bucket: each agent session's latest turn as hashes, for the cache-miss
+        diagnosis (services/ingress/diagnosis.py), shared by ingresses."""
+        return f"KVF_SESSIONS_{self.root.replace('.', '_').replace('-', '_')}"
+
+    @property
     def accounts_bucket(self) -> str:
         """KV bucket: account settings by name (`kvfabric accounts`), read by every ingress."""
         return f"KVF_ACCOUNTS_{self.root.replace('.', '_').replace('-', '_')}"

@@ -40,7 +40,8 @@ def usage_record(
     started_ms: int | None = None,
 ) -> UsageRecord:
     """The one record of a request, whoever writes it: its prompt split into the tokens a
-    cache hit served and the tokens computed, finished now."""
+    cache hit served and the tokens computed, and why the rest missed, finished now."""
+    probe = request.cache_probe
     return UsageRecord(
         request_id=request.request_id,
         api_key_id=request.api_key_id,
@@ -55,6 +56,7 @@ def usage_record(
         finished_ms=now_ms(),
         prefill_worker_id=prefill_worker_id,
         decode_worker_id=decode_worker_id,
+        cache_miss_cause=probe.cause_for(num_cached_tokens) if probe is not None else "",
     )
 
 

@@ -179,7 +179,7 @@ def to_completion(body: MessagesRequest, api_key_id: str) -> Completion:
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "input_tokens": usage.miss_tokens,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": usage.cached_tokens,
@@ -187,6 +187,9 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "prompt_cache_hit_tokens": usage.cached_tokens,
         "prompt_cache_miss_tokens": usage.miss_tokens,
     }
+    if usage.cache is not None:  # why the prompt missed past the cached tokens
+        body["kvfabric_cache"] = usage.cache.as_json()
+    return body
 
 
 def _tool_input(arguments: str) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.ingress import anthropic_messages, openai_chat, openai_responses, openapi, sse
+from services.ingress.diagnosis import HEADER, MAX_SESSION_ID_CHARS, SESSION_HEADER
 from services.ingress.errors import ApiError
 from services.ingress.limits import Admission, Limiter, Scope, scopes_of
 from services.ingress.metrics import CountRequests
@@ -171,6 +172,11 @@ def build_app(services: Services) -> FastAPI:
         except BaseException:
             await started.close()
             raise
+        first = started.generations[0]
+        turn = first.prepared.turn
+        if turn is not None:  # from the router's count: decode's comes in the usage
+            started.cache_header = turn.diagnosis(first.num_cached_estimate).header()
+        await pipeline.remember_turn(first.prepared)
         return started
 
     # /health is kept for clients of the one health check there was.
@@ -225,9 +231,10 @@ def build_app(services: Services) -> FastAPI:
         responses=openapi.responses("openai", openapi.GENERATE, streams=True),
     )
     async def chat_completions(
-        body: openai_chat.ChatCompletionRequest, who: Caller = Depends(caller)
+        request: Request, body: openai_chat.ChatCompletionRequest, who: Caller = Depends(caller)
     ) -> Response:
         completion = openai_chat.to_completion(body, who.key_id)
+        completion = dataclasses.replace(completion, session=_session(request))
         prepared = await pipeline.prepare(who.bill(completion, body.cache_salt))
         choices = [pipeline.fork(prepared, i) for i in range(body.n)]
         started = await start(choices, who, "openai")
@@ -245,11 +252,13 @@ def build_app(services: Services) -> FastAPI:
         "/v1/messages", responses=openapi.responses("anthropic", openapi.GENERATE, streams=True)
     )
     async def messages(
-        body: anthropic_messages.MessagesRequest, who: Caller = Depends(caller)
+        request: Request, body: anthropic_messages.MessagesRequest, who: Caller = Depends(caller)
     ) -> Response:
-        prepared = await pipeline.prepare(
-            who.bill(anthropic_messages.to_completion(body, who.key_id), body.cache_salt)
-        )
+        user_id = (body.metadata or {}).get("user_id")
+        session = _session(request) or (user_id if isinstance(user_id, str) else "")
+        completion = anthropic_messages.to_completion(body, who.key_id)
+        completion = dataclasses.replace(completion, session=session)
+        prepared = await pipeline.prepare(who.bill(completion, body.cache_salt))
         started = await start([prepared], who, "anthropic")
         (generation,), rid = started.generations, prepared.request.request_id
         if body.stream:
@@ -275,7 +284,7 @@ def build_app(services: Services) -> FastAPI:
         "/v1/responses", responses=openapi.responses("openai", openapi.GENERATE, streams=True)
     )
     async def responses(
-        body: openai_responses.ResponsesRequest, who: Caller = Depends(caller)
+        request: Request, body: openai_responses.ResponsesRequest, who: Caller = Depends(caller)
     ) -> Response:
         context = []
         if body.previous_response_id:
@@ -292,6 +301,14 @@ def build_app(services: Services) -> FastAPI:
         completion = who.bill(
             openai_responses.to_completion(body, prompt, who.key_id), body.cache_salt
         )
+        # A chain is its own session: each turn is kept under its response id, which the
+        # next turn's previous_response_id names; an x-session-id header takes precedence.
+        if header := _session(request):
+            completion = dataclasses.replace(completion, session=header)
+        else:
+            previous = body.previous_response_id
+            chain = f"response:{previous}" if previous else ""
+            completion = dataclasses.replace(completion, session=chain, chained=True)
         prepared = await pipeline.prepare(completion)
         started = await start([prepared], who, "openai")
         (generation,) = started.generations
@@ -404,10 +421,14 @@ class Started:
     generations: list[Generation]
     limiter: Limiter | None
     admission: Admission | None
+    cache_header: str = ""  # diagnosis.HEADER's value
 
     @property
     def headers(self) -> dict[str, str]:
-        return self.admission.headers if self.admission is not None else {}
+        headers = dict(self.admission.headers) if self.admission is not None else {}
+        if self.cache_header:
+            headers[HEADER] = self.cache_header
+        return headers
 
     async def close(self) -> None:
         await asyncio.gather(*(g.close() for g in self.generations), return_exceptions=True)
@@ -415,6 +436,18 @@ class Started:
             outputs = [g.num_output_tokens for g in self.generations]
             known = None if None in outputs else sum(o or 0 for o in outputs)
             await self.limiter.end(self.admission, known)
+
+
+def _session(request: Request) -> str:
+    """The agent session the request names (`x-session-id`), or ""."""
+    session = request.headers.get(SESSION_HEADER, "").strip()
+    if len(session) > MAX_SESSION_ID_CHARS:
+        raise ApiError(
+            "invalid_request",
+            f"{SESSION_HEADER} is {len(session)} characters; at most {MAX_SESSION_ID_CHARS}",
+            param=SESSION_HEADER,
+        )
+    return session
 
 
 def _check_body_size(request: Request, who: Caller) -> None:

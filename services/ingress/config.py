@@ -32,6 +32,9 @@ class IngressConfig(ServiceConfig):
     default_max_tokens: int = 1024  # when the request names none (capped by the context)
     keepalive_s: float = 10.0  # an SSE comment (Anthropic: ping) after this much silence
     responses_ttl_s: float = 7 * 86400.0  # stored Responses, for previous_response_id
+    # A session's latest turn (hashes only), kept this long for the cache-miss diagnosis of
+    # its next turn: longer than an agent's longest tool call.
+    session_ttl_s: float = 3600.0
     segment_cache_tokens: int = 4_000_000  # tokenized segments kept, per model
     # A stream whose decode worker dies is billed from here until JetStream has it.
     usage_outbox_dir: Path = Path("/tmp/kvfabric/outbox")
@@ -46,6 +49,7 @@ class IngressConfig(ServiceConfig):
         for name in (
             "keepalive_s",
             "responses_ttl_s",
+            "session_ttl_s",
             "limit_window_s",
             "body_timeout_s",
             "stream_write_timeout_s",

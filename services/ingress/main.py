@@ -20,6 +20,7 @@ import uvicorn
 
 from services.ingress.app import Services, build_app
 from services.ingress.config import IngressConfig
+from services.ingress.diagnosis import SessionTurns
 from services.ingress.http import NoDelayH11Protocol
 from services.ingress.limits import Limiter
 from services.ingress.models import ModelTable
@@ -48,10 +49,13 @@ async def setup(runtime: ServiceRuntime) -> None:
     outbox = await open_usage_outbox(bus, INGRESS, config.usage_outbox_dir, runtime.instance_id)
     runtime.on_stop(lambda: outbox.close(timeout_s=config.shutdown_grace_s))
     observe_outbox(runtime.metrics, outbox)
+    sessions = SessionTurns(bus, config.session_ttl_s)
+    await sessions.start()
     pipeline = Pipeline(
         bus,
         models,
         outbox=outbox,
+        sessions=sessions,
         default_max_tokens=config.default_max_tokens,
         keepalive_s=config.keepalive_s,
         metrics=runtime.metrics,

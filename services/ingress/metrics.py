@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from services.ingress.diagnosis import CAUSES
 from services.ingress.tracing import UNTRACED_PATHS, protocol_of
 from shared.metrics import Metrics
 
@@ -52,6 +53,12 @@ class IngressMetrics:
         self.failovers = metrics.counter(
             "kvfabric_ingress_failovers_total",
             "Generations continued on another decode worker after theirs died mid-stream.",
+        )
+        self.cache_diagnoses = metrics.counter(
+            "kvfabric_ingress_cache_diagnoses_total",
+            "Generations ended, by why their prompt missed the cache past the tokens it "
+            "served (services/ingress/diagnosis.py; none: only new tokens missed).",
+            labels={"cause": CAUSES},
         )
         self.itl_seconds = metrics.histogram(
             "kvfabric_ingress_inter_token_latency_seconds",

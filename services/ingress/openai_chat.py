@@ -187,7 +187,7 @@ def to_completion(body: ChatCompletionRequest, api_key_id: str) -> Completion:
 
 def usage_json(usage: Usage, num_output: int | None = None) -> dict[str, Any]:
     output = usage.output_tokens if num_output is None else num_output
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": output,
         "total_tokens": usage.prompt_tokens + output,
@@ -197,13 +197,19 @@ def usage_json(usage: Usage, num_output: int | None = None) -> dict[str, Any]:
         "prompt_cache_hit_tokens": usage.cached_tokens,
         "prompt_cache_miss_tokens": usage.miss_tokens,
     }
+    if usage.cache is not None:  # why the prompt missed past the cached tokens
+        body["kvfabric_cache"] = usage.cache.as_json()
+    return body
 
 
 def combined_usage(finals: list[Finished]) -> Usage:
     """n choices share one prompt: counted once, outputs summed."""
     first = finals[0].usage
     return Usage(
-        first.prompt_tokens, first.cached_tokens, sum(f.usage.output_tokens for f in finals)
+        first.prompt_tokens,
+        first.cached_tokens,
+        sum(f.usage.output_tokens for f in finals),
+        first.cache,
     )
 
 

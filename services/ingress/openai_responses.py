@@ -193,7 +193,7 @@ def to_completion(body: ResponsesRequest, prompt: list[Message], api_key_id: str
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.output_tokens,
@@ -202,6 +202,9 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "prompt_cache_hit_tokens": usage.cached_tokens,
         "prompt_cache_miss_tokens": usage.miss_tokens,
     }
+    if usage.cache is not None:  # why the prompt missed past the cached tokens
+        body["kvfabric_cache"] = usage.cache.as_json()
+    return body
 
 
 # -- events -> items ----------------------------------------------------------------------

@@ -26,6 +26,15 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from services.ingress.diagnosis import (
+    Diagnosis,
+    SessionTurns,
+    TurnDigest,
+    compare,
+    digest,
+    probe,
+    session_key,
+)
 from services.ingress.errors import ApiError, from_service_error, invalid
 from services.ingress.metrics import IngressMetrics
 from services.ingress.models import ModelTable, ServedModel
@@ -35,6 +44,7 @@ from shared.client import GenerateResult, build_request, generate
 from shared.logging import bind_request, get_logger
 from shared.metrics import Metrics
 from shared.schema import (
+    CacheProbe,
     GenerateRequest,
     RouteDecision,
     ServiceError,
@@ -91,6 +101,11 @@ class Completion:
     account: str = ""
     cache_salt: str = ""  # the namespace of its block hashes: its account's (shared/accounts.py)
     tool_id_prefix: str = "call_"  # Anthropic's tool_use ids are toolu_...
+    # The agent session the cache-miss diagnosis compares this turn with (diagnosis.py): its
+    # previous turn is found under `session`; this turn is kept under `session` too, or,
+    # with `chained`, under its own response id, which a Responses call continuing it names.
+    session: str = ""
+    chained: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +113,7 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int  # of prompt_tokens: read from the KV store, not computed
     output_tokens: int
+    cache: Diagnosis | None = None  # why the rest missed (the usage's `kvfabric_cache`)
 
     @property
     def miss_tokens(self) -> int:
@@ -116,6 +132,18 @@ class Finished:
 Event = ParseEvent | Finished
 
 
+@dataclass(frozen=True)
+class Turn:
+    """This request as a turn of its session: the previous turn's digest and its own."""
+
+    current: TurnDigest
+    probe: CacheProbe  # what the diagnosis knows before the request runs
+    key: str | None  # where it is kept for the next turn (None: no session)
+
+    def diagnosis(self, num_cached_tokens: int) -> Diagnosis:
+        return Diagnosis.of(self.probe, num_cached_tokens)
+
+
 @dataclass
 class Prepared:
     completion: Completion
@@ -124,6 +152,7 @@ class Prepared:
     forced_prefix: str
     parse_tools: bool
     arrival_s: float  # perf_counter when prepare() began (before tokenization), for TTFT
+    turn: Turn | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -137,6 +166,7 @@ class Pipeline:
         models: ModelTable,
         *,
         outbox: UsageOutbox | None = None,
+        sessions: SessionTurns | None = None,
         default_max_tokens: int = 1024,
         keepalive_s: float = 10.0,
         metrics: Metrics | None = None,  # the process's (a test's own when None)
@@ -144,6 +174,7 @@ class Pipeline:
         self.bus = bus
         self.models = models
         self.outbox = outbox
+        self.sessions = sessions
         self.default_max_tokens = default_max_tokens
         self.keepalive_s = keepalive_s
         self.counts = IngressMetrics(metrics or Metrics(INGRESS, bus.instance_id))
@@ -205,6 +236,8 @@ class Pipeline:
                 code="context_length_exceeded",
             )
         max_tokens = completion.max_tokens or min(self.default_max_tokens, room)
+        request_id = uuid.uuid4().hex
+        turn = await self._turn(completion, model, num_prompt, request_id)
         request = build_request(
             ids,
             model=model.name,
@@ -215,10 +248,11 @@ class Pipeline:
             top_k=completion.top_k,
             seed=completion.seed,
             stop=completion.stop,
-            request_id=uuid.uuid4().hex,
+            request_id=request_id,
             api_key_id=completion.api_key_id,
             account=completion.account,
             cache_salt=completion.cache_salt,
+            cache_probe=turn.probe,
         )
         forced = model.chat_format.forced_prefix(chat)
         parse_tools = bool(chat.tools) and chat.tool_choice.mode != "none"
@@ -232,7 +266,36 @@ class Pipeline:
                     "kvfabric.num_prompt_tokens": num_prompt,
                 }
             )
-        return Prepared(completion, model, request, forced, parse_tools, arrival_s)
+        return Prepared(completion, model, request, forced, parse_tools, arrival_s, turn)
+
+    async def _turn(
+        self, completion: Completion, model: ServedModel, num_prompt: int, request_id: str
+    ) -> Turn:
+        current = digest(completion.chat, completion.cache_salt, num_prompt)
+        previous, key = None, None
+        if self.sessions is not None:
+            account = completion.account
+            if completion.session:
+                try:
+                    previous = await self.sessions.get(session_key(account, completion.session))
+                except Exception:  # the diagnosis is told as if the session were new
+                    log.warning("reading a session's previous turn failed", exc_info=True)
+            if completion.chained:
+                key = session_key(account, f"response:resp_{request_id}")
+            elif completion.session:
+                key = session_key(account, completion.session)
+        current = compare(previous, current)
+        return Turn(current, probe(previous, current, model.block_size_tokens), key)
+
+    async def remember_turn(self, prepared: Prepared) -> None:
+        """Keep the request's turn for its session's next (once the router took it)."""
+        turn = prepared.turn
+        if self.sessions is None or turn is None or turn.key is None:
+            return
+        try:
+            await self.sessions.put(turn.key, turn.current)
+        except Exception:  # only the next turn's diagnosis suffers
+            log.warning("keeping a session's turn failed", exc_info=True)
 
     def fork(self, prepared: Prepared, index: int) -> Prepared:
         """Choice `index` of an n-choice request: its own request id (and seed, if one was
@@ -409,10 +472,19 @@ class Generation:
         has_calls = self._parser is not None and self._parser.num_calls > 0
         if has_calls and reason in ("stop", "stop_sequence"):
             reason = "tool_calls"
+        turn = self.prepared.turn
+        cache = turn.diagnosis(usage.num_cached_tokens) if turn is not None else None
+        if cache is not None:
+            self.pipeline.counts.cache_diagnoses.labels(cache.cause).inc()
         self._events.append(
             Finished(
                 reason,
-                Usage(usage.num_prompt_tokens, usage.num_cached_tokens, usage.num_output_tokens),
+                Usage(
+                    usage.num_prompt_tokens,
+                    usage.num_cached_tokens,
+                    usage.num_output_tokens,
+                    cache,
+                ),
                 stop_sequence if reason == "stop_sequence" else None,
             )
         )

@@ -32,6 +32,7 @@ from shared.schema.errors import (
 from shared.schema.inference import (
     BlockLocation,
     BlockLocations,
+    CacheProbe,
     CancelRequest,
     DecodeJob,
     DecodeStats,
@@ -92,6 +93,7 @@ __all__ = [
     "BlockLocation",
     "BlockLocations",
     "BlocksRemoved",
+    "CacheProbe",
     "BlocksStored",
     "CacheCommand",
     "CacheStats",

@@ -27,6 +27,8 @@ class UsageRecord(Message, tag="usage_record"):
     prefill_worker_id: str = ""
     decode_worker_id: str = ""
     account: str = ""  # from the request: who is billed
+    # Why the prompt missed the cache past the hit (`CacheProbe.cause_for`; "": no probe).
+    cache_miss_cause: str = ""
 
 
 class DeadLetter(Message, tag="dead_letter"):

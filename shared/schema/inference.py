@@ -34,6 +34,23 @@ class Resume(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int = 1  # 1 for the first continuation
 
 
+class CacheProbe(msgspec.Struct, frozen=True, kw_only=True):
+    """ingress -> whoever writes the request's usage record: why its prompt will miss the
+    cache, as far as that is known before it runs (services/ingress/diagnosis.py). A `cause`
+    is a change against the session's previous turn, or `never_seen`; without one the prompt
+    extends that turn, and whether all it sent came from the cache (`none`) or not
+    (`not_cached`) waits for the count of the hit (`cause_for`)."""
+
+    cause: str = ""
+    part: str = ""  # where the prompt changed: system | tools | message:<i>
+    expected_cached_tokens: int = 0  # of the previous turn's, what could come from the cache
+
+    def cause_for(self, num_cached_tokens: int) -> str:
+        if self.cause:
+            return self.cause
+        return "none" if num_cached_tokens >= self.expected_cached_tokens else "not_cached"
+
+
 class GenerateRequest(Message, tag="generate_request"):
     """ingress -> router. Tokenized, block-hashed, with the inbox its stream goes to."""
 
@@ -51,6 +68,7 @@ class GenerateRequest(Message, tag="generate_request"):
     deadline_ms: int | None = None  # absolute epoch ms
     priority: int = 0
     resume: Resume | None = None  # set on a continuation after a failover
+    cache_probe: CacheProbe | None = None  # the cache-miss diagnosis, for the usage record
 
     @property
     def failover_attempt(self) -> int:

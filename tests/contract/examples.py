@@ -16,6 +16,7 @@ from shared.schema import (
     BlocksRemoved,
     BlocksStored,
     CacheCommand,
+    CacheProbe,
     CacheStats,
     CancelRequest,
     DeadLetter,
@@ -105,6 +106,7 @@ _request = GenerateRequest(
     resume=Resume(
         num_prompt_tokens=3, num_cached_tokens=0, num_output_tokens=2, num_output_chars=9
     ),
+    cache_probe=CacheProbe(cause="earlier_turn_edited", part="message:3"),
 )
 _decision = RouteDecision(
     request_id="req-0001",
@@ -250,6 +252,7 @@ EXAMPLES: dict[str, Message] = {
         prefill_worker_id="prefill-0",
         decode_worker_id="decode-1",
         account="acme",
+        cache_miss_cause="earlier_turn_edited",
     ),
     "DeadLetter": DeadLetter(
         subject="kvf.v1.usage.decode",

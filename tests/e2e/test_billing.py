@@ -225,6 +225,7 @@ def decode_id(letter: DeadLetter) -> str:
 def test_the_ledger_matches_what_clients_were_told(cluster: Cluster) -> None:
     url = cluster.http_urls[0]
     told = {}
+    run = uuid.uuid4().hex[:8]
     with httpx.Client(base_url=url, headers={"authorization": f"Bearer {KEY}"}, timeout=60) as c:
         for i in range(12):
             messages = [
@@ -234,6 +235,7 @@ def test_the_ledger_matches_what_clients_were_told(cluster: Cluster) -> None:
             r = c.post(
                 "/v1/chat/completions",
                 json={"model": "tiny-coder", "messages": messages, "max_tokens": 8},
+                headers={"x-session-id": f"{run}-{i % 3}"},  # three sessions of four turns
             )
             assert r.status_code == 200, r.text
             body = r.json()
@@ -250,6 +252,10 @@ def test_the_ledger_matches_what_clients_were_told(cluster: Cluster) -> None:
             usage["completion_tokens"],
         )
         assert row.account == "dev" and row.source == "decode" and row.total_pico_cny > 0
+        assert row.cache_miss_cause == usage["kvfabric_cache"]["cause"]
+    causes = [u["kvfabric_cache"]["cause"] for u in told.values()]
+    assert causes[:3] == ["never_seen"] * 3  # each session's first turn
+    assert set(causes[3:]) <= {"none", "not_cached"}  # the same prompt again
 
 
 # Last: it restarts the NATS server under the cluster.

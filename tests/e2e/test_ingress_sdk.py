@@ -265,6 +265,96 @@ def test_anthropic_turns_split_input_disjointly(ant: anthropic.Anthropic, model:
     assert second.usage.cache_read_input_tokens >= 0.8 * counted.input_tokens
 
 
+# -- why a turn missed the cache ----------------------------------------------------------
+def diagnosed(raw: object) -> tuple[dict, dict]:
+    """The header's fields (router's count) and the usage's `kvfabric_cache` (decode's)."""
+    header = raw.headers["x-kvfabric-cache"]  # type: ignore[attr-defined]
+    fields = dict(part.split("=", 1) for part in header.split("; "))
+    return fields, raw.http_response.json()["usage"]["kvfabric_cache"]  # type: ignore[attr-defined]
+
+
+def test_a_sessions_misses_are_diagnosed_across_ingress_replicas(cluster: Cluster) -> None:
+    """One agent session, its turns sent to either ingress replica in turn: each names why
+    its prompt missed past what was cached, against the session's previous turn."""
+    session = {"x-session-id": f"agent-{time.time_ns()}"}
+    clients = [
+        openai.OpenAI(base_url=f"{u}/v1", api_key=KEY, max_retries=0, timeout=120)
+        for u in cluster.http_urls[:2]
+    ]
+    system = "You write short Python."  # tiny-coder's context is 512 tokens: room for 7 turns
+    history = [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
+
+    def ask(i: int, messages: list[dict], **kwargs: object) -> tuple[dict, dict, object]:
+        raw = clients[i % 2].chat.completions.with_raw_response.create(
+            model=TINY, messages=messages, max_tokens=8, extra_headers=session, **kwargs
+        )
+        header, usage = diagnosed(raw)
+        return header, usage, raw.parse()
+
+    header, usage, first = ask(0, history)
+    assert header["cause"] == usage["cause"] == "never_seen"
+    assert usage["first_miss_token"] == first.usage.prompt_tokens_details.cached_tokens
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Now add type hints."},
+    ]
+    header, usage, second = ask(1, history)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    expected = min(
+        first.usage.prompt_tokens // BLOCK * BLOCK,
+        (second.usage.prompt_tokens - 1) // BLOCK * BLOCK,
+    )
+    assert usage == {
+        "cause": "none" if cached >= expected else "not_cached",
+        "first_miss_token": cached,
+    }
+    # A nonce in the system prompt: a change, then the same change again (volatile).
+    for i, (nonce, cause) in enumerate([("n-1", "system_changed"), ("n-2", "volatile_span")]):
+        history[0] = {"role": "system", "content": f"{system} Request {nonce}."}
+        header, usage, _ = ask(i, history)
+        assert (header["cause"], header["part"]) == (usage["cause"], usage["part"])
+        assert (usage["cause"], usage["part"]) == (cause, "system")
+    header, usage, _ = ask(0, history, tools=[WEATHER])
+    assert (usage["cause"], usage["part"]) == ("tools_changed", "tools")
+    history[1] = {"role": "user", "content": QUESTION + " In Rust."}
+    header, usage, _ = ask(1, history, tools=[WEATHER])
+    assert (usage["cause"], usage["part"]) == ("earlier_turn_edited", "message:0")
+    # Another session, and no session at all, know nothing of this one.
+    raw = clients[0].chat.completions.with_raw_response.create(
+        model=TINY, messages=history, max_tokens=4, extra_headers={"x-session-id": "other"}
+    )
+    assert diagnosed(raw)[1]["cause"] == "never_seen"
+
+
+def test_anthropic_sessions_and_response_chains_are_diagnosed(
+    ant: anthropic.Anthropic, oai: openai.OpenAI
+) -> None:
+    user = {"user_id": f"user-{time.time_ns()}"}
+    turn_1 = [{"role": "user", "content": QUESTION}]
+    raw = ant.messages.with_raw_response.create(
+        model=TINY, system=SYSTEM, messages=turn_1, max_tokens=8, metadata=user
+    )
+    assert diagnosed(raw)[1]["cause"] == "never_seen"
+    raw = ant.messages.with_raw_response.create(
+        model=TINY, system=SYSTEM + " Edited.", messages=turn_1, max_tokens=8, metadata=user
+    )
+    assert diagnosed(raw)[0]["cause"] == diagnosed(raw)[1]["cause"] == "system_changed"
+
+    raw = oai.responses.with_raw_response.create(
+        model=TINY, instructions=SYSTEM, input=QUESTION, max_output_tokens=8
+    )
+    assert diagnosed(raw)[1]["cause"] == "never_seen"
+    first = raw.parse()
+    raw = oai.responses.with_raw_response.create(
+        model=TINY,
+        instructions=SYSTEM + " Edited.",
+        input="Now add type hints.",
+        previous_response_id=first.id,
+        max_output_tokens=8,
+    )
+    assert diagnosed(raw)[1]["cause"] == "system_changed"
+
+
 # -- Anthropic Messages ------------------------------------------------------------------
 @pytest.mark.parametrize("model", MODELS)
 def test_anthropic_plain_and_streamed_agree(ant: anthropic.Anthropic, model: str) -> None:

@@ -115,6 +115,7 @@ def every_subject(s: Subjects) -> list[str]:
         f"KV_{s.api_keys_bucket}",
         f"KV_{s.accounts_bucket}",
         f"KV_{s.responses_bucket}",
+        f"KV_{s.sessions_bucket}",
         f"KV_{s.quota_bucket}",
         f"OBJ_{s.kv_events_stream}_SNAPSHOTS",
     ]
@@ -125,7 +126,13 @@ def every_subject(s: Subjects) -> list[str]:
     ]
     api += [js("CONSUMER", "CREATE", stream) for stream in streams]
     api += [f"$JS.ACK.{stream}.c.1.1.1.1.0" for stream in streams]
-    buckets = [s.api_keys_bucket, s.accounts_bucket, s.responses_bucket, s.quota_bucket]
+    buckets = [
+        s.api_keys_bucket,
+        s.accounts_bucket,
+        s.responses_bucket,
+        s.sessions_bucket,
+        s.quota_bucket,
+    ]
     return core + api + [f"$KV.{b}.k" for b in buckets]
 
 
@@ -229,7 +236,7 @@ def test_ingress_reads_api_keys_and_accounts_but_never_writes_them() -> None:
         assert not may_publish(INGRESS, js("STREAM", "UPDATE", stream))
         for role in (ROUTER, PREFILL, DECODE, BILLING, CLIENT):
             assert not may_publish(role, js("STREAM", "INFO", stream)), role
-    for bucket in (S.responses_bucket, S.quota_bucket):  # its own: read and written
+    for bucket in (S.responses_bucket, S.sessions_bucket, S.quota_bucket):  # its own
         assert may_publish(INGRESS, f"$KV.{bucket}.k")
         assert may_publish(INGRESS, js("STREAM", "UPDATE", f"KV_{bucket}"))
 

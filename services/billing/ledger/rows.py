@@ -61,6 +61,7 @@ class LedgerRow(NamedTuple):
     recorded_ms: int
     prefill_worker_id: str
     decode_worker_id: str
+    cache_miss_cause: str  # migration 0004
 
     @classmethod
     def of(
@@ -99,6 +100,7 @@ class LedgerRow(NamedTuple):
             int(time.time() * 1000) if recorded_ms is None else recorded_ms,
             record.prefill_worker_id,
             record.decode_worker_id,
+            record.cache_miss_cause,
         )  # positional, in field order: what NamedTuple builds fastest
 
     def values(self) -> tuple[object, ...]:

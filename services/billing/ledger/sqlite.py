@@ -36,7 +36,7 @@ from services.billing.ledger.schema import MIGRATIONS_DIR, Cursor
 SYNCHRONOUS_MODES = ("FULL", "EXTRA", "NORMAL")
 _READ_CHUNK = 500  # ids per IN (...) list: far under SQLite's 32,766 bound variables
 
-_ROWS_PER_INSERT = 1000  # x 23 columns: under SQLite's 32,766 bound variables
+_ROWS_PER_INSERT = 1000  # x 24 columns: under SQLite's 32,766 bound variables
 
 
 @functools.cache

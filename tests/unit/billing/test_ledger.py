@@ -77,12 +77,12 @@ def ledger(ledger_url: str) -> Iterator[Ledger]:
 
 def test_migrations_are_applied_once(ledger_url: str) -> None:
     first = open_ledger(ledger_url)
-    assert first.migrations_applied == [1, 2, 3]
+    assert first.migrations_applied == [1, 2, 3, 4]
     first.record([row("r1")])
     first.close()
     again = open_ledger(ledger_url)
     assert again.migrations_applied == []
-    assert again.schema_versions() == [1, 2, 3]
+    assert again.schema_versions() == [1, 2, 3, 4]
     assert again.count() == 1
     again.close()
     again.close()  # safe twice
@@ -104,14 +104,14 @@ def test_a_new_migration_is_applied_and_a_newer_database_refused(
     open_ledger(ledger_url).close()
     newer = _with(
         tmp_path,
-        "0004_note.sql",
+        "0005_note.sql",
         "-- a test column\nALTER TABLE usage_ledger ADD COLUMN note TEXT;",
     )
     upgraded = open_ledger(ledger_url, migrations_dir=newer)
-    assert upgraded.migrations_applied == [4]
-    assert upgraded.schema_versions() == [1, 2, 3, 4]
+    assert upgraded.migrations_applied == [5]
+    assert upgraded.schema_versions() == [1, 2, 3, 4, 5]
     upgraded.close()
-    with pytest.raises(LedgerError, match="schema version 4, newer than this code knows"):
+    with pytest.raises(LedgerError, match="schema version 5, newer than this code knows"):
         open_ledger(ledger_url)
 
 
@@ -121,7 +121,7 @@ def test_an_additive_migration_leaves_the_ledger_writable_by_the_older_version(
     """A rolling upgrade: the new billing migrates, the old one (this code) keeps writing."""
     newer = _with(
         tmp_path,
-        "0004_note.sql",
+        "0005_note.sql",
         "-- additive\nALTER TABLE usage_ledger ADD COLUMN note TEXT DEFAULT NULL;",
     )
     open_ledger(ledger_url, migrations_dir=newer).close()

@@ -1,0 +1,211 @@
+"""Why a request's prompt missed the cache, told per request: the `x-kvfabric-cache` response
+header (from the router's count, known before the first byte), the usage's `kvfabric_cache`
+field (from decode's count, at the end) and `kvfabric_ingress_cache_diagnoses_total{cause}`.
+
+A session's turns are compared. Ingress keeps a digest of each session's latest turn in a
+KV bucket every ingress shares (`SessionTurns`; entries expire after `ttl_s`): hashes only,
+never text -- of the cache namespace, the system prompt, each tool, each message. The next
+turn of the session finds the first part its prompt no longer shares with the previous one,
+in the order a prompt renders them (namespace, system, tools, messages), and names a cause:
+
+  none                 every token the previous turn sent came from the cache
+  never_seen           no earlier turn of this session is known (its first, or no session)
+  cache_isolation      the cache namespace differs (another `cache_salt`)
+  system_changed       the system prompt differs
+  tools_changed        the tools differ (added, removed, edited or reordered)
+  earlier_turn_edited  a message the previous turn sent differs or is gone (`part` says which)
+  volatile_span        the part that changed on the previous turn changed again, the rest
+                       stayed: a per-request nonce or timestamp in the prompt
+  not_cached           the previous prompt was sent unchanged, yet its blocks were not all
+                       served: evicted, routed to a worker without them, or not yet stored
+
+A session is `x-session-id`, Anthropic's `metadata.user_id`, or a Responses chain (each turn
+is found under the id of the response it continues), always within the caller's account.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import msgspec
+
+from shared.bus import Bus, now_ms
+from shared.schema import CacheProbe
+from shared.tokenizer.chat import Chat, Message, Tool
+
+NONE = "none"
+NEVER_SEEN = "never_seen"
+CACHE_ISOLATION = "cache_isolation"
+SYSTEM_CHANGED = "system_changed"
+TOOLS_CHANGED = "tools_changed"
+EARLIER_TURN_EDITED = "earlier_turn_edited"
+VOLATILE_SPAN = "volatile_span"
+NOT_CACHED = "not_cached"
+CAUSES = (
+    NONE,
+    NEVER_SEEN,
+    CACHE_ISOLATION,
+    SYSTEM_CHANGED,
+    TOOLS_CHANGED,
+    EARLIER_TURN_EDITED,
+    VOLATILE_SPAN,
+    NOT_CACHED,
+)
+HEADER = "x-kvfabric-cache"
+SESSION_HEADER = "x-session-id"
+MAX_SESSION_ID_CHARS = 256
+
+# The part of a prompt that changed: "namespace", "system", "tools" or "message:<index>".
+NAMESPACE, SYSTEM, TOOLS = "namespace", "system", "tools"
+_CAUSE_OF_PART = {NAMESPACE: CACHE_ISOLATION, SYSTEM: SYSTEM_CHANGED, TOOLS: TOOLS_CHANGED}
+
+
+class TurnDigest(msgspec.Struct, frozen=True, kw_only=True):
+    """One turn's prompt as hashes (16 hex digits each), and what it changed."""
+
+    namespace: str
+    system: str
+    tools: str
+    messages: tuple[str, ...]
+    num_prompt_tokens: int
+    changed: str = ""  # the part it changed against the turn before it ("": none, or first)
+    ts_ms: int = 0
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    cause: str
+    first_miss_token: int  # the first prompt token not served from the cache
+    part: str = ""  # where the prompt changed, for the causes that name one
+
+    @classmethod
+    def of(cls, probe: CacheProbe, num_cached_tokens: int) -> Diagnosis:
+        return cls(probe.cause_for(num_cached_tokens), num_cached_tokens, probe.part)
+
+    def header(self) -> str:
+        fields = [f"cause={self.cause}", f"first_miss_token={self.first_miss_token}"]
+        return "; ".join(fields + ([f"part={self.part}"] if self.part else []))
+
+    def as_json(self) -> dict[str, object]:
+        body: dict[str, object] = {"cause": self.cause, "first_miss_token": self.first_miss_token}
+        if self.part:
+            body["part"] = self.part
+        return body
+
+
+def _hash(*texts: str) -> str:
+    digest = hashlib.blake2b(digest_size=8)
+    for text in texts:
+        digest.update(text.encode("utf-8", "surrogatepass"))
+        digest.update(b"\x00")  # ("ab", "c") and ("a", "bc") differ
+    return digest.hexdigest()
+
+
+def _message_hash(message: Message) -> str:
+    calls = [f"{c.id}\x01{c.name}\x01{c.arguments}" for c in message.tool_calls]
+    return _hash(message.role, message.content, message.tool_call_id, message.name, *calls)
+
+
+def _tools_hash(tools: Iterable[Tool]) -> str:
+    return _hash(
+        *(
+            f"{t.name}\x01{t.description}\x01{json.dumps(t.parameters, sort_keys=True)}"
+            for t in tools
+        )
+    )
+
+
+def digest(chat: Chat, namespace: str, num_prompt_tokens: int) -> TurnDigest:
+    """The turn's digest; `changed` is filled in by `compare` once the previous is known."""
+    messages = chat.messages
+    has_system = bool(messages) and messages[0].role == "system"
+    system = messages[0].content if has_system else ""
+    rest = messages[1:] if has_system else messages
+    return TurnDigest(
+        namespace=_hash(namespace),
+        system=_hash(system),
+        tools=_tools_hash(chat.tools),
+        messages=tuple(_message_hash(m) for m in rest),
+        num_prompt_tokens=num_prompt_tokens,
+        ts_ms=now_ms(),
+    )
+
+
+def changed_part(previous: TurnDigest, current: TurnDigest) -> str:
+    """The first part, in rendering order, where `current` stops extending `previous`."""
+    if current.namespace != previous.namespace:
+        return NAMESPACE
+    if current.system != previous.system:
+        return SYSTEM
+    if current.tools != previous.tools:
+        return TOOLS
+    for index, before in enumerate(previous.messages):
+        if index >= len(current.messages) or current.messages[index] != before:
+            return f"message:{index}"
+    return ""
+
+
+def compare(previous: TurnDigest | None, current: TurnDigest) -> TurnDigest:
+    """`current` with the part it changed against `previous` (what the next turn reads)."""
+    if previous is None:
+        return current
+    return msgspec.structs.replace(current, changed=changed_part(previous, current))
+
+
+def probe(previous: TurnDigest | None, current: TurnDigest, block_size_tokens: int) -> CacheProbe:
+    """What is known before the request runs; `current` as `compare` returned it."""
+    if previous is None:
+        return CacheProbe(cause=NEVER_SEEN)
+    part = current.changed
+    if part:
+        if part == previous.changed and part != NAMESPACE:
+            return CacheProbe(cause=VOLATILE_SPAN, part=part)
+        return CacheProbe(cause=_CAUSE_OF_PART.get(part, EARLIER_TURN_EDITED), part=part)
+    # The prompt extends the previous one: every whole block of it could come from the
+    # cache, but never the block holding the prompt's last token (it is recomputed).
+    sent_before = previous.num_prompt_tokens // block_size_tokens * block_size_tokens
+    reusable = (current.num_prompt_tokens - 1) // block_size_tokens * block_size_tokens
+    return CacheProbe(expected_cached_tokens=min(sent_before, reusable))
+
+
+def diagnose(
+    previous: TurnDigest | None,
+    current: TurnDigest,
+    num_cached_tokens: int,
+    block_size_tokens: int,
+) -> Diagnosis:
+    """Why the prompt's tokens from `num_cached_tokens` on were not served from the cache.
+    `current` as `compare` returned it."""
+    return Diagnosis.of(probe(previous, current, block_size_tokens), num_cached_tokens)
+
+
+def session_key(account: str, session: str) -> str:
+    """A bucket key: the session within its account, hashed (any text is a valid key)."""
+    return hashlib.sha256(f"{account}\x00{session}".encode()).hexdigest()[:32]
+
+
+class SessionTurns:
+    """Each session's latest `TurnDigest`, in a KV bucket every ingress shares; an entry
+    lives `ttl_s` after its turn (bounded retention)."""
+
+    def __init__(self, bus: Bus, ttl_s: float) -> None:
+        self.bus, self.ttl_s = bus, ttl_s
+        self.bucket = bus.subjects.sessions_bucket
+
+    async def start(self) -> None:
+        await self.bus.js.ensure_kv(self.bucket, ttl_s=self.ttl_s)
+
+    async def get(self, key: str) -> TurnDigest | None:
+        raw = await self.bus.js.kv_get(self.bucket, key)
+        if raw is None:
+            return None
+        try:
+            return msgspec.msgpack.decode(raw, type=TurnDigest)
+        except msgspec.DecodeError:  # an older layout: as if the session were new
+            return None
+
+    async def put(self, key: str, turn: TurnDigest) -> None:
+        await self.bus.js.kv_put(self.bucket, key, msgspec.msgpack.encode(turn))
