@@ -269,6 +269,7 @@ def _ingress(s: Subjects) -> Grants:
             # openai_responses.py: stored responses; diagnosis.py: sessions' latest turns.
             *kv_own(s.responses_bucket),
             *kv_own(s.sessions_bucket),
+            *kv_own(s.cache_explain_bucket),
             # API keys and accounts: read, and the bucket created if missing (ensure_kv);
             # never put to nor reconfigured (admin's: see `admin_only`), so an ingress with
             # more js_replicas than admin made them with fails its start (`_raise_replicas`).

@@ -183,6 +183,12 @@ class Subjects:
         return f"KVF_SESSIONS_{self.root.replace('.', '_').replace('-', '_')}"
 
     @property
+    def cache_explain_bucket(self) -> str:
+        """KV bucket: each request's cache-miss diagnosis with the prompt's text around its
+        first miss (`kvfabric cache explain`), written by ingresses, read by admin."""
+        return f"KVF_CACHE_EXPLAIN_{self.root.replace('.', '_').replace('-', '_')}"
+
+    @property
     def accounts_bucket(self) -> str:
         """KV bucket: account settings by name (`kvfabric accounts`), read by every ingress."""
         return f"KVF_ACCOUNTS_{self.root.replace('.', '_').replace('-', '_')}"

@@ -1,7 +1,9 @@
-"""`kvfabric cache stats|evict|flush|rebuild`: the KV cache as kv-index sees it, shard by shard.
+"""`kvfabric cache stats|evict|flush|rebuild|explain`: the KV cache as kv-index sees it,
+shard by shard, and why a request missed it.
 
 The shards are found through discovery (each kv-index instance publishes `shard: i/n` in its
-metadata); each command goes to every shard's admin endpoint.
+metadata); each command goes to every shard's admin endpoint. `explain` reads what ingress
+kept of a request's diagnosis (services/ingress/diagnosis.py), with admin credentials.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import typer
 
+from services.ingress.diagnosis import Explanation, Explanations, request_id_of
 from shared import audit
 from shared.bus import Bus
 from shared.discovery import discover
@@ -105,6 +108,40 @@ def evict(
 def flush(tier: str = TIER, nats_url: str = NATS_URL, root: str = ROOT) -> None:
     """Forget every cached block (of one tier); writers are told to free the slots."""
     _run(nats_url, root, CacheCommand(action="flush", tier=tier))
+
+
+@app.command()
+def explain(
+    request_id: str = typer.Argument(
+        ..., help="as a response named it: chatcmpl-..., resp_..., msg_... or the bare id"
+    ),
+    nats_url: str = NATS_URL,
+    root: str = ROOT,
+) -> None:
+    """Why a request's prompt missed the cache: the cause, where, and the prompt's text
+    around its first missed token (not kept for an account whose cache is isolated)."""
+    if request_id_of(request_id) is None:
+        raise typer.BadParameter(f"{request_id!r} is not a request id", param_hint="REQUEST_ID")
+    found = asyncio.run(_explanation(nats_url, root, request_id))
+    if found is None:
+        typer.echo(f"no cache explanation for {request_id} (never kept, or expired)", err=True)
+        raise typer.Exit(1)
+    part = f" ({found.part})" if found.part else ""
+    typer.echo(f"request  {found.request_id}  account {found.account}  model {found.model}")
+    typer.echo(f"cause    {found.cause}{part}")
+    typer.echo(f"missed   from token {found.first_miss_token:,} of {found.num_prompt_tokens:,}")
+    if not found.has_text:
+        typer.echo("text     not kept: the account's cache is isolated from others'")
+        return
+    typer.echo("text     ... " + f"{found.before}>>>[first miss]<<<{found.after}" + " ...")
+
+
+async def _explanation(nats_url: str, root: str, request_id: str) -> Explanation | None:
+    bus = await Bus.connect(nats_url, service="admin", root=root, connect_timeout_s=3.0)
+    try:
+        return await Explanations(bus, ttl_s=0.0).get(request_id)
+    finally:
+        await bus.close()
 
 
 @app.command()

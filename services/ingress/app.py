@@ -51,6 +51,7 @@ class Caller:
             api_key_id=self.key_id,
             account=self.account.name,
             cache_salt=self.account.cache_salt(cache_salt or ""),
+            keep_text=self.account.cache_scope == SCOPE_SHARED,
         )
 
 
@@ -341,6 +342,27 @@ def build_app(services: Services) -> FastAPI:
         if stored is None:
             raise ApiError("not_found", f"response {response_id!r} not found", param="response_id")
         return _json(stored[0])
+
+    @app.get(
+        "/v1/kvfabric/cache/explain/{request_id}",
+        responses=openapi.responses("openai", (401, 404, 503)),
+    )
+    async def explain(request_id: str, who: Caller = Depends(caller)) -> Response:
+        """Why this request's prompt missed the cache (services/ingress/diagnosis.py), to
+        the account that sent it; the text around the first miss unless its cache is
+        isolated. Ids as each protocol returned them (chatcmpl-..., resp_..., msg_...)."""
+        explanations = pipeline.explanations
+        found = None
+        if explanations is not None:
+            found = await explanations.get(request_id, who.account.name)
+        if found is None:
+            raise ApiError(
+                "not_found",
+                f"no cache explanation for request {request_id!r} (never kept, another "
+                "account's, or expired)",
+                param="request_id",
+            )
+        return _json(found.as_json())
 
     async def served_models() -> list[str]:
         await pipeline.models.refresh()

@@ -35,6 +35,8 @@ class IngressConfig(ServiceConfig):
     # A session's latest turn (hashes only), kept this long for the cache-miss diagnosis of
     # its next turn: longer than an agent's longest tool call.
     session_ttl_s: float = 3600.0
+    # Each request's cache-miss diagnosis, kept this long for `kvfabric cache explain`.
+    explain_ttl_s: float = 86400.0
     segment_cache_tokens: int = 4_000_000  # tokenized segments kept, per model
     # A stream whose decode worker dies is billed from here until JetStream has it.
     usage_outbox_dir: Path = Path("/tmp/kvfabric/outbox")
@@ -50,6 +52,7 @@ class IngressConfig(ServiceConfig):
             "keepalive_s",
             "responses_ttl_s",
             "session_ttl_s",
+            "explain_ttl_s",
             "limit_window_s",
             "body_timeout_s",
             "stream_write_timeout_s",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -209,3 +210,67 @@ class SessionTurns:
 
     async def put(self, key: str, turn: TurnDigest) -> None:
         await self.bus.js.kv_put(self.bucket, key, msgspec.msgpack.encode(turn))
+
+
+EXCERPT_TOKENS = 48  # of the prompt on each side of the first miss, in an explanation
+REQUEST_ID = re.compile(r"[0-9a-f]{32}(-[0-9]{1,3})?")
+ID_PREFIXES = ("chatcmpl-", "resp_", "msg_")  # how each protocol names a request
+
+
+class Explanation(msgspec.Struct, frozen=True, kw_only=True):
+    """One request's diagnosis, kept for `kvfabric cache explain` and
+    GET /v1/kvfabric/cache/explain/{id}: where its prompt first missed, and the prompt's text
+    around that token unless its account's cache is isolated from others' (then no text)."""
+
+    request_id: str
+    account: str
+    model: str
+    cause: str
+    part: str
+    first_miss_token: int
+    num_prompt_tokens: int
+    has_text: bool
+    before: str = ""  # the prompt's text just before the first missed token
+    after: str = ""  # from that token on
+    ts_ms: int = 0
+
+    def as_json(self) -> dict[str, object]:
+        return msgspec.to_builtins(self)
+
+
+def request_id_of(name: str) -> str | None:
+    """The request id in an id a protocol returned (chatcmpl-..., resp_..., msg_...)."""
+    for prefix in ID_PREFIXES:
+        name = name.removeprefix(prefix)
+    return name if REQUEST_ID.fullmatch(name) else None
+
+
+class Explanations:
+    """Every request's `Explanation`, in a KV bucket every ingress writes; an entry lives
+    `ttl_s` (bounded retention). Readable by ingress (for the owning account) and admin."""
+
+    def __init__(self, bus: Bus, ttl_s: float) -> None:
+        self.bus, self.ttl_s = bus, ttl_s
+        self.bucket = bus.subjects.cache_explain_bucket
+
+    async def start(self) -> None:
+        await self.bus.js.ensure_kv(self.bucket, ttl_s=self.ttl_s)
+
+    async def put(self, explanation: Explanation) -> None:
+        data = msgspec.msgpack.encode(explanation)
+        await self.bus.js.kv_put(self.bucket, explanation.request_id, data)
+
+    async def get(self, name: str, account: str | None = None) -> Explanation | None:
+        """The request's, if kept (and, with `account`, that account's: another's is as
+        absent as one never kept)."""
+        request_id = request_id_of(name)
+        if request_id is None:
+            return None
+        raw = await self.bus.js.kv_get(self.bucket, request_id)
+        if raw is None:
+            return None
+        try:
+            found = msgspec.msgpack.decode(raw, type=Explanation)
+        except msgspec.DecodeError:
+            return None
+        return found if account is None or found.account == account else None

@@ -20,7 +20,7 @@ import uvicorn
 
 from services.ingress.app import Services, build_app
 from services.ingress.config import IngressConfig
-from services.ingress.diagnosis import SessionTurns
+from services.ingress.diagnosis import Explanations, SessionTurns
 from services.ingress.http import NoDelayH11Protocol
 from services.ingress.limits import Limiter
 from services.ingress.models import ModelTable
@@ -51,11 +51,14 @@ async def setup(runtime: ServiceRuntime) -> None:
     observe_outbox(runtime.metrics, outbox)
     sessions = SessionTurns(bus, config.session_ttl_s)
     await sessions.start()
+    explanations = Explanations(bus, config.explain_ttl_s)
+    await explanations.start()
     pipeline = Pipeline(
         bus,
         models,
         outbox=outbox,
         sessions=sessions,
+        explanations=explanations,
         default_max_tokens=config.default_max_tokens,
         keepalive_s=config.keepalive_s,
         metrics=runtime.metrics,

@@ -27,7 +27,10 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.ingress.diagnosis import (
+    EXCERPT_TOKENS,
     Diagnosis,
+    Explanation,
+    Explanations,
     SessionTurns,
     TurnDigest,
     compare,
@@ -39,7 +42,7 @@ from services.ingress.errors import ApiError, from_service_error, invalid
 from services.ingress.metrics import IngressMetrics
 from services.ingress.models import ModelTable, ServedModel
 from shared import telemetry
-from shared.bus import Bus
+from shared.bus import Bus, now_ms
 from shared.client import GenerateResult, build_request, generate
 from shared.logging import bind_request, get_logger
 from shared.metrics import Metrics
@@ -50,6 +53,7 @@ from shared.schema import (
     ServiceError,
     TokenChunk,
     num_packed_tokens,
+    unpack_token_ids,
 )
 from shared.subjects import INGRESS
 from shared.telemetry import REQUEST_ID
@@ -106,6 +110,9 @@ class Completion:
     # with `chained`, under its own response id, which a Responses call continuing it names.
     session: str = ""
     chained: bool = False
+    # Its prompt's text may be kept around its first cache miss (`kvfabric cache explain`):
+    # never for an account whose cache is isolated from others'.
+    keep_text: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,6 +174,7 @@ class Pipeline:
         *,
         outbox: UsageOutbox | None = None,
         sessions: SessionTurns | None = None,
+        explanations: Explanations | None = None,
         default_max_tokens: int = 1024,
         keepalive_s: float = 10.0,
         metrics: Metrics | None = None,  # the process's (a test's own when None)
@@ -175,6 +183,8 @@ class Pipeline:
         self.models = models
         self.outbox = outbox
         self.sessions = sessions
+        self.explanations = explanations
+        self._background: set[asyncio.Task[None]] = set()
         self.default_max_tokens = default_max_tokens
         self.keepalive_s = keepalive_s
         self.counts = IngressMetrics(metrics or Metrics(INGRESS, bus.instance_id))
@@ -286,6 +296,42 @@ class Pipeline:
                 key = session_key(account, completion.session)
         current = compare(previous, current)
         return Turn(current, probe(previous, current, model.block_size_tokens), key)
+
+    def explain(self, prepared: Prepared, diagnosis: Diagnosis) -> None:
+        """Keep the request's diagnosis for `kvfabric cache explain`, in the background."""
+        if self.explanations is None:
+            return
+        task = asyncio.create_task(self._explain(self.explanations, prepared, diagnosis))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _explain(
+        self, explanations: Explanations, prepared: Prepared, diagnosis: Diagnosis
+    ) -> None:
+        completion, request = prepared.completion, prepared.request
+        before = after = ""
+        if completion.keep_text:
+            ids = unpack_token_ids(request.prompt_token_ids).tolist()
+            first, decode = diagnosis.first_miss_token, prepared.model.tokenizer.decode
+            before = decode(ids[max(first - EXCERPT_TOKENS, 0) : first])
+            after = decode(ids[first : first + EXCERPT_TOKENS])
+        explanation = Explanation(
+            request_id=request.request_id,
+            account=completion.account,
+            model=request.model,
+            cause=diagnosis.cause,
+            part=diagnosis.part,
+            first_miss_token=diagnosis.first_miss_token,
+            num_prompt_tokens=prepared.num_prompt_tokens,
+            has_text=completion.keep_text,
+            before=before,
+            after=after,
+            ts_ms=now_ms(),
+        )
+        try:
+            await explanations.put(explanation)
+        except Exception:  # the answer is out; only a later `cache explain` misses it
+            log.warning("keeping a request's cache explanation failed", exc_info=True)
 
     async def remember_turn(self, prepared: Prepared) -> None:
         """Keep the request's turn for its session's next (once the router took it)."""
@@ -476,6 +522,7 @@ class Generation:
         cache = turn.diagnosis(usage.num_cached_tokens) if turn is not None else None
         if cache is not None:
             self.pipeline.counts.cache_diagnoses.labels(cache.cause).inc()
+            self.pipeline.explain(self.prepared, cache)
         self._events.append(
             Finished(
                 reason,

@@ -273,6 +273,19 @@ def diagnosed(raw: object) -> tuple[dict, dict]:
     return fields, raw.http_response.json()["usage"]["kvfabric_cache"]  # type: ignore[attr-defined]
 
 
+def explanation(url: str, response_id: str, timeout_s: float = 30.0) -> dict:
+    """GET /v1/kvfabric/cache/explain/{id} once it is kept (in the background, after the
+    answer)."""
+    deadline = time.monotonic() + timeout_s
+    headers = {"authorization": f"Bearer {KEY}"}
+    while True:
+        r = httpx.get(f"{url}/v1/kvfabric/cache/explain/{response_id}", headers=headers)
+        if r.status_code != 404 or time.monotonic() > deadline:
+            assert r.status_code == 200, r.text
+            return r.json()
+        time.sleep(0.1)
+
+
 def test_a_sessions_misses_are_diagnosed_across_ingress_replicas(cluster: Cluster) -> None:
     """One agent session, its turns sent to either ingress replica in turn: each names why
     its prompt missed past what was cached, against the session's previous turn."""
@@ -311,9 +324,18 @@ def test_a_sessions_misses_are_diagnosed_across_ingress_replicas(cluster: Cluste
     # A nonce in the system prompt: a change, then the same change again (volatile).
     for i, (nonce, cause) in enumerate([("n-1", "system_changed"), ("n-2", "volatile_span")]):
         history[0] = {"role": "system", "content": f"{system} Request {nonce}."}
-        header, usage, _ = ask(i, history)
+        header, usage, answer = ask(i, history)
         assert (header["cause"], header["part"]) == (usage["cause"], usage["part"])
         assert (usage["cause"], usage["part"]) == (cause, "system")
+    # The dev account's cache is shared: its explanation keeps the text around the miss.
+    explained = explanation(cluster.http_urls[1], answer.id)
+    assert (explained["cause"], explained["part"], explained["has_text"]) == (
+        "volatile_span",
+        "system",
+        True,
+    )
+    assert explained["first_miss_token"] == usage["first_miss_token"]
+    assert "Request n-2." in explained["before"] + explained["after"]
     header, usage, _ = ask(0, history, tools=[WEATHER])
     assert (usage["cause"], usage["part"]) == ("tools_changed", "tools")
     history[1] = {"role": "user", "content": QUESTION + " In Rust."}
@@ -695,6 +717,7 @@ def test_the_openapi_document_lists_every_route(url: str) -> None:
         "/v1/messages",
         "/v1/messages/count_tokens",
         "/v1/models",
+        "/v1/kvfabric/cache/explain/{request_id}",
         "/health",
     } <= set(document["paths"])
     schema = document["paths"]["/v1/messages"]["post"]["requestBody"]["content"]

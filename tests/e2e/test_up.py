@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +54,29 @@ def _read_until(process: subprocess.Popen[str], marker: str, timeout_s: float) -
         if marker in line:
             return "\n".join(lines)
     raise AssertionError(f"no {marker!r} from kvfabric up:\n" + "\n".join(lines))
+
+
+def _post(url: str, body: dict, key: str) -> dict:
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"authorization": f"Bearer {key}", "content-type": JSON},
+    )
+    return json.loads(urllib.request.urlopen(request, timeout=60).read())
+
+
+def _get_until(url: str, key: str, timeout_s: float = 30.0) -> dict:
+    """GET `url`'s JSON once it is there (a request's explanation is kept in the background
+    after its answer); a 404 past `timeout_s` is raised."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        request = urllib.request.Request(url, headers={"authorization": f"Bearer {key}"})
+        try:
+            return json.loads(urllib.request.urlopen(request, timeout=60).read())
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.1)
 
 
 def _is_alive(pid: int) -> bool:
@@ -157,6 +181,46 @@ def test_up_status_and_clean_stop(tmp_path: Path) -> None:
             ("keys.create", "acme", f"ok {key_id}")
         ]
         assert "(nkey U" in entries[0]["actor"] and entries[0]["detail"]["name"] == "ops"
+
+        # Why a request missed the cache: to its own account over HTTP, to the admin with
+        # `kvfabric cache explain`; acme's cache is isolated, so no text of it is kept.
+        key = created.split(": ", 1)[1].strip()
+        other = (
+            subprocess.run(
+                [KVFABRIC, "keys", "create", "--account", "globex", *where],
+                env=admin,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
+            .stdout.split(": ", 1)[1]
+            .strip()
+        )
+        asked = _post(
+            f"{http_url}/v1/chat/completions",
+            {"model": "tiny-coder", "messages": [{"role": "user", "content": "hi"}]},
+            key,
+        )
+        told = asked["usage"]["kvfabric_cache"]
+        assert told["cause"] == "never_seen"
+        explained = _get_until(f"{http_url}/v1/kvfabric/cache/explain/{asked['id']}", key)
+        assert explained["cause"] == "never_seen" and explained["account"] == "acme"
+        assert (explained["has_text"], explained["before"], explained["after"]) == (False, "", "")
+        assert explained["first_miss_token"] == told["first_miss_token"]
+        with pytest.raises(urllib.error.HTTPError) as hidden:
+            _get_until(f"{http_url}/v1/kvfabric/cache/explain/{asked['id']}", other, 0)
+        assert hidden.value.code == 404  # another account's is as absent as none
+        printed = subprocess.run(
+            [KVFABRIC, "cache", "explain", asked["id"], *where],
+            env=admin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        assert "cause    never_seen" in printed and "account acme" in printed
+        assert "not kept: the account's cache is isolated" in printed
 
         status = subprocess.run(
             [KVFABRIC, "status", "--nats-url", nats_url, "--root", root, "--format", "json"],

@@ -116,6 +116,7 @@ def every_subject(s: Subjects) -> list[str]:
         f"KV_{s.accounts_bucket}",
         f"KV_{s.responses_bucket}",
         f"KV_{s.sessions_bucket}",
+        f"KV_{s.cache_explain_bucket}",
         f"KV_{s.quota_bucket}",
         f"OBJ_{s.kv_events_stream}_SNAPSHOTS",
     ]
@@ -131,6 +132,7 @@ def every_subject(s: Subjects) -> list[str]:
         s.accounts_bucket,
         s.responses_bucket,
         s.sessions_bucket,
+        s.cache_explain_bucket,
         s.quota_bucket,
     ]
     return core + api + [f"$KV.{b}.k" for b in buckets]
@@ -236,7 +238,8 @@ def test_ingress_reads_api_keys_and_accounts_but_never_writes_them() -> None:
         assert not may_publish(INGRESS, js("STREAM", "UPDATE", stream))
         for role in (ROUTER, PREFILL, DECODE, BILLING, CLIENT):
             assert not may_publish(role, js("STREAM", "INFO", stream)), role
-    for bucket in (S.responses_bucket, S.sessions_bucket, S.quota_bucket):  # its own
+    own = (S.responses_bucket, S.sessions_bucket, S.cache_explain_bucket, S.quota_bucket)
+    for bucket in own:  # read and written
         assert may_publish(INGRESS, f"$KV.{bucket}.k")
         assert may_publish(INGRESS, js("STREAM", "UPDATE", f"KV_{bucket}"))
 

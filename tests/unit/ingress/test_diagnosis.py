@@ -18,6 +18,7 @@ from services.ingress.diagnosis import (
     compare,
     diagnose,
     digest,
+    request_id_of,
     session_key,
 )
 from shared.tokenizer.chat import Chat, Message, Tool, ToolCall
@@ -113,3 +114,12 @@ def test_the_header_and_usage_field_and_the_session_key() -> None:
     # Sessions are per account: the same id in two accounts are two sessions.
     assert session_key("a", "s") != session_key("b", "s")
     assert len(session_key("a", "ü" * 300)) == 32
+
+
+def test_an_explanation_is_found_by_any_protocols_name_for_the_request() -> None:
+    rid = "0123456789abcdef0123456789abcdef"
+    for name in (rid, f"chatcmpl-{rid}", f"resp_{rid}", f"msg_{rid}"):
+        assert request_id_of(name) == rid
+    assert request_id_of(f"chatcmpl-{rid}-1") == f"{rid}-1"  # choice 1 of n
+    for bad in ("", "nope", "ü" * 32, rid.upper(), f"{rid}/../x", f"{rid}.k"):
+        assert request_id_of(bad) is None
