@@ -177,7 +177,7 @@ def build_app(services: Services) -> FastAPI:
         turn = first.prepared.turn
         if turn is not None:  # from the router's count: decode's comes in the usage
             started.cache_header = turn.diagnosis(first.num_cached_estimate).header()
-        await pipeline.remember_turn(first.prepared)
+        pipeline.remember_turn(first.prepared)
         return started
 
     # /health is kept for clients of the one health check there was.

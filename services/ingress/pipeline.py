@@ -22,12 +22,14 @@ import json
 import time
 import uuid
 from collections import deque
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
 import msgspec
 
 from services.ingress.diagnosis import (
     EXCERPT_TOKENS,
+    NEVER_SEEN,
     Diagnosis,
     Explanation,
     Explanations,
@@ -143,7 +145,7 @@ Event = ParseEvent | Finished
 class Turn:
     """This request as a turn of its session: the previous turn's digest and its own."""
 
-    current: TurnDigest
+    current: TurnDigest | None  # its digest (None: no session, so none is kept)
     probe: CacheProbe  # what the diagnosis knows before the request runs
     key: str | None  # where it is kept for the next turn (None: no session)
 
@@ -281,7 +283,6 @@ class Pipeline:
     async def _turn(
         self, completion: Completion, model: ServedModel, num_prompt: int, request_id: str
     ) -> Turn:
-        current = digest(completion.chat, completion.cache_salt, num_prompt)
         previous, key = None, None
         if self.sessions is not None:
             account = completion.account
@@ -294,15 +295,19 @@ class Pipeline:
                 key = session_key(account, f"response:resp_{request_id}")
             elif completion.session:
                 key = session_key(account, completion.session)
-        current = compare(previous, current)
+        if key is None:  # no session: nothing to compare with, no digest to keep
+            return Turn(None, CacheProbe(cause=NEVER_SEEN), None)
+        current = compare(previous, digest(completion.chat, completion.cache_salt, num_prompt))
         return Turn(current, probe(previous, current, model.block_size_tokens), key)
 
     def explain(self, prepared: Prepared, diagnosis: Diagnosis) -> None:
         """Keep the request's diagnosis for `kvfabric cache explain`, in the background."""
-        if self.explanations is None:
-            return
-        task = asyncio.create_task(self._explain(self.explanations, prepared, diagnosis))
-        self._background.add(task)
+        if self.explanations is not None:
+            self._in_background(self._explain(self.explanations, prepared, diagnosis))
+
+    def _in_background(self, work: Coroutine[None, None, None]) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._background.discard)
 
     async def _explain(
@@ -333,13 +338,18 @@ class Pipeline:
         except Exception:  # the answer is out; only a later `cache explain` misses it
             log.warning("keeping a request's cache explanation failed", exc_info=True)
 
-    async def remember_turn(self, prepared: Prepared) -> None:
-        """Keep the request's turn for its session's next (once the router took it)."""
+    def remember_turn(self, prepared: Prepared) -> None:
+        """Keep the request's turn for its session's next (once the router took it), in the
+        background: the answer does not wait for the write."""
         turn = prepared.turn
-        if self.sessions is None or turn is None or turn.key is None:
+        if self.sessions is None or turn is None or turn.key is None or turn.current is None:
             return
+        self._in_background(self._remember(self.sessions, turn.key, turn.current))
+
+    @staticmethod
+    async def _remember(sessions: SessionTurns, key: str, current: TurnDigest) -> None:
         try:
-            await self.sessions.put(turn.key, turn.current)
+            await sessions.put(key, current)
         except Exception:  # only the next turn's diagnosis suffers
             log.warning("keeping a session's turn failed", exc_info=True)
 
