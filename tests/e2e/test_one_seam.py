@@ -64,7 +64,11 @@ ESSENTIAL = {
 
 # Reached only from decode's once-a-second deadline sweep when a request happens to be in
 # flight at a tick: whether it runs is timing, not the code path.
-BY_THE_CLOCK = {"worker/serving/lifecycle.py:StreamedRequest.seconds_left"}
+BY_THE_CLOCK = {
+    "worker/serving/lifecycle.py:StreamedRequest.seconds_left",
+    # Orphaned usage outboxes are looked for every 30 s: a run that lasts longer runs it.
+    "services/decode/main.py:open_outbox.adopt",
+}
 
 
 def first_statements(path: Path) -> dict[int, str]:

@@ -442,12 +442,15 @@ async def test_a_continuation_replaces_the_attempt_a_live_decode_worker_holds(
 
 
 async def test_a_continuation_takes_the_place_of_the_attempt_it_continues(
-    bus_factory: BusFactory, tmp_path: Path
+    bus_factory: BusFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The decode worker died while prefill was handing the request's suffix to it: the
     caller's continuation (same request id, `resume`) is taken, not refused as a duplicate;
     the older attempt ends its own handoff and its pages are freed. An attempt older than
     the one held is still refused."""
+    # The gate holds decode's answers on purpose: no resend of an unanswered suffix here
+    # (a loaded machine passed RESEND_AFTER_S and counted one suffix twice).
+    monkeypatch.setattr(handoff, "RESEND_AFTER_S", 600.0)
     bus = await bus_factory("prefill", "prefill-0")
     decode = await bus_factory("decode", "decode-0")
     gate = asyncio.Event()
