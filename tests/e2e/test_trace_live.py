@@ -11,6 +11,11 @@ its prefix. The longer hits here come 27 s of trace or more after that (13.5 s a
 first block (512 tokens) is everyone's, and only the 10 requests of the trace's first
 instant race the first prefill for it: at most 10 requests may differ, by 512 tokens each,
 0.0023 of the 2.27M prompt tokens, so the shares must agree within 0.005.
+
+That argument holds while the cluster keeps the trace's pace, and on two cores it does only
+with the machine to itself: run beside another test file in CI, the replay ended 20 s behind
+its prediction (56.6 s for 36.1 s), the first prefill stored the common block seconds late and
+17 requests missed it. So the test is serial (make test runs it alone, after the rest).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import pytest
 from loadtest.trace.live import LiveConfig, run_live
 from loadtest.trace.synth import load_trace
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.serial]
 
 NUM_REQUESTS = 200
 
@@ -39,4 +44,5 @@ def test_live_replay_answers_every_request_with_the_predicted_hits() -> None:
 
     assert sum(o.num_cached_tokens > 512 for o in result.outcomes) >= 5  # real prefix reuse
     assert abs(result.hit_share - result.predicted_share) <= 0.005
-    assert result.num_exact >= NUM_REQUESTS - 10
+    behind = f"replay {result.wall_s:.1f} s for the prediction's {result.predicted.end_s:.1f} s"
+    assert result.num_exact >= NUM_REQUESTS - 10, behind
