@@ -15,7 +15,7 @@ import numpy as np
 
 from shared.bus import Bus
 from shared.schema import InternalError, pack_block_hashes, pack_token_ids, unpack_token_ids
-from shared.schema.inference import BlockLocations
+from shared.schema.inference import BlockLocations, Eviction
 from shared.schema.kv_index import MatchReply, MatchRequest, TierMatch
 
 
@@ -24,17 +24,33 @@ class PrefixMatch:
     tier: str
     num_blocks: int
     locations: BlockLocations  # one row per block of the prefix, in order
+    evicted: Eviction | None = None  # the tombstone of the block after the prefix, if any
 
 
 def to_wire(
-    tier: str, first_miss_index: int, indices: list[int], locations: BlockLocations
+    tier: str,
+    first_miss_index: int,
+    indices: list[int],
+    locations: BlockLocations,
+    evicted: Eviction | None = None,
 ) -> TierMatch:
     return TierMatch(
         tier=tier,
         first_miss_index=first_miss_index,
         indices=pack_token_ids(indices),
         locations=locations,
+        evicted=evicted,
     )
+
+
+def first_miss_eviction(matches: dict[str, PrefixMatch]) -> Eviction | None:
+    """Why the longest prefix of any tier ends where it does, if that block was evicted:
+    the latest tombstone among the tiers whose prefix is that long."""
+    if not matches:
+        return None
+    longest = max(m.num_blocks for m in matches.values())
+    found = [m.evicted for m in matches.values() if m.num_blocks == longest and m.evicted]
+    return max(found, key=lambda e: e.evicted_ms) if found else None
 
 
 def merge(replies: list[MatchReply], num_blocks: int) -> dict[str, PrefixMatch]:
@@ -70,12 +86,17 @@ def merge(replies: list[MatchReply], num_blocks: int) -> dict[str, PrefixMatch]:
             name: np.concatenate([c[name] for c in columns])[order] for name in columns[0]
         }
         used, merged_columns["writer"] = np.unique(merged_columns["writer"], return_inverse=True)
+        # The shard owning the block after the prefix says whether it was evicted.
+        evicted = next(
+            (p.evicted for p in parts if p.first_miss_index == prefix and p.evicted), None
+        )
         merged[tier] = PrefixMatch(
             tier,
             prefix,
             BlockLocations.from_columns(
                 tier, tuple(writer_ids[w] for w in used.tolist()), merged_columns
             ),
+            evicted if prefix < num_blocks else None,
         )
     return merged
 

@@ -130,6 +130,13 @@ def explain(
     typer.echo(f"request  {found.request_id}  account {found.account}  model {found.model}")
     typer.echo(f"cause    {found.cause}{part}")
     typer.echo(f"missed   from token {found.first_miss_token:,} of {found.num_prompt_tokens:,}")
+    evicted = found.eviction
+    if evicted is not None:
+        ago_s = (found.ts_ms - evicted.evicted_ms) / 1000
+        typer.echo(
+            f"evicted  from {evicted.tier} ({evicted.reason}) {ago_s:,.1f} s before the request,"
+            f" after {evicted.idle_s:,.0f} s unused"
+        )
     if not found.has_text:
         typer.echo("text     not kept: the account's cache is isolated from others'")
         return

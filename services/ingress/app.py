@@ -176,7 +176,8 @@ def build_app(services: Services) -> FastAPI:
         first = started.generations[0]
         turn = first.prepared.turn
         if turn is not None:  # from the router's count: decode's comes in the usage
-            started.cache_header = turn.diagnosis(first.num_cached_estimate).header()
+            diagnosis = turn.diagnosis(first.num_cached_estimate, first.eviction)
+            started.cache_header = diagnosis.header()
         pipeline.remember_turn(first.prepared)
         return started
 

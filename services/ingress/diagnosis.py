@@ -16,8 +16,13 @@ in the order a prompt renders them (namespace, system, tools, messages), and nam
   earlier_turn_edited  a message the previous turn sent differs or is gone (`part` says which)
   volatile_span        the part that changed on the previous turn changed again, the rest
                        stayed: a per-request nonce or timestamp in the prompt
+  evicted              the previous prompt was sent unchanged, and the first block of it
+                       the cache lacked was evicted (kv-index's tombstone: from which tier,
+                       why, how long ago, after how long unused)
   not_cached           the previous prompt was sent unchanged, yet its blocks were not all
-                       served: evicted, routed to a worker without them, or not yet stored
+                       served, and kv-index keeps no tombstone of the first one missed: not
+                       yet stored (the turn before is still running, or its write failed),
+                       or evicted so long ago its tombstone was overwritten
 
 A session is `x-session-id`, Anthropic's `metadata.user_id`, or a Responses chain (each turn
 is found under the id of the response it continues), always within the caller's account.
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 import msgspec
 
 from shared.bus import Bus, now_ms
-from shared.schema import CacheProbe
+from shared.schema import CacheProbe, Eviction
 from shared.tokenizer.chat import Chat, Message, Tool
 
 NONE = "none"
@@ -44,6 +49,7 @@ SYSTEM_CHANGED = "system_changed"
 TOOLS_CHANGED = "tools_changed"
 EARLIER_TURN_EDITED = "earlier_turn_edited"
 VOLATILE_SPAN = "volatile_span"
+EVICTED = "evicted"
 NOT_CACHED = "not_cached"
 CAUSES = (
     NONE,
@@ -53,6 +59,7 @@ CAUSES = (
     TOOLS_CHANGED,
     EARLIER_TURN_EDITED,
     VOLATILE_SPAN,
+    EVICTED,
     NOT_CACHED,
 )
 HEADER = "x-kvfabric-cache"
@@ -81,19 +88,34 @@ class Diagnosis:
     cause: str
     first_miss_token: int  # the first prompt token not served from the cache
     part: str = ""  # where the prompt changed, for the causes that name one
+    eviction: Eviction | None = None  # for `evicted`: the first missed block's tombstone
 
     @classmethod
     def of(cls, probe: CacheProbe, num_cached_tokens: int) -> Diagnosis:
-        return cls(probe.cause_for(num_cached_tokens), num_cached_tokens, probe.part)
+        cause = probe.cause_for(num_cached_tokens)
+        eviction = probe.eviction if cause == EVICTED else None
+        return cls(cause, num_cached_tokens, probe.part, eviction)
+
+    def evicted(self, now: int | None = None) -> dict[str, object]:
+        """The tombstone as told: tier, why, seconds ago (at `now`, epoch ms), idle before."""
+        e = self.eviction
+        if e is None:
+            return {}
+        ago_s = max((now_ms() if now is None else now) - e.evicted_ms, 0) / 1000
+        return {"tier": e.tier, "reason": e.reason, "ago_s": round(ago_s, 1), "idle_s": e.idle_s}
 
     def header(self) -> str:
         fields = [f"cause={self.cause}", f"first_miss_token={self.first_miss_token}"]
-        return "; ".join(fields + ([f"part={self.part}"] if self.part else []))
+        fields += [f"part={self.part}"] if self.part else []
+        fields += [f"evicted_{k}={v}" for k, v in self.evicted().items()]
+        return "; ".join(fields)
 
     def as_json(self) -> dict[str, object]:
         body: dict[str, object] = {"cause": self.cause, "first_miss_token": self.first_miss_token}
         if self.part:
             body["part"] = self.part
+        if self.eviction is not None:
+            body["evicted"] = self.evicted()
         return body
 
 
@@ -230,6 +252,7 @@ class Explanation(msgspec.Struct, frozen=True, kw_only=True):
     first_miss_token: int
     num_prompt_tokens: int
     has_text: bool
+    eviction: Eviction | None = None  # for `evicted`: the first missed block's tombstone
     before: str = ""  # the prompt's text just before the first missed token
     after: str = ""  # from that token on
     ts_ms: int = 0

@@ -50,6 +50,7 @@ from shared.logging import bind_request, get_logger
 from shared.metrics import Metrics
 from shared.schema import (
     CacheProbe,
+    Eviction,
     GenerateRequest,
     RouteDecision,
     ServiceError,
@@ -149,8 +150,12 @@ class Turn:
     probe: CacheProbe  # what the diagnosis knows before the request runs
     key: str | None  # where it is kept for the next turn (None: no session)
 
-    def diagnosis(self, num_cached_tokens: int) -> Diagnosis:
-        return Diagnosis.of(self.probe, num_cached_tokens)
+    def diagnosis(self, num_cached_tokens: int, eviction: Eviction | None = None) -> Diagnosis:
+        """With the router's tombstone of the first block missed, when it was evicted."""
+        probe = self.probe
+        if eviction is not None:
+            probe = msgspec.structs.replace(probe, eviction=eviction)
+        return Diagnosis.of(probe, num_cached_tokens)
 
 
 @dataclass
@@ -327,6 +332,7 @@ class Pipeline:
             cause=diagnosis.cause,
             part=diagnosis.part,
             first_miss_token=diagnosis.first_miss_token,
+            eviction=diagnosis.eviction,
             num_prompt_tokens=prepared.num_prompt_tokens,
             has_text=completion.keep_text,
             before=before,
@@ -396,6 +402,7 @@ class Generation:
         self._result: GenerateResult | None = None
         self._last_chunk_s: float | None = None  # when its latest tokens came (TTFT, ITL)
         self.num_cached_estimate = 0  # the router's, until decode's count comes at the end
+        self.eviction: Eviction | None = None  # the router's: the first block missed, evicted
         if prepared.parse_tools:
             names = [t.name for t in prepared.completion.chat.tools]
             self._parser = parser_for(
@@ -432,6 +439,7 @@ class Generation:
 
     def _on_decision(self, decision: RouteDecision) -> None:
         self.num_cached_estimate = decision.num_cached_tokens
+        self.eviction = decision.eviction
         self._decided.set()
 
     async def next(self) -> Event | object | None:
@@ -529,7 +537,9 @@ class Generation:
         if has_calls and reason in ("stop", "stop_sequence"):
             reason = "tool_calls"
         turn = self.prepared.turn
-        cache = turn.diagnosis(usage.num_cached_tokens) if turn is not None else None
+        cache = None
+        if turn is not None:
+            cache = turn.diagnosis(usage.num_cached_tokens, self.eviction)
         if cache is not None:
             self.pipeline.counts.cache_diagnoses.labels(cache.cause).inc()
             self.pipeline.explain(self.prepared, cache)

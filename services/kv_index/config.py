@@ -48,6 +48,9 @@ class KvIndexConfig(ServiceConfig):
     # Seconds a worker's own-memory holdings are kept without an update from it (workers
     # send one at least every second): a worker gone is forgotten after this.
     holder_ttl_s: float = 5.0
+    # Evicted blocks remembered (hash -> tier, why, when, idle how long), 22 bytes each
+    # (services/kv_index/tombstones.py), so a later miss is told it was evicted.
+    tombstones: int = 1 << 20
 
     def capacity_bytes(self) -> dict[str, int]:
         result = {}
@@ -72,6 +75,7 @@ class KvIndexConfig(ServiceConfig):
             "snapshot_interval_s",
             "log_max_age_s",
             "holder_ttl_s",
+            "tombstones",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")

@@ -53,6 +53,7 @@ class KvIndexService:
             ttl_s=config.ttl_s,
             high_watermark=config.high_watermark,
             low_watermark=config.low_watermark,
+            tombstone_capacity=config.tombstones,
         )
         self.last_stream_seq = 0  # the event log position the state covers
         # Each worker's own memory (pool, host tier), from its HoldingsUpdates; not
@@ -94,7 +95,8 @@ class KvIndexService:
             shard_id=self.config.shard_id,
             num_shards=self.config.num_shards,
             tiers=tuple(
-                to_wire(r.tier, r.first_miss_index, r.indices, r.locations) for r in results
+                to_wire(r.tier, r.first_miss_index, r.indices, r.locations, r.evicted)
+                for r in results
             ),
             first_owned_index=first_owned,
             holders=tuple(holders),
@@ -220,7 +222,9 @@ class KvIndexService:
         logs the removal as BlocksRemoved in its own sequence (which all replicas apply)."""
         for removal in removals:
             notice = BlocksRemoved(
-                tier=removal.tier, block_hashes=pack_block_hashes(removal.block_hashes)
+                tier=removal.tier,
+                block_hashes=pack_block_hashes(removal.block_hashes),
+                reason=removal.reason,
             )
             await self.bus.publish(self.bus.subjects.kv_evict(removal.writer_id), notice)
 

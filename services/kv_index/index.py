@@ -9,10 +9,14 @@ Pure and synchronous (no NATS, no asyncio): handlers.py feeds it events and ques
   `shared.kv_index_client` for the merge across shards); a read refreshes recency.
 - `evict(now)`: TTL first, then LRU from the high watermark down to the low one, per tier.
   Returns what was dropped, for the service to publish as BlocksRemoved (writers reuse slots).
+- Every block that leaves a tier leaves a tombstone (tombstones.py: tier, why, when, idle
+  how long), and a match names the tombstone of each tier's first miss, so a turn that
+  misses what an earlier one stored can be told it was evicted.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +24,7 @@ import msgspec
 import numpy as np
 
 from services.kv_index.table import DAY_S, TierTable
+from services.kv_index.tombstones import DEFAULT_CAPACITY, Tombstones
 from shared.schema import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -27,7 +32,7 @@ from shared.schema import (
     KvEventBatch,
     StoredBlock,
 )
-from shared.schema.inference import BlockLocations
+from shared.schema.inference import BlockLocations, Eviction
 from shared.schema.tokens import unpack_block_hashes
 
 
@@ -43,6 +48,7 @@ class Removal:
     tier: str
     writer_id: str
     block_hashes: list[int]
+    reason: str = ""  # ttl | capacity | admin
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,7 @@ class TierResult:
     first_miss_index: int  # among the request's positions this shard owns; len(request) if none
     indices: list[int]  # request positions of the `locations` rows
     locations: BlockLocations
+    evicted: Eviction | None = None  # the first miss's tombstone, if it has one
 
 
 @dataclass
@@ -79,6 +86,7 @@ class KvIndex:
     writer_seq: dict[str, int] = field(default_factory=dict)
     tables: dict[str, TierTable] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
+    tombstone_capacity: int = DEFAULT_CAPACITY
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard_id < self.num_shards:
@@ -88,6 +96,7 @@ class KvIndex:
         self._writer_index = {w: i for i, w in enumerate(self.writer_ids)}
         for tier, capacity in self.capacity_bytes.items():
             self.tables.setdefault(tier, TierTable(tier, capacity, self.ttl_s))
+        self.tombstones = Tombstones(self.tombstone_capacity, self.num_shards)
 
     def owns(self, block_hash: int) -> bool:
         return block_hash % self.num_shards == self.shard_id
@@ -129,6 +138,7 @@ class KvIndex:
                 rows = np.unique(rows[rows >= 0])
                 # Only the writer that holds the slot may retire it.
                 rows = rows[table.writers(rows) == writer]
+                self._bury(table, rows, event.reason or "removed", now)
                 table.remove_rows(rows)
                 self.counters.num_blocks_removed += len(rows)
             elif isinstance(event, AllBlocksCleared):
@@ -165,7 +175,10 @@ class KvIndex:
             # Name only the writers these blocks need, not every writer the index knows.
             writer_ids = tuple(self.writer_ids[w] for w in used)
             locations = BlockLocations(tier=tier, writer_ids=writer_ids, **columns)
-            results.append(TierResult(tier, first_miss, hits, locations))
+            evicted = None
+            if first_miss < len(hashes) and self.tombstones.num_added:
+                evicted = self.tombstones.get(int(hashes[first_miss]), tier)
+            results.append(TierResult(tier, first_miss, hits, locations, evicted))
             self.counters.num_blocks_matched += num_hits
         self.counters.num_matches += 1
         return results
@@ -175,33 +188,46 @@ class KvIndex:
         removals = []
         for table in self.tables.values():
             expired = table.expired_rows(now, self.ttl_s)
-            removals += self._drop(table, expired)
+            removals += self._drop(table, expired, "ttl", now)
             self.counters.num_evicted_ttl += len(expired)
             if table.used_bytes > self.high_watermark * table.capacity_bytes:
                 victims = table.rows_to_free(int(self.low_watermark * table.capacity_bytes))
-                removals += self._drop(table, victims)
+                removals += self._drop(table, victims, "capacity", now)
                 self.counters.num_evicted_capacity += len(victims)
         return removals
 
-    def evict_fraction(self, tier: str | None, fraction: float) -> list[Removal]:
+    def evict_fraction(
+        self, tier: str | None, fraction: float, now: float | None = None
+    ) -> list[Removal]:
         """Drop the least recently used `fraction` of a tier (all tiers when None)."""
+        now = time.time() if now is None else now
         removals = []
         for table in self.tables.values():
             if tier in (None, table.tier):
                 ordered = table.oldest_first(table.live_rows())
-                removals += self._drop(table, ordered[: int(round(fraction * len(ordered)))])
+                chosen = ordered[: int(round(fraction * len(ordered)))]
+                removals += self._drop(table, chosen, "admin", now)
         return removals
 
-    def _drop(self, table: TierTable, rows: np.ndarray) -> list[Removal]:
+    def _bury(self, table: TierTable, rows: np.ndarray, reason: str, now: float) -> None:
+        if len(rows):
+            last_used = table.seconds(table.access[rows])
+            self.tombstones.add(table.tier, reason, table.hash[rows], now, last_used)
+
+    def _drop(self, table: TierTable, rows: np.ndarray, reason: str, now: float) -> list[Removal]:
         if not len(rows):
             return []
+        self._bury(table, rows, reason, now)
         by_writer: dict[int, list[int]] = {}
         for writer, block_hash in zip(
             table.writers(rows).tolist(), table.hash[rows].tolist(), strict=True
         ):
             by_writer.setdefault(writer, []).append(block_hash)
         table.remove_rows(rows)
-        return [Removal(table.tier, self.writer_ids[w], hashes) for w, hashes in by_writer.items()]
+        return [
+            Removal(table.tier, self.writer_ids[w], hashes, reason)
+            for w, hashes in by_writer.items()
+        ]
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {

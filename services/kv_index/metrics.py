@@ -50,6 +50,16 @@ def observe(metrics: Metrics, service: KvIndexService) -> None:
     )
     for name, documentation, field in counters:
         metrics.counter_from(name, documentation, count(field))
+    metrics.gauge_from(
+        "kvfabric_kv_index_tombstones",
+        "Evicted blocks remembered, for the cache-miss diagnosis (bounded: --tombstones).",
+        lambda: len(service.index.tombstones),
+    )
+    metrics.gauge_from(
+        "kvfabric_kv_index_tombstone_bytes",
+        "Memory the tombstones take (22 bytes an entry, allocated at start).",
+        lambda: service.index.tombstones.nbytes,
+    )
     metrics.counter_from(
         "kvfabric_kv_index_evicted_blocks_total",
         "Blocks evicted from the index, by why: TTL, or capacity (the high watermark).",

@@ -20,6 +20,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 
 from services.router.config import RouterConfig
@@ -40,6 +41,7 @@ from shared.schema import (
     BlockLocations,
     CancelRequest,
     DecodeJob,
+    Eviction,
     GenerateRequest,
     InflightNotice,
     JobAccepted,
@@ -266,12 +268,20 @@ class Router:
         if unserved is not None:
             raise unserved.to_error()
         blocks = checked_request(request)
-        match, own = await self._match(request.request_id, request.block_hashes)
+        match, own, eviction = await self._match(request.request_id, request.block_hashes)
         local = {worker: hit.num_blocks for worker, hit in own.items()}
         facts = RequestFacts.of(request, blocks, match.num_blocks if match else 0, local)
+        if match is None or facts.num_cached_blocks < match.num_blocks:
+            eviction = None  # the prompt's reusable blocks all hit: nothing of it was missed
+        if eviction is not None and request.cache_probe is not None:
+            # For the usage record the worker writes: the diagnosis's cause is `evicted`.
+            probe = msgspec.structs.replace(request.cache_probe, eviction=eviction)
+            request = msgspec.structs.replace(request, cache_probe=probe)
         swa_node_ids = self._swa_holders(facts.boundary_block_hash)
         cached = cached_prefix(match, facts.num_cached_blocks)
         decision = await self._place(request, facts, swa_node_ids, cached)
+        if eviction is not None:
+            decision = msgspec.structs.replace(decision, eviction=eviction)
         if not decision.aggregated:  # an aggregated worker prefills the job it was sent
             self.prefill_jobs.start(
                 PrefillJob(request=request, decision=decision, cached_blocks=cached),
@@ -305,12 +315,12 @@ class Router:
 
     async def _match(
         self, request_id: str, hashes: bytes
-    ) -> tuple[PrefixMatch | None, dict[str, MemoryHit]]:
-        """kv-index's longest hit, and each worker's own in its memory. Whatever goes wrong
-        there, the request is routed cold: computing the whole prompt is always correct,
-        only slower."""
+    ) -> tuple[PrefixMatch | None, dict[str, MemoryHit], Eviction | None]:
+        """kv-index's longest hit, each worker's own in its memory, and the tombstone of the
+        block the hit ends at if it was evicted. Whatever goes wrong there, the request is
+        routed cold: computing the whole prompt is always correct, only slower."""
         if not hashes:
-            return None, {}
+            return None, {}, None
         with telemetry.span("router match") as span:
             try:
                 matches, own = await index_client.match_with_holders(
@@ -329,15 +339,16 @@ class Router:
                 )
                 if span.is_recording():
                     span.set_attribute("kvfabric.routed_cold", f"{exc.code.value}: {exc.message}")
-                return None, {}
+                return None, {}, None
             if span.is_recording():
                 span.set_attribute("kvfabric.num_blocks", len(hashes) // 8)
                 for tier, match in matches.items():
                     span.set_attribute(f"kvfabric.hit_blocks.{tier}", match.num_blocks)
                 span.set_attribute("kvfabric.num_holders", len(own))
         if not matches:
-            return None, own
-        return max(matches.values(), key=lambda m: (m.num_blocks, m.tier == "ssd")), own
+            return None, own, None
+        best = max(matches.values(), key=lambda m: (m.num_blocks, m.tier == "ssd"))
+        return best, own, index_client.first_miss_eviction(matches)
 
     def _swa_holders(self, boundary_block_hash: int | None) -> frozenset[str]:
         """Nodes whose swa-memcache holds the boundary's snapshot, as far as the map knows."""

@@ -34,6 +34,16 @@ class Resume(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int = 1  # 1 for the first continuation
 
 
+class Eviction(msgspec.Struct, frozen=True, kw_only=True):
+    """A block kv-index evicted (its tombstone, services/kv_index/tombstones.py): from which
+    tier, why, when, and how long it had gone unused by then."""
+
+    tier: str
+    reason: str  # ttl | capacity | admin | removed (its writer logged the removal)
+    evicted_ms: int  # epoch ms
+    idle_s: float  # unused this long when evicted
+
+
 class CacheProbe(msgspec.Struct, frozen=True, kw_only=True):
     """ingress -> whoever writes the request's usage record: why its prompt will miss the
     cache, as far as that is known before it runs (services/ingress/diagnosis.py). A `cause`
@@ -44,11 +54,15 @@ class CacheProbe(msgspec.Struct, frozen=True, kw_only=True):
     cause: str = ""
     part: str = ""  # where the prompt changed: system | tools | message:<i>
     expected_cached_tokens: int = 0  # of the previous turn's, what could come from the cache
+    # The router's: the tombstone of the prompt's first block the store lacked, if evicted.
+    eviction: Eviction | None = None
 
     def cause_for(self, num_cached_tokens: int) -> str:
         if self.cause:
             return self.cause
-        return "none" if num_cached_tokens >= self.expected_cached_tokens else "not_cached"
+        if num_cached_tokens >= self.expected_cached_tokens:
+            return "none"
+        return "evicted" if self.eviction is not None else "not_cached"
 
 
 class GenerateRequest(Message, tag="generate_request"):
@@ -92,6 +106,8 @@ class RouteDecision(Message, tag="route_decision"):
     # One worker does both (a vLLM worker): prefill_worker_id == decode_worker_id, and the
     # job goes to it whole, with no prefill job and no KV handoff.
     aggregated: bool = False
+    # The tombstone of the prompt's first block no tier held, when kv-index evicted it.
+    eviction: Eviction | None = None
 
     @property
     def num_cached_tokens(self) -> int:

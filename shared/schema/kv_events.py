@@ -27,6 +27,9 @@ class BlocksStored(Message, tag="blocks_stored"):
 class BlocksRemoved(Message, tag="blocks_removed"):
     tier: str
     block_hashes: bytes  # packed u64
+    # kv-index's notice to the writer says why it evicted them (ttl, capacity, admin); the
+    # writer logs it on, so every replica's tombstones say so too ("": the writer's own).
+    reason: str = ""
 
 
 class AllBlocksCleared(Message, tag="all_blocks_cleared"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.schema.base import Message
-from shared.schema.inference import BlockLocations
+from shared.schema.inference import BlockLocations, Eviction
 from shared.schema.kv_events import StoredBlock
 
 HOLD_DEVICE = 1  # HoldingsUpdate.masks: in the worker's KV pool
@@ -32,6 +32,7 @@ class TierMatch(msgspec.Struct, frozen=True, kw_only=True):
     first_miss_index: int
     indices: bytes = b""  # packed u32: positions in the request of the `locations` rows
     locations: BlockLocations = BlockLocations()
+    evicted: Eviction | None = None  # the first miss's tombstone, if this shard evicted it
 
 
 class HolderMatch(msgspec.Struct, frozen=True, kw_only=True):

@@ -26,6 +26,7 @@ from shared.schema import (
     DrainRequest,
     ErrorCode,
     ErrorReply,
+    Eviction,
     GenerateRequest,
     InflightNotice,
     InstanceState,
@@ -108,6 +109,7 @@ _request = GenerateRequest(
     ),
     cache_probe=CacheProbe(cause="earlier_turn_edited", part="message:3"),
 )
+_eviction = Eviction(tier="ssd", reason="capacity", evicted_ms=1_789_999_000_000, idle_s=3600.5)
 _decision = RouteDecision(
     request_id="req-0001",
     prefill_worker_id="prefill-0",
@@ -116,6 +118,7 @@ _decision = RouteDecision(
     num_cached_blocks=0,
     has_swa_snapshot=True,
     estimated_ttft_ms=12.5,
+    eviction=_eviction,
 )
 _blocks = BlockLocations(
     tier="ssd",
@@ -234,7 +237,7 @@ EXAMPLES: dict[str, Message] = {
                 ),
                 parent_block_hash=None,
             ),
-            BlocksRemoved(tier="ssd", block_hashes=pack_block_hashes([5, 6])),
+            BlocksRemoved(tier="ssd", block_hashes=pack_block_hashes([5, 6]), reason="ttl"),
             AllBlocksCleared(tier="dram"),
         ),
     ),
@@ -282,7 +285,11 @@ EXAMPLES: dict[str, Message] = {
         num_shards=2,
         tiers=(
             TierMatch(
-                tier="ssd", first_miss_index=3, indices=pack_token_ids([1]), locations=_blocks
+                tier="ssd",
+                first_miss_index=3,
+                indices=pack_token_ids([1]),
+                locations=_blocks,
+                evicted=_eviction,
             ),
         ),
         first_owned_index=1,

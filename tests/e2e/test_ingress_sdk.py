@@ -348,6 +348,57 @@ def test_a_sessions_misses_are_diagnosed_across_ingress_replicas(cluster: Cluste
     assert diagnosed(raw)[1]["cause"] == "never_seen"
 
 
+def test_a_turn_whose_prefix_was_evicted_is_told_so(cluster: Cluster) -> None:
+    """A session's turn stored, the cache flushed by an admin, the next turn sent: its
+    diagnosis is `evicted`, with kv-index's tombstone (tier, why, when), in the header, the
+    usage, the explanation and `kvfabric cache explain`."""
+    session = {"x-session-id": f"evicted-{time.time_ns()}"}
+    client = openai.OpenAI(
+        base_url=f"{cluster.http_urls[0]}/v1", api_key=KEY, max_retries=0, timeout=120
+    )
+    system = "You write short Python: keep functions short and name things clearly."
+    history = [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
+    first = client.chat.completions.create(
+        model=TINY, messages=history, max_tokens=4, extra_headers=session
+    )
+    assert first.usage.prompt_tokens >= 2 * BLOCK  # whole blocks to store, and to miss
+    where = ["--nats-url", cluster.nats_url, "--root", cluster.spec.root]
+    flushed_ms = time.time_ns() // 1_000_000
+    subprocess.run(
+        [KVFABRIC, "cache", "flush", *where],
+        env=cluster.admin_env(),
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Now add type hints."},
+    ]
+    raw = client.chat.completions.with_raw_response.create(
+        model=TINY, messages=history, max_tokens=4, extra_headers=session
+    )
+    header, usage = diagnosed(raw)
+    assert raw.parse().usage.prompt_tokens_details.cached_tokens == 0
+    assert header["cause"] == usage["cause"] == "evicted"
+    evicted = usage["evicted"]
+    assert evicted["reason"] == header["evicted_reason"] == "admin"
+    assert evicted["tier"] == header["evicted_tier"] and evicted["tier"]
+    assert 0 <= evicted["ago_s"] <= (time.time_ns() // 1_000_000 - flushed_ms) / 1000 + 1
+    explained = explanation(cluster.http_urls[1], raw.parse().id)
+    assert explained["cause"] == "evicted" and explained["eviction"]["reason"] == "admin"
+    printed = subprocess.run(
+        [KVFABRIC, "cache", "explain", raw.parse().id, *where],
+        env=cluster.admin_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "cause    evicted" in printed
+    assert f"evicted  from {evicted['tier']} (admin)" in printed
+
+
 def test_anthropic_sessions_and_response_chains_are_diagnosed(
     ant: anthropic.Anthropic, oai: openai.OpenAI
 ) -> None:

@@ -108,7 +108,9 @@ class KvEventPublisher:
             return  # a replica's duplicate notice, or blocks already gone
         self.store.free_slots(evicted)
         removed = BlocksRemoved(
-            tier=self.tier, block_hashes=pack_block_hashes([b.block_hash for b in evicted])
+            tier=self.tier,
+            block_hashes=pack_block_hashes([b.block_hash for b in evicted]),
+            reason=notice.reason,
         )
         await self._publish((removed,))
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.kv_index.index import Removal, TierResult
+from services.kv_index.tombstones import DEFAULT_CAPACITY
 from shared.schema import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEventBatch
-from shared.schema.inference import BlockLocations
+from shared.schema.inference import BlockLocations, Eviction
 from shared.schema.tokens import unpack_block_hashes
 
 
@@ -36,6 +37,10 @@ class ReferenceIndex:
     writer_ids: list[str] = field(default_factory=list)
     writer_seq: dict[str, int] = field(default_factory=dict)
     tiers: dict[str, dict[int, Entry]] = field(default_factory=dict)
+    # slot -> (hash, tier, reason, evicted at, last access then): the newest eviction of the
+    # hashes sharing a slot, as the index keeps them (a direct-mapped table of this size)
+    tombstones: dict[int, tuple[int, str, str, float, float]] = field(default_factory=dict)
+    tombstone_capacity: int = DEFAULT_CAPACITY
 
     def __post_init__(self) -> None:
         for tier in self.capacity_bytes:
@@ -66,7 +71,9 @@ class ReferenceIndex:
             elif isinstance(event, BlocksRemoved):
                 for h in unpack_block_hashes(event.block_hashes).tolist():
                     if h in entries and entries[h].writer == writer:
-                        del entries[h]
+                        last_access = entries.pop(h).last_access
+                        reason = event.reason or "removed"
+                        self._bury(h, event.tier, reason, now, last_access)
             elif isinstance(event, AllBlocksCleared):
                 for h in [h for h, e in entries.items() if e.writer == writer]:
                     del entries[h]
@@ -96,8 +103,23 @@ class ReferenceIndex:
             }
             writer_ids = tuple(self.writer_ids[w] for w in used)
             locations = BlockLocations.from_columns(tier, writer_ids, columns)
-            results.append(TierResult(tier, first_miss, hits, locations))
+            evicted = None
+            missed = hashes[first_miss] if first_miss < len(hashes) else None
+            stone = self.tombstones.get(self._slot(missed)) if missed is not None else None
+            if stone is not None and stone[0] == missed and stone[1] == tier:
+                _, _, reason, at, last_access = stone
+                idle_s = round(max(at - last_access, 0.0), 1)
+                evicted = Eviction(
+                    tier=tier, reason=reason, evicted_ms=int(at * 1000), idle_s=idle_s
+                )
+            results.append(TierResult(tier, first_miss, hits, locations, evicted))
         return results
+
+    def _slot(self, block_hash: int) -> int:
+        return block_hash // self.num_shards % self.tombstone_capacity
+
+    def _bury(self, block_hash: int, tier: str, reason: str, now: float, last: float) -> None:
+        self.tombstones[self._slot(block_hash)] = (block_hash, tier, reason, now, last)
 
     def used_bytes(self, tier: str) -> int:
         return sum(e.num_bytes for e in self.tiers[tier].values())
@@ -110,7 +132,7 @@ class ReferenceIndex:
         removals: list[Removal] = []
         for tier, entries in self.tiers.items():
             expired = [h for h, e in entries.items() if e.last_access < now - self.ttl_s]
-            removals += self._drop(tier, expired)
+            removals += self._drop(tier, expired, "ttl", now)
             capacity = self.capacity_bytes.get(tier, 1 << 62)
             if self.used_bytes(tier) > self.high_watermark * capacity:
                 excess = self.used_bytes(tier) - int(self.low_watermark * capacity)
@@ -120,19 +142,22 @@ class ReferenceIndex:
                         break
                     victims.append(h)
                     freed += entries[h].num_bytes
-                removals += self._drop(tier, victims)
+                removals += self._drop(tier, victims, "capacity", now)
         return removals
 
-    def evict_fraction(self, tier: str | None, fraction: float) -> list[Removal]:
+    def evict_fraction(self, tier: str | None, fraction: float, now: float) -> list[Removal]:
         removals: list[Removal] = []
         for name in self.tiers:
             if tier in (None, name):
                 ordered = self._oldest_first(name)
-                removals += self._drop(name, ordered[: int(round(fraction * len(ordered)))])
+                chosen = ordered[: int(round(fraction * len(ordered)))]
+                removals += self._drop(name, chosen, "admin", now)
         return removals
 
-    def _drop(self, tier: str, hashes: list[int]) -> list[Removal]:
+    def _drop(self, tier: str, hashes: list[int], reason: str, now: float) -> list[Removal]:
         by_writer: dict[int, list[int]] = {}
         for h in hashes:
-            by_writer.setdefault(self.tiers[tier].pop(h).writer, []).append(h)
-        return [Removal(tier, self.writer_ids[w], hs) for w, hs in by_writer.items()]
+            entry = self.tiers[tier].pop(h)
+            self._bury(h, tier, reason, now, entry.last_access)
+            by_writer.setdefault(entry.writer, []).append(h)
+        return [Removal(tier, self.writer_ids[w], hs, reason) for w, hs in by_writer.items()]

@@ -7,13 +7,15 @@ hand, on the C one."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import msgspec
 import numpy as np
 import pytest
 
 from services.kv_index import native
-from services.kv_index.index import KvIndex
+from services.kv_index.index import KvIndex, TierResult
 from services.kv_index.table import TierTable
 from shared.block_hashing import BlockHasher
 from shared.schema import (
@@ -25,6 +27,11 @@ from shared.schema import (
     pack_block_hashes,
 )
 from tests.unit.kv_index.reference import ReferenceIndex
+
+
+def _unburied(result: TierResult) -> TierResult:
+    return dataclasses.replace(result, evicted=None)
+
 
 TTL_S = 16_384.0  # one tick a second: integer times are exact in the index
 WRITERS = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
@@ -86,6 +93,7 @@ class Driver:
         self.seq = dict.fromkeys(WRITERS, 0)
         self.now = 100.0
         self.num_hits = self.num_evicted = self.num_removed = 0  # what a run exercised
+        self.num_tombstones_told = 0
 
     def batch(self, writer: str, events: tuple) -> None:
         self.seq[writer] += 1
@@ -138,7 +146,21 @@ class Driver:
         query = chain[: self.rng.randrange(len(chain) + 1)]
         as_array = self.rng.random() < 0.5
         got = self.index.match(np.array(query, np.uint64) if as_array else query, self.now)
-        assert got == self.reference.match(query, self.now)
+        want = self.reference.match(query, self.now)
+        # Evictions compared apart: the index keeps last use to a tick (ttl / 16384).
+        assert [_unburied(r) for r in got] == [_unburied(r) for r in want]
+        for g, w in zip(got, want, strict=True):
+            assert (g.evicted is None) == (w.evicted is None)
+            if g.evicted is not None and w.evicted is not None:
+                assert msgspec.structs.replace(g.evicted, idle_s=0) == msgspec.structs.replace(
+                    w.evicted, idle_s=0
+                )
+                tick_s = self.index.tables[g.tier].tick_s
+                if w.evicted.idle_s <= 2 * TTL_S:
+                    assert abs(g.evicted.idle_s - w.evicted.idle_s) <= tick_s + 0.1
+                else:  # ticks older than two TTLs clamp (table.py): told as at least that
+                    assert 2 * TTL_S - tick_s <= g.evicted.idle_s <= w.evicted.idle_s
+                self.num_tombstones_told += 1
         self.num_hits += sum(len(r.indices) for r in got)
 
     def evict(self) -> None:
@@ -146,8 +168,8 @@ class Driver:
             got, want = self.index.evict(self.now), self.reference.evict(self.now)
         else:
             tier, fraction = self.rng.choice([None, *TIERS]), self.rng.random() * 0.3
-            got = self.index.evict_fraction(tier, fraction)
-            want = self.reference.evict_fraction(tier, fraction)
+            got = self.index.evict_fraction(tier, fraction, self.now)
+            want = self.reference.evict_fraction(tier, fraction, self.now)
         assert got == want
         self.num_evicted += sum(len(r.block_hashes) for r in got)
 
@@ -177,6 +199,7 @@ class Driver:
                 )
                 copy.restore(self.index.snapshot())
                 self.index = copy
+                self.reference.tombstones.clear()  # not in a snapshot: memory only
         self.check_counts()
 
 
@@ -187,6 +210,7 @@ def test_random_sequences_match_the_reference(seed: int, num_shards: int, shard_
     driver = Driver(seed, num_shards, shard_id, capacity_blocks=1500)
     driver.run(1200)
     assert driver.num_hits > 500 and driver.num_evicted > 0 and driver.num_removed > 0
+    assert driver.num_tombstones_told > 0  # a match told an evicted block's tombstone
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)

@@ -6,7 +6,7 @@ import pytest
 
 from services.kv_index.index import KvIndex
 from shared.block_hashing import BlockHasher
-from shared.kv_index_client import merge, to_wire
+from shared.kv_index_client import first_miss_eviction, merge, to_wire
 from shared.schema import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -154,3 +154,46 @@ def test_snapshot_restores_the_same_answers() -> None:
     assert copy.writer_seq == {"p0": 4, "p1": 2}
     assert copy.apply(stored("p0", 4, HASHES[8:9]), now=8) is None  # seq survives: a repeat
     assert prefix_len(copy, HASHES) == 8
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_a_match_names_the_tombstone_where_the_prefix_ends(num_shards: int) -> None:
+    """Blocks 4.. of a 7-block prefix expired: the merged match ends at 4 and says why,
+    from the shard that owns block 4, and the router's pick is that tombstone."""
+    shards = [
+        KvIndex(
+            capacity_bytes={"ssd": 10**9, "dram": 10**9},
+            shard_id=s,
+            num_shards=num_shards,
+            ttl_s=100,
+        )
+        for s in range(num_shards)
+    ]
+    for shard in shards:
+        shard.apply(stored("p0", 1, HASHES[:4]), now=100)
+        shard.apply(stored("p0", 2, HASHES[4:7] + HASHES[10:16]), now=50)  # unused 150 s
+        removals = shard.evict(now=200)
+        assert all(r.reason == "ttl" for r in removals)
+    replies = [
+        MatchReply(
+            shard_id=s.shard_id,
+            num_shards=num_shards,
+            tiers=tuple(
+                to_wire(r.tier, r.first_miss_index, r.indices, r.locations, r.evicted)
+                for r in s.match(HASHES, now=210)
+            ),
+        )
+        for s in shards
+    ]
+    merged = merge(replies, len(HASHES))
+    assert merged["ssd"].num_blocks == 4
+    evicted = merged["ssd"].evicted
+    assert evicted is not None
+    assert (evicted.tier, evicted.reason, evicted.evicted_ms) == ("ssd", "ttl", 200_000)
+    assert abs(evicted.idle_s - 150) <= shards[0].tables["ssd"].tick_s  # unused since 50
+    assert merged["dram"].num_blocks == 0 and merged["dram"].evicted is None  # never stored
+    assert first_miss_eviction(merged) == evicted
+    # Stored again, it hits: the stale tombstone is never looked at.
+    for shard in shards:
+        shard.apply(stored("p0", 3, HASHES[4:7], first_slot=50), now=220)
+        assert all(r.evicted is None or r.first_miss_index != 4 for r in shard.match(HASHES, 221))
