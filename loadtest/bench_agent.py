@@ -5,6 +5,7 @@ server that speaks either protocol.
     python -m loadtest.bench_agent [--quick] [--protocol openai|anthropic|both]
         [--sessions 16 --steps 8 --initial-tokens 6000 --growth-tokens 600 --max-tokens 64]
         [--concurrency 8] [--think-time-s 0] [--model tiny-coder] [--engine mock|model]
+        [--volatile-system] [--prefix-guard off|on|both]
         [--base-url URL --api-key KEY --model NAME] [--out DIR]
 
 Without `--base-url` it starts a cluster of separate processes (kv-index, swa-memcache,
@@ -20,6 +21,15 @@ later steps, all); p50/p99 TTFT, time per output token and end-to-end latency; r
 and output tokens/s; errors by class. `--out` (default a fresh temp dir) receives
 bench.json (every printed figure), report-<protocol>.json (every request) and three PNGs.
 With `--protocol both` the Anthropic pass uses the next seed, so it starts cold too.
+
+Every session sends a session id (`x-session-id`; Anthropic's `metadata.user_id`), so a
+kvfabric server diagnoses each step's cache miss: the causes of the later steps are printed
+(`diagnosis, <cause>`). `--volatile-system` stamps every request's system prompt as a
+popular harness does (a billing header with a fresh nonce, the current time), and
+`--prefix-guard` sends as an account with the server's prefix guard off (the default), on,
+or `both`: the same sessions twice, guard off then on (each account caches apart, so both
+start cold), with their hit shares and TTFTs set side by side. A cluster this benchmark
+starts only: the guarded account and its key are made on its NATS.
 """
 
 from __future__ import annotations
@@ -39,6 +49,8 @@ from loadtest.agent.runner import PROTOCOLS, Target, TargetUnreachable, run_agen
 from loadtest.agent.workload import Workload
 from loadtest.results import BenchResult
 from services.admin.launcher import Cluster, ClusterSpec
+from shared.accounts import AccountStore
+from shared.api_keys import KeyStore
 from shared.bus import Bus
 from shared.models import model_path, served_name
 from shared.subjects import BILLING, DECODE, PREFILL
@@ -46,6 +58,8 @@ from shared.testing import unique_root
 from worker.engine.checkpoint import Checkpoint
 
 KEY = "kvf-bench-agent-key"
+GUARDED = "bench-guarded"  # the account with the prefix guard on (--prefix-guard)
+GUARDS = ("off", "on", "both")
 # Sizes by scale: (sessions, steps, initial tokens, growth tokens, max tokens, concurrency).
 FULL = (16, 8, 6000, 600, 64, 8)
 QUICK = (4, 4, 1000, 200, 16, 4)
@@ -61,6 +75,11 @@ def run(quick: bool = False, **options: Any) -> BenchResult:
     engine = ENGINES.get(options.get("engine", "mock"))
     if engine is None:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {options['engine']!r}")
+    guard = options.get("prefix_guard", "off")
+    if guard not in GUARDS:
+        raise ValueError(f"prefix_guard must be one of {', '.join(GUARDS)}, got {guard!r}")
+    if guard != "off" and options.get("base_url"):
+        raise ValueError("--prefix-guard needs a cluster this benchmark starts (no --base-url)")
     protocol = options.get("protocol", "openai")
     protocols = PROTOCOLS if protocol == "both" else (protocol,)
     if not set(protocols) <= set(PROTOCOLS):
@@ -80,6 +99,7 @@ def run(quick: bool = False, **options: Any) -> BenchResult:
         max_output_tokens=sizes["max_tokens"],
         think_time_s=options.get("think_time_s", 0.0),
         seed=options.get("seed", 0),
+        volatile_system=options.get("volatile_system", False),
     )
     out_dir = Path(options.get("out") or tempfile.mkdtemp(prefix="kvf-bench-agent-"))
     result = BenchResult("agent", quick)
@@ -103,9 +123,13 @@ async def _measure(
     base_url = options.get("base_url")
     model = options.get("model") or "tiny-coder"
     cluster = None
+    guard = options.get("prefix_guard", "off")
+    keys = {}
     if base_url is None:
         cluster = await _start_cluster(workload, model, engine, options, out_dir)
         base_url, api_key, model = cluster.http_urls[0], KEY, served_name(model)
+        if guard != "off":
+            keys["on"] = await _guarded_key(cluster)
         speed = f", mock speedup {options.get('mock_speedup', 1.0):g}" if engine == "mock" else ""
         result.note(
             f"a cluster of this tree: {model} on the {engine} engine{speed}, on the machine "
@@ -122,14 +146,25 @@ async def _measure(
         f"{workload.seed}"
     )
     reports: dict[str, AgentReport] = {}
+    passes = ("off", "on") if guard == "both" else (guard,)
     try:
         for index, protocol in enumerate(protocols):
-            target = Target(base_url, api_key, model, protocol)
             seeded = dataclasses.replace(workload, seed=workload.seed + index)
             progress = options.get("progress", False)
-            reports[protocol] = await run_agents(target, seeded, concurrency, progress)
-            reports[protocol].write_json(out_dir / f"report-{protocol}.json")
-            add_figures(result, protocol, reports[protocol])
+            for side in passes:
+                label = protocol if guard == "off" else f"{protocol}, guard {side}"
+                target = Target(base_url, keys.get(side, api_key), model, protocol)
+                reports[label] = await run_agents(target, seeded, concurrency, progress)
+                name = label.replace(", guard ", "-guard-")
+                reports[label].write_json(out_dir / f"report-{name}.json")
+                add_figures(result, label, reports[label])
+            if guard == "both":
+                compare_guard(
+                    result,
+                    protocol,
+                    reports[f"{protocol}, guard off"],
+                    reports[f"{protocol}, guard on"],
+                )
     finally:
         if cluster is not None:
             cluster.stop()
@@ -190,6 +225,43 @@ async def _start_cluster(
     return cluster
 
 
+async def _guarded_key(cluster: Cluster) -> str:
+    """A key of an account with the prefix guard on, in its own cache namespace."""
+    bus = await Bus.connect(
+        cluster.nats_url, service="bench", root=cluster.spec.root, creds=cluster.nats_creds
+    )
+    try:
+        keys, accounts = KeyStore(bus), AccountStore(bus)
+        await keys.start()
+        await accounts.start()
+        await accounts.set(GUARDED, prefix_guard=True)
+        return (await keys.create(GUARDED))[0]
+    finally:
+        await bus.close()
+
+
+def compare_guard(result: BenchResult, protocol: str, off: AgentReport, on: AgentReport) -> None:
+    """The same sessions without and with the prefix guard, side by side."""
+    before, after = summary(off.later_steps()), summary(on.later_steps())
+    if before["hit_share"] is not None and after["hit_share"] is not None:
+        result.ratio(
+            f"{protocol}: cache-hit share of later steps, guard on / off",
+            100 * after["hit_share"],
+            100 * before["hit_share"],
+            "guard off",
+            "%",
+        )
+    if before["ttft_s"]["p50"] is not None and after["ttft_s"]["p50"] is not None:
+        result.ratio(
+            f"{protocol}: TTFT p50 of later steps, guard on / off",
+            after["ttft_s"]["p50"] * 1e3,
+            before["ttft_s"]["p50"] * 1e3,
+            "guard off",
+            "ms",
+            lower_is_better=True,
+        )
+
+
 def add_figures(result: BenchResult, label: str, report: AgentReport) -> None:
     """What one protocol's run printed: every number from `report`, none computed apart."""
     first, later = summary(report.first_step()), summary(report.later_steps())
@@ -219,6 +291,8 @@ def add_figures(result: BenchResult, label: str, report: AgentReport) -> None:
     result.figure(f"{label}: errors", overall["num_requests"] - overall["num_answered"], "requests")
     for error, count in report.errors_by_class.items():
         result.figure(f"{label}: errors, {error}", count, "requests")
+    for cause, count in report.causes().items():
+        result.figure(f"{label}: later steps diagnosed, {cause}", count, "requests")
     if report.num_skipped:
         result.figure(f"{label}: steps skipped after a failed step", report.num_skipped, "requests")
 
@@ -235,6 +309,17 @@ def main() -> None:
             help=f"default {full} ({quick} quick)",
         )
     parser.add_argument("--think-time-s", type=float, default=0.0)
+    parser.add_argument(
+        "--volatile-system",
+        action="store_true",
+        help="stamp every request's system prompt (a billing header's nonce, the time)",
+    )
+    parser.add_argument(
+        "--prefix-guard",
+        default="off",
+        choices=GUARDS,
+        help="send as an account with the server's prefix guard off, on, or both in turn",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", help="a served name (default tiny-coder)")
     parser.add_argument("--engine", default="mock", choices=sorted(ENGINES))

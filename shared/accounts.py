@@ -112,6 +112,9 @@ class Account:
     cache_scope: str = SCOPE_ACCOUNT
     updated_s: int = 0
     limits: Limits = Limits()
+    # Rewrite known volatile lines of its system prompts before tokenization, so the cached
+    # prefix survives them (services/ingress/stability.py); off unless the account opts in.
+    prefix_guard: bool = False
 
     @classmethod
     def of(cls, fields: dict) -> Account:
@@ -139,7 +142,12 @@ class AccountStore:
         await self.bus.js.ensure_kv(self.bucket)
 
     async def set(
-        self, name: str, *, cache_scope: str | None = None, **limits: int | str | None
+        self,
+        name: str,
+        *,
+        cache_scope: str | None = None,
+        prefix_guard: bool | None = None,
+        **limits: int | str | None,
     ) -> Account:
         """Change an account's settings (what is not given stays; a limit of 0 is removed)."""
         current = await self._read(check_name(name))
@@ -148,6 +156,7 @@ class AccountStore:
             check_scope(cache_scope) if cache_scope is not None else current.cache_scope,
             int(time.time()),
             current.limits.merged(**limits),
+            current.prefix_guard if prefix_guard is None else prefix_guard,
         )
         await self.bus.js.kv_put(self.bucket, name, json.dumps(asdict(account)).encode())
         self._cache.pop(name, None)

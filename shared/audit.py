@@ -47,7 +47,7 @@ async def ensure_stream(bus: Bus) -> None:
     subjects = bus.subjects
     await bus.js.ensure_stream(
         subjects.audit_stream,
-        [subjects.audit_all],
+        [subjects.audit_all, subjects.prefix_guard_audit],
         max_age_s=RETENTION_S,
         deny_delete=True,
         deny_purge=True,
@@ -60,8 +60,10 @@ async def record(
     target: str,
     outcome: str,
     detail: dict[str, str] | None = None,
+    subject: str | None = None,
 ) -> AuditRecord:
-    """Write one record, acknowledged by the stream (raises when it is not)."""
+    """Write one record, acknowledged by the stream (raises when it is not); on `subject`
+    where a service writes it (admin's go to `audit(action)`)."""
     await ensure_stream(bus)
     entry = AuditRecord(
         ts_ms=now_ms(),
@@ -71,7 +73,7 @@ async def record(
         outcome=outcome,
         detail=detail or {},
     )
-    await bus.js.publish(bus.subjects.audit(action), entry)
+    await bus.js.publish(subject or bus.subjects.audit(action), entry)
     return entry
 
 

@@ -270,6 +270,9 @@ def _ingress(s: Subjects) -> Grants:
             *kv_own(s.responses_bucket),
             *kv_own(s.sessions_bucket),
             *kv_own(s.cache_explain_bucket),
+            # stability.py: the prefix guard's rewrites, into the audit log.
+            s.prefix_guard_audit,
+            *stream_create(s.audit_stream),
             # API keys and accounts: read, and the bucket created if missing (ensure_kv);
             # never put to nor reconfigured (admin's: see `admin_only`), so an ingress with
             # more js_replicas than admin made them with fails its start (`_raise_replicas`).

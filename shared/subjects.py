@@ -249,6 +249,12 @@ class Subjects:
         return f"{self.root}.audit.>"
 
     @property
+    def prefix_guard_audit(self) -> str:
+        """`AuditRecord`s of ingress's prefix-guard rewrites (services/ingress/stability.py),
+        kept by `audit_stream` too: ingress publishes here, outside admin's `audit.>`."""
+        return f"{self.root}.audit_guard.rewrite"
+
+    @property
     def audit_stream(self) -> str:
         return f"KVF_AUDIT_{self.root.replace('.', '_').replace('-', '_')}"
 

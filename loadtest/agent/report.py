@@ -34,6 +34,7 @@ class RequestRecord:
     cached_tokens: int | None = None
     output_tokens: int | None = None
     error: str | None = None  # `HTTP 429`, `APIConnectionError`, ...; None: answered
+    cache_cause: str | None = None  # the server's cache-miss diagnosis, where it gives one
 
 
 def percentiles(values: Iterable[float | None]) -> dict[str, float | None]:
@@ -97,6 +98,11 @@ class AgentReport:
             out.append({"step": step, "mean_prompt_tokens": mean_prompt, **summary(records)})
         return out
 
+    def causes(self) -> dict[str, int]:
+        """How many later steps the server diagnosed with each cause (kvfabric_cache)."""
+        later = self.later_steps()
+        return dict(Counter(r.cache_cause for r in later if r.cache_cause).most_common())
+
     def throughput(self) -> dict[str, float]:
         """Per second of the whole run: answered requests, prompt and output tokens."""
         answered, wall_s = self.answered, self.wall_s or float("inf")
@@ -119,6 +125,7 @@ class AgentReport:
             "first_step": summary(self.first_step()),
             "later_steps": summary(self.later_steps()),
             "by_step": self.by_step(),
+            "cache_causes": self.causes(),
             "records": [asdict(r) for r in self.records],
         }
 

@@ -69,6 +69,7 @@ class _Reply:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     output_tokens: int | None = None
+    cache_cause: str | None = None  # usage's kvfabric_cache.cause (kvfabric servers)
 
     def saw_text(self, delta: str | None) -> None:
         if delta:
@@ -77,7 +78,8 @@ class _Reply:
             self.text += delta
 
 
-StepFn = Callable[[str, list[Message]], Awaitable[_Reply]]  # (system prompt, messages)
+# (system prompt, messages, session id)
+StepFn = Callable[[str, list[Message], str], Awaitable[_Reply]]
 
 
 def error_class(exc: BaseException) -> str:
@@ -120,7 +122,7 @@ async def run_agents(
 
 async def _warm_up(step: StepFn, target: Target) -> None:
     try:
-        await step("You are terse.", [Message("user", "Say hi.")])
+        await step("You are terse.", [Message("user", "Say hi.")], "warm-up")
     except Exception as exc:
         raise TargetUnreachable(
             f"the first request to {target.root_url} ({target.protocol}, model {target.model}) "
@@ -144,7 +146,7 @@ async def _sessions(
             for index in range(session.num_steps):
                 if index:
                     await asyncio.sleep(workload.think_time_s)
-                record, text = await _timed(step, session, answers, started)
+                record, text = await _timed(step, session, answers, started, workload.seed)
                 records.append(record)
                 live.add(record)
                 if record.error is not None:  # an agent cannot go on without the answer
@@ -166,12 +168,13 @@ async def _sessions(
 
 
 async def _timed(
-    step: StepFn, session: AgentSession, answers: list[str], started: float
+    step: StepFn, session: AgentSession, answers: list[str], started: float, seed: int
 ) -> tuple[RequestRecord, str]:
     sent = time.perf_counter()
     index = len(answers)
+    session_id = f"agent-{seed}-{session.index}"
     try:
-        reply = await step(session.system, session.messages(answers))
+        reply = await step(session.system_for(index), session.messages(answers), session_id)
     except Exception as exc:  # recorded by class; the report counts them
         e2e = time.perf_counter() - sent
         return RequestRecord(session.index, index, sent - started, e2e, error=error_class(exc)), ""
@@ -190,6 +193,7 @@ async def _timed(
         prompt_tokens=reply.prompt_tokens,
         cached_tokens=reply.cached_tokens,
         output_tokens=reply.output_tokens,
+        cache_cause=reply.cache_cause,
     )
     return record, reply.text
 
@@ -204,7 +208,7 @@ def _client(target: Target, workload: Workload) -> tuple[StepFn, Callable[[], Aw
             timeout=target.timeout_s,
         )
 
-        async def openai_step(system: str, messages: list[Message]) -> _Reply:
+        async def openai_step(system: str, messages: list[Message], session: str) -> _Reply:
             reply = _Reply()
             stream = await oai.chat.completions.create(
                 model=target.model,
@@ -214,6 +218,7 @@ def _client(target: Target, workload: Workload) -> tuple[StepFn, Callable[[], Aw
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True},
+                extra_headers={"x-session-id": session},
             )
             async for chunk in stream:
                 if chunk.choices:
@@ -223,6 +228,7 @@ def _client(target: Target, workload: Workload) -> tuple[StepFn, Callable[[], Aw
                     reply.prompt_tokens = chunk.usage.prompt_tokens
                     reply.cached_tokens = details.cached_tokens if details else None
                     reply.output_tokens = chunk.usage.completion_tokens
+                    reply.cache_cause = _cause(chunk.usage.model_extra or {})
             return reply
 
         return openai_step, oai.close
@@ -231,11 +237,12 @@ def _client(target: Target, workload: Workload) -> tuple[StepFn, Callable[[], Aw
         base_url=target.root_url, api_key=target.api_key, max_retries=0, timeout=target.timeout_s
     )
 
-    async def anthropic_step(system: str, messages: list[Message]) -> _Reply:
+    async def anthropic_step(system: str, messages: list[Message], session: str) -> _Reply:
         reply = _Reply()
         async with ant.messages.stream(
             model=target.model,
             system=system,
+            metadata={"user_id": session},
             messages=[{"role": m.role, "content": m.content} for m in messages],
             max_tokens=workload.max_output_tokens,
             extra_body={"temperature": 0},  # this SDK's signature no longer names it
@@ -249,6 +256,13 @@ def _client(target: Target, workload: Workload) -> tuple[StepFn, Callable[[], Aw
         reply.prompt_tokens = usage.input_tokens + read + (usage.cache_creation_input_tokens or 0)
         reply.cached_tokens = usage.cache_read_input_tokens
         reply.output_tokens = usage.output_tokens
+        reply.cache_cause = _cause(usage.model_extra or {})
         return reply
 
     return anthropic_step, ant.close
+
+
+def _cause(extra: dict) -> str | None:
+    """The cache-miss cause a kvfabric server adds to the usage (`kvfabric_cache`)."""
+    cache = extra.get("kvfabric_cache")
+    return cache.get("cause") if isinstance(cache, dict) else None

@@ -12,6 +12,11 @@ step's) index, so the same seed gives the same texts and another seed other text
 answers are the server's. Coding agents share one system prompt across their sessions
 (`shared_system_prompt`, a quarter of the first step's context): a session that starts after
 another one sent it hits it on its first step.
+
+`volatile_system` makes the harness one that stamps its system prompt per request, as a
+popular one does: a billing header with a fresh nonce on top, the current time at the end
+(`AgentSession.system_for`). Everything after the first stamp then misses on every step,
+unless the server's prefix guard moves or removes the stamps (services/ingress/stability.py).
 """
 
 from __future__ import annotations
@@ -39,6 +44,17 @@ class AgentSession:
     system: str
     task: str
     tool_results: tuple[str, ...]  # tool_results[k] follows the answer to step k
+    stamps: tuple[str, ...] = ()  # per step: a nonce for the billing header (volatile only)
+
+    def system_for(self, step: int) -> str:
+        """The system prompt step `step` sends: stamped per request when volatile."""
+        if not self.stamps:
+            return self.system
+        at = f"2026-12-07T10:{step // 60:02d}:{step % 60:02d}Z"
+        return (
+            f"x-anthropic-billing-header: cc_version=2.0.14; cch={self.stamps[step]};\n"
+            f"{self.system}\nCurrent time: {at}"
+        )
 
     @property
     def num_steps(self) -> int:
@@ -68,6 +84,7 @@ class Workload:
     think_time_s: float = 0.0  # an agent's pause between an answer and its next request
     seed: int = 0
     shared_system_prompt: bool = True
+    volatile_system: bool = False  # a harness that stamps each request's system prompt
 
     def __post_init__(self) -> None:
         for name in ("num_sessions", "num_steps", "initial_context_tokens", "max_output_tokens"):
@@ -104,7 +121,11 @@ class Workload:
             texts.tool_result(self._rng("tool", index, step), self.growth_tokens_per_step)
             for step in range(self.num_steps - 1)
         )
-        return AgentSession(index, system, task, results)
+        stamps = ()
+        if self.volatile_system:
+            rng = self._rng("stamp", index)
+            stamps = tuple(f"{rng.getrandbits(64):016x}" for _ in range(self.num_steps))
+        return AgentSession(index, system, task, results, stamps)
 
     def sessions(self) -> list[AgentSession]:
         return [self.session(i) for i in range(self.num_sessions)]

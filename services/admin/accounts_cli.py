@@ -33,27 +33,41 @@ def set_account(
         help="where its prompts' KV is cached: 'account' (its own namespace, the default), "
         "'group:NAME' (shared with every account of that group) or 'shared' (the cluster's)",
     ),
+    prefix_guard: bool | None = typer.Option(
+        None,
+        "--prefix-guard/--no-prefix-guard",
+        help="rewrite known volatile lines of its system prompts (billing headers: removed; "
+        "timestamps, UUIDs, nonces: moved to the prompt's end) so its cached prefix survives "
+        "them; every rewrite is audited (default: off)",
+    ),
     limit: list[str] = LIMITS,
     nats_url: str = NATS_URL,
     root: str = ROOT,
     js_replicas: int = JS_REPLICAS,
 ) -> None:
-    """Set an account's cache scope and limits (the rest stays); applied within 5 s."""
+    """Set an account's cache scope, prefix guard and limits (the rest stays); applied
+    within 5 s."""
     changes = parse_limits(limit)
 
     async def action(store: AccountStore):  # noqa: ANN202
-        return await store.set(account, cache_scope=cache_scope, **changes)
+        return await store.set(
+            account, cache_scope=cache_scope, prefix_guard=prefix_guard, **changes
+        )
 
     try:
         detail = {k: str(v) for k, v in changes.items()}
         if cache_scope is not None:
             detail["cache_scope"] = cache_scope
+        if prefix_guard is not None:
+            detail["prefix_guard"] = "on" if prefix_guard else "off"
         audited = Audited("accounts.set", account, detail)
         saved = run_on_store(nats_url, root, js_replicas, AccountStore, action, "accounts", audited)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    guard = "on" if saved.prefix_guard else "off"
     typer.echo(
-        f"account {saved.name}: cache scope {saved.cache_scope}, limits {saved.limits.describe()}"
+        f"account {saved.name}: cache scope {saved.cache_scope}, prefix guard {guard}, "
+        f"limits {saved.limits.describe()}"
     )
 
 
@@ -76,9 +90,12 @@ def list_accounts(
                 "no account settings: every account has the defaults (cache scope 'account')"
             )
             return
-        typer.echo(f"{'ACCOUNT':<24} {'CACHE SCOPE':<24} {'UPDATED (UTC)':<20} LIMITS")
+        typer.echo(f"{'ACCOUNT':<24} {'CACHE SCOPE':<24} {'GUARD':<6} {'UPDATED (UTC)':<20} LIMITS")
         for a in accounts:
             updated = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(a.updated_s))
-            typer.echo(f"{a.name:<24} {a.cache_scope:<24} {updated:<20} {a.limits.describe()}")
+            guard = "on" if a.prefix_guard else "off"
+            typer.echo(
+                f"{a.name:<24} {a.cache_scope:<24} {guard:<6} {updated:<20} {a.limits.describe()}"
+            )
 
     emit(fmt, [dataclasses.asdict(a) for a in accounts], table)

@@ -26,6 +26,7 @@ from services.ingress.errors import ApiError
 from services.ingress.limits import Admission, Limiter, Scope, scopes_of
 from services.ingress.metrics import CountRequests
 from services.ingress.pipeline import Completion, Generation, Pipeline, Prepared
+from services.ingress.stability import harness
 from services.ingress.tracing import TraceRequests
 from shared.accounts import SCOPE_SHARED, Account, AccountStore, Limits
 from shared.api_keys import KeyStore
@@ -52,6 +53,7 @@ class Caller:
             account=self.account.name,
             cache_salt=self.account.cache_salt(cache_salt or ""),
             keep_text=self.account.cache_scope == SCOPE_SHARED,
+            prefix_guard=self.account.prefix_guard,
         )
 
 
@@ -236,7 +238,9 @@ def build_app(services: Services) -> FastAPI:
         request: Request, body: openai_chat.ChatCompletionRequest, who: Caller = Depends(caller)
     ) -> Response:
         completion = openai_chat.to_completion(body, who.key_id)
-        completion = dataclasses.replace(completion, session=_session(request))
+        completion = dataclasses.replace(
+            completion, session=_session(request), harness=_harness(request)
+        )
         prepared = await pipeline.prepare(who.bill(completion, body.cache_salt))
         choices = [pipeline.fork(prepared, i) for i in range(body.n)]
         started = await start(choices, who, "openai")
@@ -259,7 +263,7 @@ def build_app(services: Services) -> FastAPI:
         user_id = (body.metadata or {}).get("user_id")
         session = _session(request) or (user_id if isinstance(user_id, str) else "")
         completion = anthropic_messages.to_completion(body, who.key_id)
-        completion = dataclasses.replace(completion, session=session)
+        completion = dataclasses.replace(completion, session=session, harness=_harness(request))
         prepared = await pipeline.prepare(who.bill(completion, body.cache_salt))
         started = await start([prepared], who, "anthropic")
         (generation,), rid = started.generations, prepared.request.request_id
@@ -303,6 +307,7 @@ def build_app(services: Services) -> FastAPI:
         completion = who.bill(
             openai_responses.to_completion(body, prompt, who.key_id), body.cache_salt
         )
+        completion = dataclasses.replace(completion, harness=_harness(request))
         # A chain is its own session: each turn is kept under its response id, which the
         # next turn's previous_response_id names; an x-session-id header takes precedence.
         if header := _session(request):
@@ -459,6 +464,10 @@ class Started:
             outputs = [g.num_output_tokens for g in self.generations]
             known = None if None in outputs else sum(o or 0 for o in outputs)
             await self.limiter.end(self.admission, known)
+
+
+def _harness(request: Request) -> str:
+    return harness(request.headers.get("user-agent", ""))
 
 
 def _session(request: Request) -> str:

@@ -14,8 +14,10 @@ in the order a prompt renders them (namespace, system, tools, messages), and nam
   system_changed       the system prompt differs
   tools_changed        the tools differ (added, removed, edited or reordered)
   earlier_turn_edited  a message the previous turn sent differs or is gone (`part` says which)
-  volatile_span        the part that changed on the previous turn changed again, the rest
-                       stayed: a per-request nonce or timestamp in the prompt
+  volatile_span        the system prompt changed only in spans of a known volatile kind
+                       (a timestamp, a nonce...: `span` names them, stability.py), or the
+                       tools only in their order (`span=tool_order`), or the part that
+                       changed on the previous turn changed again while the rest stayed
   evicted              the previous prompt was sent unchanged, and the first block of it
                        the cache lacked was evicted (kv-index's tombstone: from which tier,
                        why, how long ago, after how long unused)
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from services.ingress.stability import TOOL_ORDER, kinds_in, masked
 from shared.bus import Bus, now_ms
 from shared.schema import CacheProbe, Eviction
 from shared.tokenizer.chat import Chat, Message, Tool
@@ -81,6 +84,11 @@ class TurnDigest(msgspec.Struct, frozen=True, kw_only=True):
     num_prompt_tokens: int
     changed: str = ""  # the part it changed against the turn before it ("": none, or first)
     ts_ms: int = 0
+    # The system prompt with its volatile spans masked, the kinds found, and the tools in
+    # name order: what tells a volatile span from an edit (stability.py).
+    system_masked: str = ""
+    system_kinds: str = ""  # comma-separated
+    tools_in_order: str = ""
 
 
 @dataclass(frozen=True)
@@ -89,12 +97,13 @@ class Diagnosis:
     first_miss_token: int  # the first prompt token not served from the cache
     part: str = ""  # where the prompt changed, for the causes that name one
     eviction: Eviction | None = None  # for `evicted`: the first missed block's tombstone
+    span: str = ""  # for `volatile_span`: the kinds of span that changed, where known
 
     @classmethod
     def of(cls, probe: CacheProbe, num_cached_tokens: int) -> Diagnosis:
         cause = probe.cause_for(num_cached_tokens)
         eviction = probe.eviction if cause == EVICTED else None
-        return cls(cause, num_cached_tokens, probe.part, eviction)
+        return cls(cause, num_cached_tokens, probe.part, eviction, probe.span)
 
     def evicted(self, now: int | None = None) -> dict[str, object]:
         """The tombstone as told: tier, why, seconds ago (at `now`, epoch ms), idle before."""
@@ -107,6 +116,7 @@ class Diagnosis:
     def header(self) -> str:
         fields = [f"cause={self.cause}", f"first_miss_token={self.first_miss_token}"]
         fields += [f"part={self.part}"] if self.part else []
+        fields += [f"span={self.span}"] if self.span else []
         fields += [f"evicted_{k}={v}" for k, v in self.evicted().items()]
         return "; ".join(fields)
 
@@ -114,6 +124,8 @@ class Diagnosis:
         body: dict[str, object] = {"cause": self.cause, "first_miss_token": self.first_miss_token}
         if self.part:
             body["part"] = self.part
+        if self.span:
+            body["span"] = self.span
         if self.eviction is not None:
             body["evicted"] = self.evicted()
         return body
@@ -154,6 +166,9 @@ def digest(chat: Chat, namespace: str, num_prompt_tokens: int) -> TurnDigest:
         messages=tuple(_message_hash(m) for m in rest),
         num_prompt_tokens=num_prompt_tokens,
         ts_ms=now_ms(),
+        system_masked=_hash(masked(system)),
+        system_kinds=",".join(kinds_in(system)),
+        tools_in_order=_tools_hash(sorted(chat.tools, key=lambda t: t.name)),
     )
 
 
@@ -184,6 +199,9 @@ def probe(previous: TurnDigest | None, current: TurnDigest, block_size_tokens: i
         return CacheProbe(cause=NEVER_SEEN)
     part = current.changed
     if part:
+        span = _volatile_kinds(previous, current, part)
+        if span:
+            return CacheProbe(cause=VOLATILE_SPAN, part=part, span=span)
         if part == previous.changed and part != NAMESPACE:
             return CacheProbe(cause=VOLATILE_SPAN, part=part)
         return CacheProbe(cause=_CAUSE_OF_PART.get(part, EARLIER_TURN_EDITED), part=part)
@@ -192,6 +210,16 @@ def probe(previous: TurnDigest | None, current: TurnDigest, block_size_tokens: i
     sent_before = previous.num_prompt_tokens // block_size_tokens * block_size_tokens
     reusable = (current.num_prompt_tokens - 1) // block_size_tokens * block_size_tokens
     return CacheProbe(expected_cached_tokens=min(sent_before, reusable))
+
+
+def _volatile_kinds(previous: TurnDigest, current: TurnDigest, part: str) -> str:
+    """The kinds of volatile span that alone made `part` change, or "" (an edit, or not
+    known: a digest kept before these fields were)."""
+    if part == SYSTEM and previous.system_masked and current.system_kinds:
+        return current.system_kinds if current.system_masked == previous.system_masked else ""
+    if part == TOOLS and previous.tools_in_order == current.tools_in_order != "":
+        return TOOL_ORDER
+    return ""
 
 
 def diagnose(
@@ -253,6 +281,7 @@ class Explanation(msgspec.Struct, frozen=True, kw_only=True):
     num_prompt_tokens: int
     has_text: bool
     eviction: Eviction | None = None  # for `evicted`: the first missed block's tombstone
+    span: str = ""  # for `volatile_span`: the kinds of span that changed, where known
     before: str = ""  # the prompt's text just before the first missed token
     after: str = ""  # from that token on
     ts_ms: int = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from services.ingress.diagnosis import CAUSES
+from services.ingress.stability import HARNESS_LABELS, KINDS, SPAN_LABELS
 from services.ingress.tracing import UNTRACED_PATHS, protocol_of
 from shared.metrics import Metrics
 
@@ -59,6 +60,20 @@ class IngressMetrics:
             "Generations ended, by why their prompt missed the cache past the tokens it "
             "served (services/ingress/diagnosis.py; none: only new tokens missed).",
             labels={"cause": CAUSES},
+        )
+        self.volatile_spans = metrics.counter(
+            "kvfabric_ingress_volatile_spans_total",
+            "Generations whose prompt missed the cache from a span that changes on every "
+            "request of its session (services/ingress/stability.py), by the caller's "
+            "harness (its user agent) and the span's kind (unknown: the same part changed "
+            "twice running, of no known kind).",
+            labels={"harness": HARNESS_LABELS, "span": SPAN_LABELS},
+        )
+        self.prefix_rewrites = metrics.counter(
+            "kvfabric_ingress_prefix_rewrites_total",
+            "System-prompt lines the prefix guard removed or moved, by kind (accounts that "
+            "opted in only).",
+            labels={"kind": tuple(k.name for k in KINDS)},
         )
         self.itl_seconds = metrics.histogram(
             "kvfabric_ingress_inter_token_latency_seconds",

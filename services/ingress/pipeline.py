@@ -30,6 +30,7 @@ import msgspec
 from services.ingress.diagnosis import (
     EXCERPT_TOKENS,
     NEVER_SEEN,
+    VOLATILE_SPAN,
     Diagnosis,
     Explanation,
     Explanations,
@@ -43,7 +44,8 @@ from services.ingress.diagnosis import (
 from services.ingress.errors import ApiError, from_service_error, invalid
 from services.ingress.metrics import IngressMetrics
 from services.ingress.models import ModelTable, ServedModel
-from shared import telemetry
+from services.ingress.stability import REWRITE_ACTION, Rewrite, canonical
+from shared import audit, telemetry
 from shared.bus import Bus, now_ms
 from shared.client import GenerateResult, build_request, generate
 from shared.logging import bind_request, get_logger
@@ -116,6 +118,10 @@ class Completion:
     # Its prompt's text may be kept around its first cache miss (`kvfabric cache explain`):
     # never for an account whose cache is isolated from others'.
     keep_text: bool = False
+    # Its account opted in to the prefix guard: volatile system-prompt lines are moved or
+    # removed before tokenization (stability.py).
+    prefix_guard: bool = False
+    harness: str = "other"  # the caller's harness, from its user agent (stability.harness)
 
 
 @dataclass(frozen=True)
@@ -226,6 +232,10 @@ class Pipeline:
     async def prepare(self, completion: Completion) -> Prepared:
         arrival_s = time.perf_counter()
         model = await self.model(completion.model)
+        rewrite = None
+        if completion.prefix_guard:
+            chat, rewrite = canonical(completion.chat)
+            completion = dataclasses.replace(completion, chat=chat)
         chat = completion.chat
         with telemetry.span("ingress tokenize") as span:
             try:
@@ -254,7 +264,15 @@ class Pipeline:
             )
         max_tokens = completion.max_tokens or min(self.default_max_tokens, room)
         request_id = uuid.uuid4().hex
-        turn = await self._turn(completion, model, num_prompt, request_id)
+        # The session's turn as the client sent it: without the message of moved lines the
+        # guard appended (the next turn replaces it with the answer; no edit of the client's).
+        compared, num_compared = chat, num_prompt
+        if rewrite is not None and rewrite.num_chars_moved:
+            compared = dataclasses.replace(chat, messages=chat.messages[:-1])
+            num_compared = await asyncio.to_thread(
+                model.tokenizer.count, compared, add_generation_prompt=False
+            )
+        turn = await self._turn(completion, compared, num_compared, model, request_id)
         request = build_request(
             ids,
             model=model.name,
@@ -283,10 +301,38 @@ class Pipeline:
                     "kvfabric.num_prompt_tokens": num_prompt,
                 }
             )
+        if rewrite is not None:
+            for kind in rewrite.kinds:
+                self.counts.prefix_rewrites.labels(kind).inc()
+            self._in_background(self._audit_rewrite(completion, request.request_id, rewrite))
         return Prepared(completion, model, request, forced, parse_tools, arrival_s, turn)
 
+    async def _audit_rewrite(
+        self, completion: Completion, request_id: str, rewrite: Rewrite
+    ) -> None:
+        detail = {
+            "request_id": request_id,
+            "kinds": ",".join(rewrite.kinds),
+            "chars_stripped": str(rewrite.num_chars_stripped),
+            "chars_moved": str(rewrite.num_chars_moved),
+        }
+        try:
+            subject = self.bus.subjects.prefix_guard_audit
+            await audit.record(
+                self.bus, REWRITE_ACTION, completion.account, "ok", detail, subject=subject
+            )
+        except Exception:  # the request is served; the gap is logged where it can be seen
+            log.error(
+                "auditing a prefix-guard rewrite failed", request_id=request_id, exc_info=True
+            )
+
     async def _turn(
-        self, completion: Completion, model: ServedModel, num_prompt: int, request_id: str
+        self,
+        completion: Completion,
+        chat: Chat,
+        num_prompt: int,
+        model: ServedModel,
+        request_id: str,
     ) -> Turn:
         previous, key = None, None
         if self.sessions is not None:
@@ -302,7 +348,7 @@ class Pipeline:
                 key = session_key(account, completion.session)
         if key is None:  # no session: nothing to compare with, no digest to keep
             return Turn(None, CacheProbe(cause=NEVER_SEEN), None)
-        current = compare(previous, digest(completion.chat, completion.cache_salt, num_prompt))
+        current = compare(previous, digest(chat, completion.cache_salt, num_prompt))
         return Turn(current, probe(previous, current, model.block_size_tokens), key)
 
     def explain(self, prepared: Prepared, diagnosis: Diagnosis) -> None:
@@ -333,6 +379,7 @@ class Pipeline:
             part=diagnosis.part,
             first_miss_token=diagnosis.first_miss_token,
             eviction=diagnosis.eviction,
+            span=diagnosis.span,
             num_prompt_tokens=prepared.num_prompt_tokens,
             has_text=completion.keep_text,
             before=before,
@@ -541,7 +588,12 @@ class Generation:
         if turn is not None:
             cache = turn.diagnosis(usage.num_cached_tokens, self.eviction)
         if cache is not None:
-            self.pipeline.counts.cache_diagnoses.labels(cache.cause).inc()
+            counts = self.pipeline.counts
+            counts.cache_diagnoses.labels(cache.cause).inc()
+            if cache.cause == VOLATILE_SPAN:
+                harness = self.prepared.completion.harness
+                for span in (cache.span or "unknown").split(","):
+                    counts.volatile_spans.labels(harness, span).inc()
             self.pipeline.explain(self.prepared, cache)
         self._events.append(
             Finished(

@@ -53,6 +53,7 @@ class CacheProbe(msgspec.Struct, frozen=True, kw_only=True):
 
     cause: str = ""
     part: str = ""  # where the prompt changed: system | tools | message:<i>
+    span: str = ""  # for volatile_span: the kinds of span that changed (timestamp, nonce...)
     expected_cached_tokens: int = 0  # of the previous turn's, what could come from the cache
     # The router's: the tombstone of the prompt's first block the store lacked, if evicted.
     eviction: Eviction | None = None

@@ -36,6 +36,7 @@ import openai
 import pytest
 
 from services.admin.launcher import Cluster
+from shared import audit
 from shared.accounts import AccountStore, Limits
 from shared.api_keys import KeyStore
 from shared.client import build_request
@@ -578,3 +579,114 @@ def test_garbage_on_every_nats_subject_is_counted_and_crashes_nothing(
     assert {i: r.restarts for i, r in cluster.supervisor.records.items()} == restarts
     assert all(c.process.poll() is None for c in cluster.children)
     ask(cluster, keys["alpha"], "After the garbage: write a function that adds.")  # served
+
+
+def test_the_prefix_guard_rewrites_only_for_an_account_that_opted_in(
+    cluster: Cluster, keys: dict[str, str]
+) -> None:
+    """Three turns of one session whose system prompt's billing header and clock change on
+    every turn, from an account that opted in to the prefix guard and from one that did not:
+    the opted-in one's turns hit what the previous one sent, each rewrite is audited; the
+    other's prompt is tokenized as sent (its count is count_tokens'), its turns miss from
+    the header on and are diagnosed `volatile_span` by kind, counted per harness."""
+
+    async def guarded_key() -> str:
+        bus = await connect(cluster)
+        try:
+            store, accounts = KeyStore(bus), AccountStore(bus)
+            await accounts.set("guarded", prefix_guard=True)
+            return (await store.create("guarded"))[0]
+        finally:
+            await bus.close()
+
+    with on_the_client_host(cluster):
+        guarded = asyncio.run(guarded_key())
+    rules = "\n".join(f"Rule {i}: answer with code only, in small functions." for i in range(12))
+
+    def session(key: str) -> list[tuple[dict, object]]:
+        client = openai.OpenAI(
+            base_url=f"{cluster.http_urls[0]}/v1", api_key=key, max_retries=0, timeout=30
+        )
+        history = [{"role": "user", "content": "Write a function that adds two numbers."}]
+        turns = []
+        for step in range(3):
+            system = (
+                f"x-anthropic-billing-header: cc_version=2.0.14; cch={random.getrandbits(64):016x};"
+                f"\n{rules}\nCurrent time: 2026-12-07T10:00:0{step}Z"
+            )
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny-coder",
+                messages=[{"role": "system", "content": system}, *history],
+                max_tokens=4,
+                extra_headers={"x-session-id": f"guard-{key[-6:]}"},
+            )
+            reply = raw.parse()
+            header = dict(
+                part.split("=", 1) for part in raw.headers["x-kvfabric-cache"].split("; ")
+            )
+            counted = httpx.post(
+                f"{cluster.http_urls[0]}/v1/messages/count_tokens",
+                headers={"x-api-key": key},
+                json={
+                    "model": "tiny-coder",
+                    "system": system,
+                    "messages": [{"role": m["role"], "content": m["content"]} for m in history],
+                },
+            ).json()["input_tokens"]
+            turns.append((header, reply.usage, counted))
+            history += [
+                {"role": "assistant", "content": reply.choices[0].message.content or "ok"},
+                {"role": "user", "content": f"Now step {step + 2}."},
+            ]
+            # kv-index applies the turn's stored blocks asynchronously: the same prompt, out of
+            # the session, is asked again until it hits, before the next turn is sent.
+            deadline = time.monotonic() + 20
+            while True:
+                again = client.chat.completions.create(
+                    model="tiny-coder",
+                    messages=[{"role": "system", "content": system}, *history[:-2]],
+                    max_tokens=1,
+                )
+                if (
+                    again.usage.prompt_tokens_details.cached_tokens
+                    >= again.usage.prompt_tokens // 2
+                ):
+                    break
+                assert time.monotonic() < deadline, "a turn's prompt was never indexed"
+        return turns
+
+    plain = session(keys["beta"])
+    for _, usage, counted in plain:
+        assert usage.prompt_tokens == counted  # untouched: tokenized as sent
+    for header, usage, _ in plain[1:]:
+        assert (header["cause"], header["span"]) == ("volatile_span", "billing_header,timestamp")
+        assert usage.prompt_tokens_details.cached_tokens < 64  # nothing past the header
+    rewritten = session(guarded)
+    for _, usage, counted in rewritten:
+        assert usage.prompt_tokens != counted  # the header line went
+    for (_, before, _), (header, usage, _) in zip(rewritten, rewritten[1:], strict=False):
+        assert header["cause"] in ("none", "not_cached"), header
+        assert usage.prompt_tokens_details.cached_tokens >= before.prompt_tokens // 2
+
+    async def audited() -> list:
+        bus = await connect(cluster)
+        try:
+            return [r for r in await audit.read(bus) if r.action == "prefix_guard.rewrite"]
+        finally:
+            await bus.close()
+
+    deadline = time.monotonic() + 10
+    with on_the_client_host(cluster):
+        while len(records := asyncio.run(audited())) < 3:
+            assert time.monotonic() < deadline, records
+            time.sleep(0.2)
+    assert {r.target for r in records} == {"guarded"}
+    assert all(r.detail["kinds"] == "billing_header,timestamp" for r in records)
+    metrics = "".join(
+        httpx.get(url).text for i, url in cluster.metrics_urls.items() if i.startswith(INGRESS)
+    )
+    assert re.search(
+        r'kvfabric_ingress_volatile_spans_total\{[^}]*harness="openai-sdk"[^}]*span="timestamp"'
+        r"[^}]*\} [1-9]",
+        metrics,
+    )

@@ -55,6 +55,21 @@ def test_sessions_differ_but_share_the_system_prompt_unless_told_not_to() -> Non
     assert len({s.system for s in apart}) == len(apart)
 
 
+def test_a_volatile_harness_stamps_each_step_and_nothing_else() -> None:
+    """Each step's system prompt: a billing header with its own nonce on top, the time at
+    the end, the session's prompt between; the same under the same seed."""
+    stamped = Workload(**{**WORKLOAD.to_dict(), "volatile_system": True})
+    session = stamped.session(2)
+    prompts = [session.system_for(step) for step in range(stamped.num_steps)]
+    assert len(set(prompts)) == len(prompts)
+    for prompt in prompts:
+        header, *middle, clock = prompt.split("\n")
+        assert header.startswith("x-anthropic-billing-header: ") and clock.startswith("Current")
+        assert "\n".join(middle) == WORKLOAD.session(2).system
+    assert stamped.session(2).system_for(3) == prompts[3]
+    assert WORKLOAD.session(2).system_for(3) == WORKLOAD.session(2).system  # not stamped
+
+
 def test_tool_results_look_like_the_tools_an_agent_calls() -> None:
     results = [r for s in Workload(num_sessions=20, num_steps=4).sessions() for r in s.tool_results]
     kinds = {r.split("\n", 1)[0] for r in results}

@@ -67,8 +67,14 @@ def test_each_part_that_changed_is_named_first_in_rendering_order() -> None:
     system = turn(chat("You are a coding agent. Today is 2026-12-08.", turns=4), first, 500)
     got = diagnose(first, system, 0, BLOCK)
     assert (got.cause, got.part) == (SYSTEM_CHANGED, "system")
-    tools = turn(chat(tools=(EDIT, READ), turns=4), first, 500)  # reordered
+    tools = turn(chat(tools=(READ,), turns=4), first, 500)  # one removed
     assert diagnose(first, tools, 48, BLOCK).cause == TOOLS_CHANGED
+    reordered = diagnose(first, turn(chat(tools=(EDIT, READ), turns=4), first, 500), 48, BLOCK)
+    assert (reordered.cause, reordered.part, reordered.span) == (
+        VOLATILE_SPAN,
+        "tools",
+        "tool_order",
+    )
     edited = chat(turns=4)
     messages = list(edited.messages)
     messages[3] = Message("tool", "contents of src/1.py, edited", tool_call_id="call_1")
@@ -123,3 +129,27 @@ def test_an_explanation_is_found_by_any_protocols_name_for_the_request() -> None
     assert request_id_of(f"chatcmpl-{rid}-1") == f"{rid}-1"  # choice 1 of n
     for bad in ("", "nope", "ü" * 32, rid.upper(), f"{rid}/../x", f"{rid}.k"):
         assert request_id_of(bad) is None
+
+
+def test_a_system_prompt_that_changed_only_in_known_volatile_spans_says_which() -> None:
+    """A billing header's nonce and a timestamp changed, nothing else: volatile at once,
+    naming the kinds; the same change plus an edit elsewhere in the system prompt is an edit."""
+
+    def system(nonce: str, at: str, rule: str = "Be brief.") -> str:
+        return (
+            f"x-anthropic-billing-header: cc_version=2.0.14; cch={nonce};\n"
+            f"You are a coding agent. {rule}\nCurrent time: {at}"
+        )
+
+    first = turn(chat(system("1a2b3c4d5e6f7a8b", "2026-12-07T10:00:01Z")), None, 200)
+    second = turn(chat(system("9f8e7d6c5b4a3f2e", "2026-12-07T10:00:09Z"), turns=2), first, 260)
+    got = diagnose(first, second, 0, BLOCK)
+    assert (got.cause, got.part, got.span) == (VOLATILE_SPAN, "system", "billing_header,timestamp")
+    assert "span=billing_header,timestamp" in got.header()
+    assert got.as_json()["span"] == "billing_header,timestamp"
+    # (a turn in between that changed nothing: two changes running are volatile anyway)
+    still = turn(chat(system("9f8e7d6c5b4a3f2e", "2026-12-07T10:00:09Z"), turns=3), second, 300)
+    edited = system("0f8e7d6c5b4a3f2e", "2026-12-07T10:00:19Z", "Be verbose.")
+    assert (
+        diagnose(still, turn(chat(edited, turns=4), still, 340), 0, BLOCK).cause == SYSTEM_CHANGED
+    )
