@@ -136,6 +136,12 @@ BENCHMARKS = {
             "coding-agent sessions over HTTP: warm steps against the cold first step",
         ),
         Benchmark(
+            "fairness",
+            "loadtest.bench_fairness",
+            "agent sessions at twice FCFS's saturation: short and long sessions' TTFT p99 "
+            "and throughput with the fair prefill queue against first come, first served",
+        ),
+        Benchmark(
             "faults",
             "loadtest.bench_faults",
             "per fault under agent load: requests failed, time to full service, usage lost; "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -102,10 +103,12 @@ def build_request(
     api_key_id: str = "",
     account: str = "",
     cache_probe: CacheProbe | None = None,
+    session: str = "",
 ) -> GenerateRequest:
     """A `GenerateRequest` for a tokenized prompt: packed ids, the chained block hashes the
     router matches against the KV cache (the one place on the request path that hashes the
-    prompt), arrival and (relative `deadline_s`) deadline."""
+    prompt), arrival and (relative `deadline_s`) deadline. `session`: the caller's agent
+    session id, sent only as `session_digest(account, session)`."""
     packed = pack_token_ids(token_ids)
     blocks = RequestBlocks.hash_prompt(
         packed, model=model, block_size_tokens=block_size_tokens, cache_salt=cache_salt
@@ -131,7 +134,17 @@ def build_request(
         arrival_ms=arrival_ms,
         deadline_ms=None if deadline_s is None else arrival_ms + round(deadline_s * 1000),
         cache_probe=cache_probe,
+        session=session_digest(account, session),
     )
+
+
+def session_digest(account: str, session: str) -> str:
+    """What a request carries of its session: 16 hex digits of SHA-256 over the account and
+    the session id, so the raw id (a client's, maybe a user's) never leaves the caller and two
+    accounts' equal ids stay apart; "" without a session."""
+    if not session:
+        return ""
+    return hashlib.sha256(f"{account}\0{session}".encode()).hexdigest()[:16]
 
 
 async def generate(

@@ -38,6 +38,7 @@ class InflightDelta:
     num_tokens: int = 0  # prefill: tokens the job adds to the worker's compute queue
     num_kv_pages: int = 0  # decode: KV pages the job will hold
     num_requests: int = 1
+    queue_level: int = 0  # prefill: the job's (a fair worker serves lower levels first)
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,20 @@ class WorkerView:
     num_inflight_tokens: int = 0
     num_inflight_kv_pages: int = 0
     num_inflight_requests: int = 0
+    # A fair prefill worker's queue by level (index 0 is served first), reported and in
+    # flight; both empty for a first-come-first-served worker.
+    reported_tokens_by_level: tuple[int, ...] = ()
+    inflight_tokens_by_level: tuple[int, ...] = ()
 
     @property
     def num_queued_tokens(self) -> int:
         # Withdrawn work reaches peers as negative notices, which may outlive what they undo.
         return max(self.num_reported_queued_tokens + self.num_inflight_tokens, 0)
+
+    def num_queued_tokens_at_or_below(self, level: int) -> int:
+        """A fair worker's queued tokens of levels 0..`level`, reported and in flight."""
+        ahead = sum(self.reported_tokens_by_level[: level + 1])
+        return max(ahead + sum(self.inflight_tokens_by_level[: level + 1]), 0)
 
     @property
     def num_kv_pages_free(self) -> int:
@@ -215,6 +225,8 @@ class LoadTable:
             num_inflight_tokens=sum(d.num_tokens for d in deltas),
             num_inflight_kv_pages=sum(d.num_kv_pages for d in deltas),
             num_inflight_requests=sum(d.num_requests for d in deltas),
+            reported_tokens_by_level=report.num_queued_tokens_by_level,
+            inflight_tokens_by_level=_by_level(deltas) if report.num_queued_tokens_by_level else (),
         )
         return known.view
 
@@ -250,3 +262,13 @@ class LoadTable:
     def models(self, service: str, now_s: float) -> list[str]:
         """The models instances of `service` taking new work serve, sorted."""
         return sorted({w.model for w in self.workers(service, now_s)})
+
+
+def _by_level(deltas: list[InflightDelta]) -> tuple[int, ...]:
+    """The tokens of `deltas` summed per queue level, index = level."""
+    if not deltas:
+        return ()
+    levels = [0] * (max(d.queue_level for d in deltas) + 1)
+    for delta in deltas:
+        levels[delta.queue_level] += delta.num_tokens
+    return tuple(levels)

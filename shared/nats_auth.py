@@ -234,6 +234,7 @@ def swa_client(s: Subjects) -> tuple[str, ...]:
         *endpoint_subjects(s.swa_put),
         *endpoint_subjects(s.swa_get),
         instances(s.swa_release),
+        *endpoint_subjects(s.swa_hold),
         instances(s.nixl_metadata(SWA_MEMCACHE)),
         discovery("STATS", SWA_MEMCACHE),
     )
@@ -270,6 +271,8 @@ def _ingress(s: Subjects) -> Grants:
             *kv_own(s.responses_bucket),
             *kv_own(s.sessions_bucket),
             *kv_own(s.cache_explain_bucket),
+            # staging.py: a session's KV kept on the worker that served it, over a tool call.
+            instances(s.prefill_stage),
             # stability.py: the prefix guard's rewrites, into the audit log.
             s.prefix_guard_audit,
             *stream_create(s.audit_stream),
@@ -320,6 +323,7 @@ def _prefill(s: Subjects) -> Grants:
         ),
         (
             *endpoint_subjects(s.prefill_run),
+            *endpoint_subjects(s.prefill_stage),  # ingress: a session's KV kept over a tool call
             *endpoint_subjects(s.nixl_metadata(PREFILL)),  # decode and swa-memcache pull from us
             s.cancel,
             *writer_subscribe,
@@ -396,6 +400,7 @@ def _swa_memcache(s: Subjects) -> Grants:
             *endpoint_subjects(s.swa_get),
             *endpoint_subjects(s.swa_put),
             *endpoint_subjects(s.swa_release),
+            *endpoint_subjects(s.swa_hold),
             *endpoint_subjects(s.swa_contains),
             *endpoint_subjects(s.nixl_metadata(SWA_MEMCACHE)),
             s.swa_resync,

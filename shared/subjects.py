@@ -231,6 +231,16 @@ class Subjects:
         return self.endpoint(SWA_MEMCACHE, "contains")
 
     @property
+    def swa_hold(self) -> str:
+        """A prefill worker -> its node's memcache: keep snapshots past their TTL (`SwaHold`)."""
+        return self.endpoint(SWA_MEMCACHE, "hold")
+
+    @property
+    def prefill_stage(self) -> str:
+        """ingress -> a prefill worker: keep a session's KV while its tool runs (`StageRequest`)."""
+        return self.endpoint(PREFILL, "stage")
+
+    @property
     def swa_release(self) -> str:
         """A reader -> the memcache instance that leased it a snapshot (`SwaRelease`)."""
         return self.endpoint(SWA_MEMCACHE, "release")

@@ -27,6 +27,20 @@ log = get_logger(__name__)
 USAGE_LOG_MAX_AGE_S = 7 * 24 * 3600.0
 
 
+def cache_write_tokens(
+    request: GenerateRequest, num_prompt_tokens: int, num_cached_tokens: int
+) -> int:
+    """What the request's pins (cache_control) wrote to the cache: the tokens of its longest
+    pinned prefix, in whole blocks prefill stores, that were not cached already (Anthropic's
+    `cache_creation_input_tokens`). 0 without a pin."""
+    if not request.pins:
+        return 0
+    block = request.block_size_tokens
+    storable = (num_prompt_tokens - 1) // block * block  # never the block of the last token
+    pinned = min(max(p.num_tokens for p in request.pins) // block * block, storable)
+    return max(pinned - num_cached_tokens, 0)
+
+
 def usage_record(
     request: GenerateRequest,
     *,
@@ -38,6 +52,7 @@ def usage_record(
     prefill_worker_id: str,
     decode_worker_id: str,
     started_ms: int | None = None,
+    window_replayed: bool = False,
 ) -> UsageRecord:
     """The one record of a request, whoever writes it: its prompt split into the tokens a
     cache hit served and the tokens computed, and why the rest missed, finished now."""
@@ -56,7 +71,11 @@ def usage_record(
         finished_ms=now_ms(),
         prefill_worker_id=prefill_worker_id,
         decode_worker_id=decode_worker_id,
-        cache_miss_cause=probe.cause_for(num_cached_tokens) if probe is not None else "",
+        cache_miss_cause=(
+            probe.cause_for(num_cached_tokens, window_replayed) if probe is not None else ""
+        ),
+        num_cache_write_tokens=cache_write_tokens(request, num_prompt_tokens, num_cached_tokens),
+        pin_ttl_s=max((p.ttl_s for p in request.pins), default=0),
     )
 
 

@@ -9,7 +9,7 @@ its own assumptions, not another model's.
 
 The rates default to the reference deployment's per-GPU figures (docs/design.md, 'The
 reference deployment'; below); `CostModel(...)` takes measured ones (no service's flags
-set them yet).
+set them one by one; the router's `cost_speedup` scales them all, as `sped_up` does).
 The TTFT the router compares against its objective is Mooncake's Conductor form
 (`T_queue + T_prefill(uncached) + T_transfer`), in seconds, rather than Dynamo's weighted
 overlap score.
@@ -22,6 +22,7 @@ computing it, and a saturated store can make the load the larger part).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # One prefill GPU computes ~60K tokens/s without the cache and serves 1.5M tokens/s at 96%
@@ -102,6 +103,23 @@ class CostModel:
         ):
             if getattr(self, name) < 0:
                 raise CostModelError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def sped_up(self, factor: float) -> CostModel:
+        """This model on hardware `factor` x as fast (a mock engine's `mock_speedup`)."""
+        if not factor > 0:
+            raise CostModelError(f"factor must be > 0, got {factor}")
+        if factor == 1:
+            return self
+        return dataclasses.replace(
+            self,
+            prefill_tokens_per_s=self.prefill_tokens_per_s * factor,
+            load_tokens_per_s=self.load_tokens_per_s * factor,
+            replay_tokens_per_s=self.replay_tokens_per_s * factor,
+            host_load_bytes_per_s=self.host_load_bytes_per_s * factor,
+            decode_step_base_s=self.decode_step_base_s / factor,
+            decode_step_per_seq_s=self.decode_step_per_seq_s / factor,
+            decode_step_per_context_token_s=self.decode_step_per_context_token_s / factor,
+        )
 
     # -- prefill -------------------------------------------------------------------------
     def num_replay_tokens(self, num_cached_tokens: int, has_swa_snapshot: bool) -> int:

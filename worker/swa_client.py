@@ -24,7 +24,16 @@ import xxhash
 
 from shared.bus import Bus
 from shared.logging import get_logger
-from shared.schema.swa import SwaGet, SwaGetReply, SwaNixlRef, SwaPut, SwaPutReply, SwaRelease
+from shared.schema import pack_block_hashes
+from shared.schema.swa import (
+    SwaGet,
+    SwaGetReply,
+    SwaHold,
+    SwaNixlRef,
+    SwaPut,
+    SwaPutReply,
+    SwaRelease,
+)
 from worker.transfer import ByteRange, KvTransferAgent, TransferError, TransferTimeout
 
 log = get_logger(__name__)
@@ -193,6 +202,11 @@ class SwaClient:
             self.bus.subjects.swa_release, lease.location.instance_id
         )
         await self.bus.publish(subject, SwaRelease(lease_id=lease.lease_id))
+
+    async def hold(self, block_hashes: list[int], until_ms: int) -> None:
+        """Ask the memcache to keep these snapshots until `until_ms` (fire and forget)."""
+        request = SwaHold(block_hashes=pack_block_hashes(block_hashes), until_ms=until_ms)
+        await self.bus.publish(self._subject(self.bus.subjects.swa_hold), request)
 
     # -- internals -----------------------------------------------------------------------
     def _subject(self, endpoint_subject: str) -> str:

@@ -19,7 +19,6 @@ What is reduced, and `LiveResult.reductions` says so with the numbers of the run
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import tempfile
 import uuid
 from collections import Counter
@@ -156,16 +155,7 @@ class LiveResult:
 
 def sped_up(cost: CostModel, factor: float) -> CostModel:
     """The cost model of a mock engine run `factor` x faster than simulated (`mock_speedup`)."""
-    return dataclasses.replace(
-        cost,
-        prefill_tokens_per_s=cost.prefill_tokens_per_s * factor,
-        load_tokens_per_s=cost.load_tokens_per_s * factor,
-        replay_tokens_per_s=cost.replay_tokens_per_s * factor,
-        host_load_bytes_per_s=cost.host_load_bytes_per_s * factor,
-        decode_step_base_s=cost.decode_step_base_s / factor,
-        decode_step_per_seq_s=cost.decode_step_per_seq_s / factor,
-        decode_step_per_context_token_s=cost.decode_step_per_context_token_s / factor,
-    )
+    return cost.sped_up(factor)
 
 
 def run_live(trace: Sequence[TraceRequest], config: LiveConfig) -> LiveResult:

@@ -189,6 +189,8 @@ class UsageConsumer:
                 record.num_cache_hit_tokens,
                 record.num_cache_miss_tokens,
                 record.num_output_tokens,
+                cache_write_tokens=record.num_cache_write_tokens,
+                pin_ttl_s=record.pin_ttl_s,
             )
             return LedgerRow.of(record, source=source, charge=charge)
         except ValueError as exc:  # a source no producer should use, a price that cannot be

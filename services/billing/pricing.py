@@ -27,6 +27,11 @@ tokens; a `[models."<name>"]` entry takes the default's fields it leaves out:
     [models."tiny-coder"]
     off_peak = { hit = 0, miss = 100_000, output = 400_000 }
     windows = []                    # no peak for this model
+
+Pins (cache_control) may be priced apart, in any prices table: `cache_write` per million
+tokens a pin wrote, `storage_hour` per million tokens a pin keeps for an hour (a 5-minute
+pin costs a twelfth of that). Both default to 0: free, as the reference deployment prices
+its cache.
 """
 
 from __future__ import annotations
@@ -60,9 +65,11 @@ class Prices:
     hit: int
     miss: int
     output: int
+    cache_write: int = 0  # per million tokens a pin (cache_control) wrote
+    storage_hour: int = 0  # per million tokens a pin keeps, per hour
 
     def __post_init__(self) -> None:
-        for name in ("hit", "miss", "output"):
+        for name in ("hit", "miss", "output", "cache_write", "storage_hour"):
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise PricingError(
@@ -226,14 +233,36 @@ class Charge(NamedTuple):
     hit_pico_cny: int
     miss_pico_cny: int
     output_pico_cny: int
+    write_pico_cny: int = 0  # what a pin wrote
+    storage_pico_cny: int = 0  # what a pin keeps, for its time to live
 
     @property
     def total_pico_cny(self) -> int:
+        """The tokens' money (the ledger's `total_pico_cny`, which its schema binds to the
+        three token charges); a pin's is `pin_pico_cny`, apart."""
         return self.hit_pico_cny + self.miss_pico_cny + self.output_pico_cny
 
+    @property
+    def pin_pico_cny(self) -> int:
+        return self.write_pico_cny + self.storage_pico_cny
 
-def price(book: PriceBook, model: str, at_ms: int, hit: int, miss: int, output: int) -> Charge:
-    """Price one request that finished at `at_ms` (Unix ms) with these token counts."""
+
+def price(
+    book: PriceBook,
+    model: str,
+    at_ms: int,
+    hit: int,
+    miss: int,
+    output: int,
+    *,
+    cache_write_tokens: int = 0,
+    pin_ttl_s: int = 0,
+) -> Charge:
+    """Price one request that finished at `at_ms` (Unix ms) with these token counts, and
+    what its pin wrote and keeps (storage rounded to the nearest pico-CNY, half to even)."""
+    for name, count in (("cache_write_tokens", cache_write_tokens), ("pin_ttl_s", pin_ttl_s)):
+        if type(count) is not int or count < 0:
+            raise PricingError(f"{name} must be a non-negative integer, got {count!r}")
     if not (
         type(hit) is type(miss) is type(output) is type(at_ms) is int  # noqa: E721
         and min(hit, miss, output, at_ms) >= 0
@@ -242,8 +271,19 @@ def price(book: PriceBook, model: str, at_ms: int, hit: int, miss: int, output: 
             if type(count) is not int or count < 0:
                 raise PricingError(f"{name} must be a non-negative integer, got {count!r}")
     window, prices = book.for_model(model).window_at(at_ms)
+    storage, remainder = divmod(cache_write_tokens * prices.storage_hour * pin_ttl_s, 3600)
+    if remainder * 2 > 3600 or (remainder * 2 == 3600 and storage % 2):
+        storage += 1
     return Charge(
-        model, window, prices, at_ms, hit * prices.hit, miss * prices.miss, output * prices.output
+        model,
+        window,
+        prices,
+        at_ms,
+        hit * prices.hit,
+        miss * prices.miss,
+        output * prices.output,
+        cache_write_tokens * prices.cache_write,
+        storage,
     )
 
 
@@ -304,9 +344,15 @@ def _table(data: object, allowed: set[str], where: str) -> dict[str, Any]:
 
 
 def _prices(data: object, where: str) -> Prices:
-    table = _table(data, {"hit", "miss", "output"}, where)
+    table = _table(data, {"hit", "miss", "output", "cache_write", "storage_hour"}, where)
     try:
-        return Prices(table.get("hit"), table.get("miss"), table.get("output"))  # type: ignore[arg-type]
+        return Prices(
+            table.get("hit"),  # type: ignore[arg-type]
+            table.get("miss"),  # type: ignore[arg-type]
+            table.get("output"),  # type: ignore[arg-type]
+            table.get("cache_write", 0),
+            table.get("storage_hour", 0),
+        )
     except PricingError as exc:  # it names the field: hit, miss or output
         raise PricingError(f"{where}.{exc}") from exc
 

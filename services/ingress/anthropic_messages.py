@@ -8,9 +8,10 @@ opened, filled with deltas of their own type and closed in order, indices 0, 1, 
 it); one `message_delta` with the stop reason and the final usage, which repeats the input
 fields with decode's real count (the SDK overwrites its snapshot with them); `message_stop`.
 
-Usage splits the prompt into disjoint parts (AN-U-01): `input_tokens` = computed,
-`cache_read_input_tokens` = read from the KV store, `cache_creation_input_tokens` = 0 (the
-prefix cache is automatic; nothing is billed for writing it).
+Usage splits the prompt into disjoint parts (AN-U-01): `input_tokens` = computed and not
+pinned, `cache_read_input_tokens` = read from the KV store, `cache_creation_input_tokens` =
+computed and written under a `cache_control` pin (the prefix cache is automatic: without a
+breakpoint it is 0, and what is written is not billed apart).
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ from services.ingress.pipeline import (
     ToolCallEnd,
     Usage,
 )
-from services.ingress.protocol import text_of, tool_choice_of
+from services.ingress.protocol import (
+    cache_control_of,
+    checked_breakpoints,
+    pin_ttl_s,
+    text_of,
+    tool_choice_of,
+)
 from shared.tokenizer.chat import Chat, Message, Tool, ToolCall, canonical_json
 
 STOP_REASON = {
@@ -106,7 +113,24 @@ class MessagesRequest(CountTokensRequest):
 
 
 def to_chat(body: CountTokensRequest) -> Chat:
+    return chat_and_breakpoints(body)[0]
+
+
+def chat_and_breakpoints(body: CountTokensRequest) -> tuple[Chat, tuple[tuple[int, int], ...]]:
+    """The chat, and its `cache_control` breakpoints as (chat message index, ttl_s): a
+    breakpoint on a tool or the system prompt pins through the chat's first message (the
+    system prompt, where the templates render the tools), on a message's block through the
+    last chat message that message became."""
     messages: list[Message] = []
+    found: list[tuple[int, int, str]] = []
+    for i, tool in enumerate(body.tools or ()):
+        if (control := cache_control_of(tool)) is not None:
+            found.append((0, pin_ttl_s(control, f"tools[{i}].cache_control"), f"tools[{i}]"))
+    if isinstance(body.system, list):
+        for i, block in enumerate(body.system):
+            if (control := cache_control_of(block)) is not None:
+                where = f"system[{i}].cache_control"
+                found.append((0, pin_ttl_s(control, where), where))
     if body.system:
         system = (
             body.system
@@ -121,7 +145,11 @@ def to_chat(body: CountTokensRequest) -> Chat:
             messages.append(Message(m.role, m.content))
             continue
         texts, calls = [], []
+        controls = []
         for j, block in enumerate(m.content):
+            if (control := cache_control_of(block)) is not None:
+                where_control = f"{where}.content[{j}].cache_control"
+                controls.append((pin_ttl_s(control, where_control), where_control))
             if block.type == "text":
                 texts.append(block.text or "")
             elif block.type == "tool_use" and m.role == "assistant":
@@ -155,19 +183,24 @@ def to_chat(body: CountTokensRequest) -> Chat:
                 )
         if texts or calls:
             messages.append(Message(m.role, "".join(texts), tuple(calls)))
+        if messages:  # a breakpoint pins through what this message became
+            found += [(len(messages) - 1, ttl, where_control) for ttl, where_control in controls]
     tools = tuple(Tool(t.name, t.description or "", t.input_schema) for t in body.tools or ())
     choice, parallel = None, True
     if body.tool_choice is not None:
         kind = body.tool_choice.type
         choice = {"any": "required", "tool": {"name": body.tool_choice.name or ""}}.get(kind, kind)
         parallel = not body.tool_choice.disable_parallel_tool_use
-    return Chat(tuple(messages), tools, tool_choice_of(choice, tools), parallel)
+    chat = Chat(tuple(messages), tools, tool_choice_of(choice, tools), parallel)
+    return chat, checked_breakpoints(found)
 
 
 def to_completion(body: MessagesRequest, api_key_id: str) -> Completion:
+    chat, breakpoints = chat_and_breakpoints(body)
     return Completion(
         model=body.model,
-        chat=to_chat(body),
+        chat=chat,
+        breakpoints=breakpoints,
         max_tokens=body.max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=body.top_p or 1.0,
@@ -180,8 +213,8 @@ def to_completion(body: MessagesRequest, api_key_id: str) -> Completion:
 
 def usage_json(usage: Usage) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "input_tokens": usage.miss_tokens,
-        "cache_creation_input_tokens": 0,
+        "input_tokens": usage.miss_tokens - usage.cache_write_tokens,
+        "cache_creation_input_tokens": usage.cache_write_tokens,
         "cache_read_input_tokens": usage.cached_tokens,
         "output_tokens": usage.output_tokens,
         "prompt_cache_hit_tokens": usage.cached_tokens,

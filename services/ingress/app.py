@@ -463,7 +463,9 @@ class Started:
         if self.limiter is not None and self.admission is not None:
             outputs = [g.num_output_tokens for g in self.generations]
             known = None if None in outputs else sum(o or 0 for o in outputs)
-            await self.limiter.end(self.admission, known)
+            # A pin counts against the token quota too (the choices share one prompt).
+            pinned = self.generations[0].pin_quota_tokens if self.generations else 0
+            await self.limiter.end(self.admission, known, pinned)
 
 
 def _harness(request: Request) -> str:

@@ -35,6 +35,12 @@ class IngressConfig(ServiceConfig):
     # A session's latest turn (hashes only), kept this long for the cache-miss diagnosis of
     # its next turn: longer than an agent's longest tool call.
     session_ttl_s: float = 3600.0
+    # A turn ending in a tool call has its session's KV kept on the prefill worker that
+    # served it until the tool is expected back (services/ingress/staging.py): for this long
+    # after a tool the session never called before, at most `stage_max_s` (0: no staging).
+    stage_default_s: float = 120.0
+    # The longest a session is staged over a tool call, however long its tools took before.
+    stage_max_s: float = 1800.0
     # Each request's cache-miss diagnosis, kept this long for `kvfabric cache explain`.
     explain_ttl_s: float = 86400.0
     segment_cache_tokens: int = 4_000_000  # tokenized segments kept, per model

@@ -18,6 +18,9 @@ in the order a prompt renders them (namespace, system, tools, messages), and nam
                        (a timestamp, a nonce...: `span` names them, stability.py), or the
                        tools only in their order (`span=tool_order`), or the part that
                        changed on the previous turn changed again while the rest stayed
+  window_expired       every token the previous turn sent came from the cache, but the
+                       sliding window at the hit's end had to be recomputed: its snapshot
+                       had expired (swa-memcache's TTL) or was on no node in reach
   evicted              the previous prompt was sent unchanged, and the first block of it
                        the cache lacked was evicted (kv-index's tombstone: from which tier,
                        why, how long ago, after how long unused)
@@ -35,14 +38,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
 from services.ingress.stability import TOOL_ORDER, kinds_in, masked
+from services.ingress.staging import learned
 from shared.bus import Bus, now_ms
-from shared.schema import CacheProbe, Eviction
+from shared.schema import CacheProbe, Eviction, Pin
 from shared.tokenizer.chat import Chat, Message, Tool
 
 NONE = "none"
@@ -54,6 +58,7 @@ EARLIER_TURN_EDITED = "earlier_turn_edited"
 VOLATILE_SPAN = "volatile_span"
 EVICTED = "evicted"
 NOT_CACHED = "not_cached"
+WINDOW_EXPIRED = "window_expired"
 CAUSES = (
     NONE,
     NEVER_SEEN,
@@ -64,6 +69,7 @@ CAUSES = (
     VOLATILE_SPAN,
     EVICTED,
     NOT_CACHED,
+    WINDOW_EXPIRED,
 )
 HEADER = "x-kvfabric-cache"
 SESSION_HEADER = "x-session-id"
@@ -89,6 +95,15 @@ class TurnDigest(msgspec.Struct, frozen=True, kw_only=True):
     system_masked: str = ""
     system_kinds: str = ""  # comma-separated
     tools_in_order: str = ""
+    # Its prompt's tokens a pin (cache_control) keeps in the store, and until when (epoch
+    # ms): a later turn that misses inside it is flagged (`pin_missed`).
+    pinned_tokens: int = 0
+    pinned_until_ms: int = 0
+    # Staging (staging.py): each tool name's learned wait (s), and, once the turn ended in a
+    # tool call, the tools it called and when it ended (epoch ms).
+    tool_waits: dict[str, float] = {}
+    tools_called: tuple[str, ...] = ()
+    ended_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,12 +113,16 @@ class Diagnosis:
     part: str = ""  # where the prompt changed, for the causes that name one
     eviction: Eviction | None = None  # for `evicted`: the first missed block's tombstone
     span: str = ""  # for `volatile_span`: the kinds of span that changed, where known
+    pin_missed: bool = False  # the miss began inside a prefix a pin should have kept
 
     @classmethod
-    def of(cls, probe: CacheProbe, num_cached_tokens: int) -> Diagnosis:
-        cause = probe.cause_for(num_cached_tokens)
+    def of(
+        cls, probe: CacheProbe, num_cached_tokens: int, window_replayed: bool = False
+    ) -> Diagnosis:
+        cause = probe.cause_for(num_cached_tokens, window_replayed)
         eviction = probe.eviction if cause == EVICTED else None
-        return cls(cause, num_cached_tokens, probe.part, eviction, probe.span)
+        pin_missed = num_cached_tokens < probe.pinned_tokens
+        return cls(cause, num_cached_tokens, probe.part, eviction, probe.span, pin_missed)
 
     def evicted(self, now: int | None = None) -> dict[str, object]:
         """The tombstone as told: tier, why, seconds ago (at `now`, epoch ms), idle before."""
@@ -117,6 +136,7 @@ class Diagnosis:
         fields = [f"cause={self.cause}", f"first_miss_token={self.first_miss_token}"]
         fields += [f"part={self.part}"] if self.part else []
         fields += [f"span={self.span}"] if self.span else []
+        fields += ["pin=missed"] if self.pin_missed else []
         fields += [f"evicted_{k}={v}" for k, v in self.evicted().items()]
         return "; ".join(fields)
 
@@ -126,6 +146,8 @@ class Diagnosis:
             body["part"] = self.part
         if self.span:
             body["span"] = self.span
+        if self.pin_missed:
+            body["pin_missed"] = True
         if self.eviction is not None:
             body["evicted"] = self.evicted()
         return body
@@ -153,8 +175,11 @@ def _tools_hash(tools: Iterable[Tool]) -> str:
     )
 
 
-def digest(chat: Chat, namespace: str, num_prompt_tokens: int) -> TurnDigest:
-    """The turn's digest; `changed` is filled in by `compare` once the previous is known."""
+def digest(
+    chat: Chat, namespace: str, num_prompt_tokens: int, pins: Sequence[Pin] = ()
+) -> TurnDigest:
+    """The turn's digest; `changed` is filled in by `compare` once the previous is known.
+    `pins`: the request's (cache_control), the longest of which the digest keeps."""
     messages = chat.messages
     has_system = bool(messages) and messages[0].role == "system"
     system = messages[0].content if has_system else ""
@@ -169,6 +194,8 @@ def digest(chat: Chat, namespace: str, num_prompt_tokens: int) -> TurnDigest:
         system_masked=_hash(masked(system)),
         system_kinds=",".join(kinds_in(system)),
         tools_in_order=_tools_hash(sorted(chat.tools, key=lambda t: t.name)),
+        pinned_tokens=max((p.num_tokens for p in pins), default=0),
+        pinned_until_ms=max((now_ms() + p.ttl_s * 1000 for p in pins), default=0),
     )
 
 
@@ -190,7 +217,20 @@ def compare(previous: TurnDigest | None, current: TurnDigest) -> TurnDigest:
     """`current` with the part it changed against `previous` (what the next turn reads)."""
     if previous is None:
         return current
-    return msgspec.structs.replace(current, changed=changed_part(previous, current))
+    waits = previous.tool_waits
+    if previous.tools_called and previous.ended_ms:  # the tools ran until this turn came
+        waited_s = max(current.ts_ms - previous.ended_ms, 0) / 1000
+        waits = learned(waits, previous.tools_called, waited_s)
+    current = msgspec.structs.replace(current, tool_waits=waits)
+    changed = changed_part(previous, current)
+    if not changed and previous.pinned_until_ms > max(now_ms(), current.pinned_until_ms):
+        # An earlier pin of this prefix outlives this turn's own (or its lack of one).
+        return msgspec.structs.replace(
+            current,
+            pinned_tokens=max(previous.pinned_tokens, current.pinned_tokens),
+            pinned_until_ms=previous.pinned_until_ms,
+        )
+    return msgspec.structs.replace(current, changed=changed)
 
 
 def probe(previous: TurnDigest | None, current: TurnDigest, block_size_tokens: int) -> CacheProbe:
@@ -209,7 +249,11 @@ def probe(previous: TurnDigest | None, current: TurnDigest, block_size_tokens: i
     # cache, but never the block holding the prompt's last token (it is recomputed).
     sent_before = previous.num_prompt_tokens // block_size_tokens * block_size_tokens
     reusable = (current.num_prompt_tokens - 1) // block_size_tokens * block_size_tokens
-    return CacheProbe(expected_cached_tokens=min(sent_before, reusable))
+    expected = min(sent_before, reusable)
+    pinned = 0
+    if previous.pinned_until_ms > now_ms():  # what prefill stored of it: whole blocks
+        pinned = min(previous.pinned_tokens // block_size_tokens * block_size_tokens, expected)
+    return CacheProbe(expected_cached_tokens=expected, pinned_tokens=pinned)
 
 
 def _volatile_kinds(previous: TurnDigest, current: TurnDigest, part: str) -> str:

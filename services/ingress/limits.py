@@ -16,7 +16,8 @@ protocol's shape, `Retry-After` and the rate-limit headers the SDKs read:
 - concurrent requests: each replica's own open count plus what its peers report (on every
   change, and each second); a peer silent for `open_ttl_s` is forgotten, which is how a dead
   replica's slots are released.
-- a token quota per UTC day or month: a counter per scope and period in a JetStream
+- a token quota per UTC day or month (input, output, and what a pin keeps: the tokens it
+  wrote times the hours it keeps them, rounded up): a counter per scope and period in a JetStream
   key-value bucket, added to (compare-and-set) when a request ends; read through a 1 s cache,
   so requests in flight may overshoot it by what they use.
 - the largest body and prompt a key or account may send: 413 and 400, never retryable.
@@ -228,9 +229,13 @@ class Limiter:
             return f"{quota} tokens per {limits.period}", _period_end(limits.period, now) - now
         return None
 
-    async def end(self, admission: Admission, num_output_tokens: int | None) -> None:
+    async def end(
+        self, admission: Admission, num_output_tokens: int | None, num_pinned_tokens: int = 0
+    ) -> None:
         """The request ended: its open slot back, its output reservation settled to what it
-        produced (None: unknown, the reservation stands), its tokens on the quota."""
+        produced (None: unknown, the reservation stands), its tokens on the quota, with what
+        its pin keeps (`num_pinned_tokens`: the tokens it wrote times the hours it keeps
+        them, rounded up)."""
         if admission.ended:
             return
         admission.ended = True
@@ -248,7 +253,9 @@ class Limiter:
                 key = _quota_key(scope, now)
                 try:
                     total = await self.bus.js.kv_add(
-                        self.bus.subjects.quota_bucket, key, admission.num_prompt_tokens + output
+                        self.bus.subjects.quota_bucket,
+                        key,
+                        admission.num_prompt_tokens + output + num_pinned_tokens,
                     )
                 except Exception:  # the answer is out: a quota undercounts, never a request
                     log.exception("adding to a quota failed", scope=scope.id)

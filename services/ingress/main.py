@@ -26,6 +26,7 @@ from services.ingress.limits import Limiter
 from services.ingress.models import ModelTable
 from services.ingress.openai_responses import ResponseStore
 from services.ingress.pipeline import Pipeline
+from services.ingress.staging import StagingPolicy
 from shared.accounts import AccountStore
 from shared.api_keys import KeyStore
 from shared.runtime import ServiceRuntime, service_main
@@ -62,6 +63,11 @@ async def setup(runtime: ServiceRuntime) -> None:
         default_max_tokens=config.default_max_tokens,
         keepalive_s=config.keepalive_s,
         metrics=runtime.metrics,
+        staging=(
+            StagingPolicy(config.stage_default_s, config.stage_max_s)
+            if config.stage_max_s > 0
+            else None
+        ),
     )
     responses = ResponseStore(bus, config.responses_ttl_s)
     await responses.start()

@@ -69,6 +69,12 @@ class IngressMetrics:
             "twice running, of no known kind).",
             labels={"harness": HARNESS_LABELS, "span": SPAN_LABELS},
         )
+        self.staged_turns = metrics.counter(
+            "kvfabric_ingress_staged_turns_total",
+            "Turns that ended in a tool call whose session's KV was staged on the prefill "
+            "worker that served them until the tool is expected back "
+            "(services/ingress/staging.py).",
+        )
         self.prefix_rewrites = metrics.counter(
             "kvfabric_ingress_prefix_rewrites_total",
             "System-prompt lines the prefix guard removed or moved, by kind (accounts that "

@@ -29,7 +29,13 @@ from services.ingress.pipeline import (
     ToolCallEnd,
     Usage,
 )
-from services.ingress.protocol import text_of, tool_choice_of
+from services.ingress.protocol import (
+    cache_control_of,
+    checked_breakpoints,
+    pin_ttl_s,
+    text_of,
+    tool_choice_of,
+)
 from shared.tokenizer.chat import Chat, Message, Tool, ToolCall
 
 FINISH = {
@@ -136,8 +142,17 @@ class ChatCompletionRequest(_Open):
 
 def to_completion(body: ChatCompletionRequest, api_key_id: str) -> Completion:
     messages, names = [], {}
+    found: list[tuple[int, int, str]] = []
     for i, m in enumerate(body.messages):
         where = f"messages[{i}]"
+        # A breakpoint (cache_control, as Anthropic's) on the message or one of its parts.
+        parts = m.content if isinstance(m.content, list) else []
+        for place, item in [
+            (where, m),
+            *((f"{where}.content[{j}]", p) for j, p in enumerate(parts)),
+        ]:
+            if (control := cache_control_of(item)) is not None:
+                found.append((i, pin_ttl_s(control, f"{place}.cache_control"), place))
         if m.role in ("system", "developer"):
             messages.append(Message("system", text_of(m.content, where)))
         elif m.role == "user":
@@ -182,6 +197,7 @@ def to_completion(body: ChatCompletionRequest, api_key_id: str) -> Completion:
         seed=body.seed,
         stop=tuple(s for s in stop if s),
         api_key_id=api_key_id,
+        breakpoints=checked_breakpoints(found),
     )
 
 
@@ -191,7 +207,10 @@ def usage_json(usage: Usage, num_output: int | None = None) -> dict[str, Any]:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": output,
         "total_tokens": usage.prompt_tokens + output,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "prompt_tokens_details": {
+            "cached_tokens": usage.cached_tokens,
+            "cache_write_tokens": usage.cache_write_tokens,
+        },
         "completion_tokens_details": {"reasoning_tokens": 0},
         # DeepSeek's split of the prompt: read from the cache, computed.
         "prompt_cache_hit_tokens": usage.cached_tokens,
@@ -210,6 +229,7 @@ def combined_usage(finals: list[Finished]) -> Usage:
         first.cached_tokens,
         sum(f.usage.output_tokens for f in finals),
         first.cache,
+        first.cache_write_tokens,
     )
 
 

@@ -195,7 +195,10 @@ def to_completion(body: ResponsesRequest, prompt: list[Message], api_key_id: str
 def usage_json(usage: Usage) -> dict[str, Any]:
     body: dict[str, Any] = {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": usage.cached_tokens,
+            "cache_write_tokens": usage.cache_write_tokens,
+        },
         "output_tokens": usage.output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.prompt_tokens + usage.output_tokens,

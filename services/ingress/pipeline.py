@@ -45,6 +45,7 @@ from services.ingress.errors import ApiError, from_service_error, invalid
 from services.ingress.metrics import IngressMetrics
 from services.ingress.models import ModelTable, ServedModel
 from services.ingress.stability import REWRITE_ACTION, Rewrite, canonical
+from services.ingress.staging import StagingPolicy
 from shared import audit, telemetry
 from shared.bus import Bus, now_ms
 from shared.client import GenerateResult, build_request, generate
@@ -54,8 +55,10 @@ from shared.schema import (
     CacheProbe,
     Eviction,
     GenerateRequest,
+    Pin,
     RouteDecision,
     ServiceError,
+    StageRequest,
     TokenChunk,
     num_packed_tokens,
     unpack_token_ids,
@@ -73,6 +76,7 @@ from shared.tokenizer.tool_parsers import (
     ToolCallParser,
     parser_for,
 )
+from shared.usage import cache_write_tokens
 from shared.usage_outbox import UsageOutbox
 
 log = get_logger(__name__)
@@ -118,6 +122,9 @@ class Completion:
     # Its prompt's text may be kept around its first cache miss (`kvfabric cache explain`):
     # never for an account whose cache is isolated from others'.
     keep_text: bool = False
+    # Its `cache_control` breakpoints: (chat message index, ttl_s), in prompt order; the
+    # prompt through each message stays in the store for its ttl (a `Pin` each).
+    breakpoints: tuple[tuple[int, int], ...] = ()
     # Its account opted in to the prefix guard: volatile system-prompt lines are moved or
     # removed before tokenization (stability.py).
     prefix_guard: bool = False
@@ -130,6 +137,7 @@ class Usage:
     cached_tokens: int  # of prompt_tokens: read from the KV store, not computed
     output_tokens: int
     cache: Diagnosis | None = None  # why the rest missed (the usage's `kvfabric_cache`)
+    cache_write_tokens: int = 0  # of the missed, what a pin (cache_control) wrote
 
     @property
     def miss_tokens(self) -> int:
@@ -156,12 +164,18 @@ class Turn:
     probe: CacheProbe  # what the diagnosis knows before the request runs
     key: str | None  # where it is kept for the next turn (None: no session)
 
-    def diagnosis(self, num_cached_tokens: int, eviction: Eviction | None = None) -> Diagnosis:
-        """With the router's tombstone of the first block missed, when it was evicted."""
+    def diagnosis(
+        self,
+        num_cached_tokens: int,
+        eviction: Eviction | None = None,
+        window_replayed: bool = False,
+    ) -> Diagnosis:
+        """With the router's tombstone of the first block missed, when it was evicted, and
+        whether prefill had to recompute the window at the hit's end (known at the end)."""
         probe = self.probe
         if eviction is not None:
             probe = msgspec.structs.replace(probe, eviction=eviction)
-        return Diagnosis.of(probe, num_cached_tokens)
+        return Diagnosis.of(probe, num_cached_tokens, window_replayed)
 
 
 @dataclass
@@ -191,6 +205,7 @@ class Pipeline:
         default_max_tokens: int = 1024,
         keepalive_s: float = 10.0,
         metrics: Metrics | None = None,  # the process's (a test's own when None)
+        staging: StagingPolicy | None = None,  # None: nothing staged over tool calls
     ) -> None:
         self.bus = bus
         self.models = models
@@ -198,6 +213,10 @@ class Pipeline:
         self.sessions = sessions
         self.explanations = explanations
         self._background: set[asyncio.Task[None]] = set()
+        self.staging = staging
+        # A session's latest digest write, per key: a later write of the same key waits for
+        # it (the turn's end must not be overwritten by its start).
+        self._session_writes: dict[str, asyncio.Task[None]] = {}
         self.default_max_tokens = default_max_tokens
         self.keepalive_s = keepalive_s
         self.counts = IngressMetrics(metrics or Metrics(INGRESS, bus.instance_id))
@@ -264,6 +283,7 @@ class Pipeline:
             )
         max_tokens = completion.max_tokens or min(self.default_max_tokens, room)
         request_id = uuid.uuid4().hex
+        pins = await self._pins(chat, completion.breakpoints, model)
         # The session's turn as the client sent it: without the message of moved lines the
         # guard appended (the next turn replaces it with the answer; no edit of the client's).
         compared, num_compared = chat, num_prompt
@@ -272,7 +292,7 @@ class Pipeline:
             num_compared = await asyncio.to_thread(
                 model.tokenizer.count, compared, add_generation_prompt=False
             )
-        turn = await self._turn(completion, compared, num_compared, model, request_id)
+        turn = await self._turn(completion, compared, num_compared, model, request_id, pins)
         request = build_request(
             ids,
             model=model.name,
@@ -288,7 +308,10 @@ class Pipeline:
             account=completion.account,
             cache_salt=completion.cache_salt,
             cache_probe=turn.probe,
+            session=completion.session,
         )
+        if pins:
+            request = msgspec.structs.replace(request, pins=pins)
         forced = model.chat_format.forced_prefix(chat)
         parse_tools = bool(chat.tools) and chat.tool_choice.mode != "none"
         span = telemetry.current_span()  # the HTTP request's
@@ -326,6 +349,19 @@ class Pipeline:
                 "auditing a prefix-guard rewrite failed", request_id=request_id, exc_info=True
             )
 
+    async def _pins(
+        self, chat: Chat, breakpoints: tuple[tuple[int, int], ...], model: ServedModel
+    ) -> tuple[Pin, ...]:
+        """A `Pin` per breakpoint: the prompt's tokens through its message, and its ttl."""
+        pins = []
+        for index, ttl_s in breakpoints:
+            through = dataclasses.replace(chat, messages=chat.messages[: index + 1])
+            num_tokens = await asyncio.to_thread(
+                model.tokenizer.count, through, add_generation_prompt=False
+            )
+            pins.append(Pin(num_tokens, ttl_s))
+        return tuple(sorted(pins, key=lambda p: p.num_tokens))
+
     async def _turn(
         self,
         completion: Completion,
@@ -333,6 +369,7 @@ class Pipeline:
         num_prompt: int,
         model: ServedModel,
         request_id: str,
+        pins: tuple[Pin, ...] = (),
     ) -> Turn:
         previous, key = None, None
         if self.sessions is not None:
@@ -348,7 +385,7 @@ class Pipeline:
                 key = session_key(account, completion.session)
         if key is None:  # no session: nothing to compare with, no digest to keep
             return Turn(None, CacheProbe(cause=NEVER_SEEN), None)
-        current = compare(previous, digest(chat, completion.cache_salt, num_prompt))
+        current = compare(previous, digest(chat, completion.cache_salt, num_prompt, pins))
         return Turn(current, probe(previous, current, model.block_size_tokens), key)
 
     def explain(self, prepared: Prepared, diagnosis: Diagnosis) -> None:
@@ -397,14 +434,65 @@ class Pipeline:
         turn = prepared.turn
         if self.sessions is None or turn is None or turn.key is None or turn.current is None:
             return
-        self._in_background(self._remember(self.sessions, turn.key, turn.current))
+        self._write_turn(self.sessions, turn.key, turn.current)
+
+    def _write_turn(self, sessions: SessionTurns, key: str, digest: TurnDigest) -> None:
+        before = self._session_writes.get(key)
+        task = asyncio.create_task(self._remember(sessions, key, digest, before))
+        self._session_writes[key] = task
+        self._background.add(task)
+
+        def done(finished: asyncio.Task[None]) -> None:
+            self._background.discard(finished)
+            if self._session_writes.get(key) is finished:
+                del self._session_writes[key]
+
+        task.add_done_callback(done)
 
     @staticmethod
-    async def _remember(sessions: SessionTurns, key: str, current: TurnDigest) -> None:
+    async def _remember(
+        sessions: SessionTurns,
+        key: str,
+        current: TurnDigest,
+        before: asyncio.Task[None] | None = None,
+    ) -> None:
+        if before is not None:
+            await asyncio.gather(before, return_exceptions=True)
         try:
             await sessions.put(key, current)
         except Exception:  # only the next turn's diagnosis suffers
             log.warning("keeping a session's turn failed", exc_info=True)
+
+    def stage(self, prepared: Prepared, prefill_worker_id: str, tools: tuple[str, ...]) -> None:
+        """The turn ended calling `tools`: keep its session's KV on the prefill worker that
+        served it until the tools are expected back, and remember when it ended (the next
+        turn learns the tools' wait from it). staging.py."""
+        turn = prepared.turn
+        if (
+            self.staging is None
+            or self.sessions is None
+            or turn is None
+            or turn.key is None
+            or turn.current is None
+            or not prefill_worker_id
+        ):
+            return
+        hold_s = self.staging.hold_s(turn.current.tool_waits, tools)
+        request = prepared.request
+        stage = StageRequest(
+            request_id=request.request_id, block_hashes=request.block_hashes, hold_s=hold_s
+        )
+        subject = self.bus.subjects.instance(self.bus.subjects.prefill_stage, prefill_worker_id)
+        self._in_background(self._publish(subject, stage))
+        self.counts.staged_turns.inc()
+        ended = msgspec.structs.replace(turn.current, tools_called=tools, ended_ms=now_ms())
+        self._write_turn(self.sessions, turn.key, ended)
+
+    async def _publish(self, subject: str, message: StageRequest) -> None:
+        try:
+            await self.bus.publish(subject, message)
+        except Exception:  # only the next turn's speed suffers
+            log.warning("staging a session failed", exc_info=True)
 
     def fork(self, prepared: Prepared, index: int) -> Prepared:
         """Choice `index` of an n-choice request: its own request id (and seed, if one was
@@ -450,6 +538,9 @@ class Generation:
         self._last_chunk_s: float | None = None  # when its latest tokens came (TTFT, ITL)
         self.num_cached_estimate = 0  # the router's, until decode's count comes at the end
         self.eviction: Eviction | None = None  # the router's: the first block missed, evicted
+        self.pin_quota_tokens = 0  # what its pin adds to the token quota, once it ended
+        self.prefill_worker_id = ""  # the router's choice, once it chose
+        self._tools_called: tuple[str, ...] = ()  # the tools it called, by name, once each
         if prepared.parse_tools:
             names = [t.name for t in prepared.completion.chat.tools]
             self._parser = parser_for(
@@ -487,6 +578,7 @@ class Generation:
     def _on_decision(self, decision: RouteDecision) -> None:
         self.num_cached_estimate = decision.num_cached_tokens
         self.eviction = decision.eviction
+        self.prefill_worker_id = decision.prefill_worker_id
         self._decided.set()
 
     async def next(self) -> Event | object | None:
@@ -506,6 +598,14 @@ class Generation:
         event = self._events.popleft()
         self._record(event)
         return event
+
+    def _pin_written(self, num_prompt_tokens: int, num_cached_tokens: int) -> int:
+        request = self.prepared.request
+        written = cache_write_tokens(request, num_prompt_tokens, num_cached_tokens)
+        ttl_s = max((p.ttl_s for p in request.pins), default=0)
+        # Against the account's token quota: a pinned token counts once per hour it is kept.
+        self.pin_quota_tokens = -(-written * ttl_s // 3600)
+        return written
 
     async def run_to_end(self) -> tuple[list[Event], Finished]:
         """Every event (the non-streaming answer)."""
@@ -545,6 +645,8 @@ class Generation:
         fragment). Where the model's text stopped being JSON, the call ends there and the
         rest of what it wrote follows as text, so nothing it wrote is lost."""
         for event in events:
+            if isinstance(event, ToolCallBegin) and event.name not in self._tools_called:
+                self._tools_called += (event.name,)
             if isinstance(event, ToolCallDelta):
                 self._arguments[event.index] = (
                     self._arguments.get(event.index, "") + event.arguments
@@ -583,10 +685,15 @@ class Generation:
         has_calls = self._parser is not None and self._parser.num_calls > 0
         if has_calls and reason in ("stop", "stop_sequence"):
             reason = "tool_calls"
+        if reason == "tool_calls" and self.prepared.request.request_id.find("-") < 0:
+            # (choice 0 only: the choices of one request share one prompt)
+            self.pipeline.stage(self.prepared, self.prefill_worker_id, self._tools_called)
         turn = self.prepared.turn
         cache = None
         if turn is not None:
-            cache = turn.diagnosis(usage.num_cached_tokens, self.eviction)
+            stats = result.stats
+            replayed = stats is not None and stats.prefill.swa_restore in ("bounded", "exact")
+            cache = turn.diagnosis(usage.num_cached_tokens, self.eviction, replayed)
         if cache is not None:
             counts = self.pipeline.counts
             counts.cache_diagnoses.labels(cache.cause).inc()
@@ -603,6 +710,7 @@ class Generation:
                     usage.num_cached_tokens,
                     usage.num_output_tokens,
                     cache,
+                    self._pin_written(usage.num_prompt_tokens, usage.num_cached_tokens),
                 ),
                 stop_sequence if reason == "stop_sequence" else None,
             )

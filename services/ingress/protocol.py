@@ -51,3 +51,53 @@ def tool_choice_of(choice: str | dict[str, Any] | None, tools: Iterable[Tool]) -
     if name not in names:
         raise invalid(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
     return ToolChoice("function", name)
+
+
+# Pins: Anthropic's `cache_control` breakpoints ({"type": "ephemeral", "ttl": "5m" | "1h"}),
+# taken on the OpenAI-style APIs too (on a message or a content part): the prompt through
+# the message holding one stays in the store for its ttl (docs/ingress.md, 'Pins').
+PIN_TTLS = {"5m": 300, "1h": 3600}
+MAX_BREAKPOINTS = 4
+
+
+def cache_control_of(item: Any) -> Any:
+    """The `cache_control` an item (a pydantic model with extra fields, or a dict) carries."""
+    if isinstance(item, dict):
+        return item.get("cache_control")
+    return (getattr(item, "model_extra", None) or {}).get("cache_control")
+
+
+def pin_ttl_s(value: Any, where: str) -> int:
+    """A `cache_control`'s time to live in seconds; a 400 naming `where` for anything else."""
+    if not isinstance(value, dict) or value.get("type") != "ephemeral":
+        raise invalid(
+            f'{where}: cache_control must be {{"type": "ephemeral"}}, with an optional '
+            '"ttl" of "5m" or "1h"',
+            where,
+        )
+    unknown = sorted(set(value) - {"type", "ttl"})
+    if unknown:
+        raise invalid(f"{where}: cache_control has unknown field {unknown[0]!r}", where)
+    ttl = value.get("ttl", "5m")
+    if ttl not in PIN_TTLS:
+        raise invalid(f'{where}.ttl: must be "5m" or "1h", got {ttl!r}', f"{where}.ttl")
+    return PIN_TTLS[ttl]
+
+
+def checked_breakpoints(found: Sequence[tuple[int, int, str]]) -> tuple[tuple[int, int], ...]:
+    """(chat message index, ttl_s) of each breakpoint, from (index, ttl_s, where) in prompt
+    order: at most four, and none with a longer ttl after one with a shorter (a 1h prefix
+    inside a 5m one would end first), as Anthropic's API requires."""
+    if len(found) > MAX_BREAKPOINTS:
+        raise invalid(
+            f"at most {MAX_BREAKPOINTS} blocks may carry cache_control, got {len(found)}",
+            found[MAX_BREAKPOINTS][2],
+        )
+    for (_, before, _), (_, after, where) in zip(found, found[1:], strict=False):
+        if after > before:
+            raise invalid(
+                f"{where}: a cache_control ttl of {after} s follows one of {before} s; "
+                "longer ttls must come first",
+                where,
+            )
+    return tuple((index, ttl) for index, ttl, _ in found)

@@ -9,6 +9,11 @@ Pure and synchronous (no NATS, no asyncio): handlers.py feeds it events and ques
   `shared.kv_index_client` for the merge across shards); a read refreshes recency.
 - `evict(now)`: TTL first, then LRU from the high watermark down to the low one, per tier.
   Returns what was dropped, for the service to publish as BlocksRemoved (writers reuse slots).
+- `BlocksPinned` (a request's `cache_control` prefix, logged by the writer that stored it):
+  those blocks are kept out of TTL and watermark eviction until the pin's end (a later pin
+  extends it); an admin's evict or flush drops them all the same. Pins are kept per hash
+  (a dict entry, ~100 bytes each: pins are bounded by what accounts may pin), dropped with
+  their block or when they end, and saved in snapshots.
 - Every block that leaves a tier leaves a tombstone (tombstones.py: tier, why, when, idle
   how long), and a match names the tombstone of each tier's first miss, so a turn that
   misses what an earlier one stored can be told it was evicted.
@@ -27,6 +32,7 @@ from services.kv_index.table import DAY_S, TierTable
 from services.kv_index.tombstones import DEFAULT_CAPACITY, Tombstones
 from shared.schema import (
     AllBlocksCleared,
+    BlocksPinned,
     BlocksRemoved,
     BlocksStored,
     KvEventBatch,
@@ -72,6 +78,7 @@ class Counters:
     num_blocks_matched: int = 0
     num_evicted_ttl: int = 0
     num_evicted_capacity: int = 0
+    num_kept_pinned: int = 0  # blocks an eviction would have taken but a pin kept
 
 
 @dataclass
@@ -87,6 +94,7 @@ class KvIndex:
     tables: dict[str, TierTable] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
     tombstone_capacity: int = DEFAULT_CAPACITY
+    pins: dict[int, float] = field(default_factory=dict)  # hash -> pinned until (epoch s)
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard_id < self.num_shards:
@@ -141,6 +149,11 @@ class KvIndex:
                 self._bury(table, rows, event.reason or "removed", now)
                 table.remove_rows(rows)
                 self.counters.num_blocks_removed += len(rows)
+            elif isinstance(event, BlocksPinned):
+                until = event.until_ms / 1000
+                for h in unpack_block_hashes(event.block_hashes).tolist():
+                    if self.owns(h) and self.pins.get(h, 0.0) < until:
+                        self.pins[h] = until
             elif isinstance(event, AllBlocksCleared):
                 table = self._table(event.tier)
                 table.remove_rows(table.rows_of_writer(writer))
@@ -186,12 +199,20 @@ class KvIndex:
     # -- eviction ---------------------------------------------------------------------------
     def evict(self, now: float) -> list[Removal]:
         removals = []
+        if self.pins:
+            self.pins = {h: until for h, until in self.pins.items() if until > now}
         for table in self.tables.values():
+            pinned = self._pinned_rows(table)
             expired = table.expired_rows(now, self.ttl_s)
+            if len(pinned):
+                kept = np.isin(expired, pinned)
+                self.counters.num_kept_pinned += int(kept.sum())
+                expired = expired[~kept]
             removals += self._drop(table, expired, "ttl", now)
             self.counters.num_evicted_ttl += len(expired)
             if table.used_bytes > self.high_watermark * table.capacity_bytes:
-                victims = table.rows_to_free(int(self.low_watermark * table.capacity_bytes))
+                target = int(self.low_watermark * table.capacity_bytes)
+                victims = table.rows_to_free(target, exclude=pinned)
                 removals += self._drop(table, victims, "capacity", now)
                 self.counters.num_evicted_capacity += len(victims)
         return removals
@@ -209,6 +230,12 @@ class KvIndex:
                 removals += self._drop(table, chosen, "admin", now)
         return removals
 
+    def _pinned_rows(self, table: TierTable) -> np.ndarray:
+        if not self.pins:
+            return np.zeros(0, np.int64)
+        rows = table.find_many(np.fromiter(self.pins, np.uint64, len(self.pins)))
+        return rows[rows >= 0]
+
     def _bury(self, table: TierTable, rows: np.ndarray, reason: str, now: float) -> None:
         if len(rows):
             last_used = table.seconds(table.access[rows])
@@ -218,6 +245,9 @@ class KvIndex:
         if not len(rows):
             return []
         self._bury(table, rows, reason, now)
+        if self.pins:  # an admin's eviction drops pinned blocks too: their pins go with them
+            for h in table.hash[rows].tolist():
+                self.pins.pop(h, None)
         by_writer: dict[int, list[int]] = {}
         for writer, block_hash in zip(
             table.writers(rows).tolist(), table.hash[rows].tolist(), strict=True
@@ -246,6 +276,7 @@ class KvIndex:
                 "writer_ids": self.writer_ids,
                 "writer_seq": self.writer_seq,
                 "tiers": {t: table.to_columns() for t, table in self.tables.items()},
+                "pins": self.pins,
             }
         )
 
@@ -255,6 +286,7 @@ class KvIndex:
         self.writer_ids = list(state["writer_ids"])
         self._writer_index = {w: i for i, w in enumerate(self.writer_ids)}
         self.writer_seq = dict(state["writer_seq"])
+        self.pins = {int(h): float(until) for h, until in state.get("pins", {}).items()}
         self.tables = {
             tier: TierTable.from_columns(
                 tier, self.capacity_bytes.get(tier, 1 << 62), columns, self.ttl_s

@@ -221,12 +221,15 @@ class TierTable:
         # A stable sort of 16-bit keys is a radix sort: linear, 10M rows in ~0.1 s.
         return rows[np.argsort(self.access[rows], kind="stable")]
 
-    def rows_to_free(self, target_bytes: int) -> np.ndarray:
-        """The least recently used rows whose removal brings usage down to `target_bytes`."""
+    def rows_to_free(self, target_bytes: int, exclude: np.ndarray | None = None) -> np.ndarray:
+        """The least recently used rows whose removal brings usage down to `target_bytes`
+        (or as near as the rows not in `exclude` can)."""
         excess = self.used_bytes - target_bytes
         if excess <= 0:
             return np.zeros(0, np.int64)
         ordered = self.oldest_first(self.live_rows())
+        if exclude is not None and len(exclude):
+            ordered = ordered[~np.isin(ordered, exclude)]
         freed = np.cumsum(self.kind_bytes[self.kind[ordered]].astype(np.int64))
         count = int(np.searchsorted(freed, excess, side="left")) + 1
         return ordered[:count]

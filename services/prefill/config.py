@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from shared.config import ConfigError, EngineWorkerConfig
+from worker.serving.fair_queue import FCFS, QUEUE_POLICIES
 
 SWA_REPLAY_MODES = ("bounded", "exact")
 
@@ -25,6 +26,9 @@ class PrefillConfig(EngineWorkerConfig):
     # Tokens a bounded replay recomputes (0: one window W); ignored with swa_replay=exact.
     swa_replay_tokens: int = 0
     handoff_timeout_s: float = 30.0  # decode's pull of the staged suffix
+    # The order queued jobs are computed in: fcfs (arrival) or fair (the router's queue level,
+    # then accounts in turn, the oldest job leading one pass in 4: worker/serving/fair_queue.py).
+    queue_policy: str = FCFS
 
     def validate(self) -> None:
         super().validate()
@@ -36,3 +40,5 @@ class PrefillConfig(EngineWorkerConfig):
             raise ConfigError("swa_replay_tokens must be >= 0")
         if self.handoff_timeout_s <= 0:
             raise ConfigError("handoff_timeout_s must be > 0")
+        if self.queue_policy not in QUEUE_POLICIES:
+            raise ConfigError(f"queue_policy must be one of {', '.join(QUEUE_POLICIES)}")

@@ -2,11 +2,14 @@
 uncached suffix and hands it to decode. docs/design.md, 'One request, end to end' and
 'Sliding-window state'; docs/request-flow.md.
 
-Serves `<root>.prefill.run[.<id>]` (`PrefillJob` -> `PrefillDone`, once decode holds the
-suffix) and its NIXL metadata; listens for `CancelRequest`s; writes the blocks it computes
-to the store (`--store-dir`, shared by every worker) and logs them for kv-index; puts the
-window snapshot at each prompt's last block boundary into swa-memcache. Heartbeats report
-the tokens still to compute (`num_queued_tokens`) and the KV pool's pages.
+Serves `<root>.prefill.stage[.<id>]` (`StageRequest`, published: a session's blocks kept in
+the host tier over a tool call) and `<root>.prefill.run[.<id>]` (`PrefillJob` ->
+`PrefillDone`, once decode holds the suffix) and its NIXL metadata; listens for
+`CancelRequest`s; writes the blocks it computes to the store (`--store-dir`, shared by
+every worker) and logs them for kv-index; puts the window snapshot at each prompt's last
+block boundary into swa-memcache. Heartbeats report
+the tokens still to compute (`num_queued_tokens`; by queue level with `--queue-policy fair`)
+and the KV pool's pages.
 
 `--engine mock` runs the same worker over a simulated model (worker/mock_engine/): the
 served model's geometry without its weights, each pass sleeping the cost model's time, and
@@ -20,7 +23,7 @@ import asyncio
 from services.prefill.config import PrefillConfig
 from shared.bus import Endpoint
 from shared.runtime import ServiceRuntime, service_main
-from shared.schema import CancelRequest, PrefillJob
+from shared.schema import CancelRequest, PrefillJob, StageRequest
 from shared.subjects import PREFILL
 from worker.serving.wiring import (
     limit_openmp_spin,
@@ -74,10 +77,14 @@ async def setup(runtime: ServiceRuntime) -> None:
         compute_lock=compute_lock,
         model_thread=model_thread,
         metrics=runtime.metrics,
+        queue_policy=config.queue_policy,
     )
     start_worker(runtime, worker, kv.store, kv.agent.close, host_tier=runner.host_tier)
     await publish_holdings(runtime, runner)
     await bus.serve(Endpoint("run", bus.subjects.prefill_run, PrefillJob, worker.handle_job))
+    await bus.serve(
+        Endpoint("stage", bus.subjects.prefill_stage, StageRequest, worker.handle_stage)
+    )
     await bus.subscribe(bus.subjects.cancel, CancelRequest, worker.on_cancel)
 
 

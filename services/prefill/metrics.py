@@ -45,6 +45,11 @@ class PrefillMetrics:
             "kvfabric_prefill_replayed_tokens_total",
             "Tokens recomputed through the sliding layers to restore windows.",
         )
+        self.staged_blocks = metrics.counter(
+            "kvfabric_prefill_staged_blocks_total",
+            "Blocks kept in the host tier for a session whose turn ended in a tool call "
+            "(services/ingress/staging.py), counted once per staging.",
+        )
         self.blocks_stored = metrics.counter(
             "kvfabric_prefill_blocks_stored_total", "New complete blocks written to the store."
         )

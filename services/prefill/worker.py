@@ -50,6 +50,8 @@ from shared.schema import (
     PrefillJob,
     PrefillTimings,
     ServiceError,
+    StageRequest,
+    unpack_block_hashes,
 )
 from shared.subjects import PREFILL
 from shared.tasks import cancel_and_wait
@@ -62,6 +64,7 @@ from worker.engine.swa_restore import snapshot_to_bytes
 from worker.engine.worker import ModelThread
 from worker.kvstore.writer import KvEventPublisher
 from worker.serving.checks import checked_prompt
+from worker.serving.fair_queue import FAIR, FCFS, NUM_QUEUE_LEVELS, FairOrder, QueuedJob
 from worker.serving.pages import stage_pages, store_blocks, tag_blocks
 from worker.serving.sampling import engine_sampling
 from worker.serving.staging import StagingSpace, StagingTooSmall
@@ -92,6 +95,7 @@ class PrefillWorker:
         compute_lock: asyncio.Lock,
         model_thread: ModelThread,
         metrics: Metrics | None = None,  # the process's (a test's own when None)
+        queue_policy: str = FCFS,
     ) -> None:
         self.bus = bus
         self.runner = runner
@@ -110,8 +114,9 @@ class PrefillWorker:
         self.model_thread = model_thread
         self._seq_ids = itertools.count()
         # The engine's own planner: chunks under `max_batch_tokens` per pass, oldest job
-        # first, pages reserved before the pass (a job waits for them, or the youngest running
-        # job is preempted and recomputed), never more jobs than the pool holds.
+        # first (or the fair queue's order, `_reorder`), pages reserved before the pass (a
+        # job waits for them, or the last running job is preempted and recomputed), never
+        # more jobs than the pool holds.
         self.scheduler = Scheduler(
             runner.block_manager,
             SchedulerConfig(max_num_batched_tokens=max_batch_tokens, max_num_seqs=MAX_JOBS),
@@ -121,7 +126,10 @@ class PrefillWorker:
         # tokens they bring (`CostModel.queue_tokens_of`, as the router counts a job it sends).
         # Reported with the queue: on a loaded worker the restore can take longer than the
         # router's in-flight count lasts, and a job in neither looked like an idle worker.
-        self._admitting: dict[str, int] = {}
+        self._admitting: dict[str, tuple[int, int]] = {}  # (queue tokens, queue level)
+        # `--queue-policy fair`: the order each pass serves jobs in (fair_queue.py); None:
+        # arrival order, the engine scheduler's own.
+        self._fair = FairOrder() if queue_policy == FAIR else None
         self._cost = CostModel()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -137,20 +145,43 @@ class PrefillWorker:
         await cancel_and_wait(self._loop_task)
         await asyncio.gather(*self._finishing, return_exceptions=True)
 
-    def load_fields(self) -> dict[str, int | str]:
+    def load_fields(self) -> dict[str, int | str | tuple[int, ...]]:
         computing = [j for j in self._jobs.values() if not j.finishing]
         allocator = self.runner.allocator
-        return {
-            "num_queued": len(computing) + len(self._admitting),
-            "num_queued_tokens": sum(j.num_left for j in computing) + sum(self._admitting.values()),
+        queued = [(j.num_left, j.job.queue_level) for j in computing]
+        queued += self._admitting.values()
+        fields: dict[str, int | str | tuple[int, ...]] = {
+            "num_queued": len(queued),
+            "num_queued_tokens": sum(num_tokens for num_tokens, _ in queued),
             "num_running": len(self._jobs),
             "num_kv_pages_total": allocator.num_blocks,
             "num_kv_pages_free": allocator.num_free_blocks,
             "model": self.model_name,
             "num_devices": 1,
         }
+        if self._fair is not None:  # the router estimates what a job of each level waits for
+            by_level = [0] * NUM_QUEUE_LEVELS
+            for num_tokens, level in queued:
+                by_level[level] += num_tokens
+            fields["num_queued_tokens_by_level"] = tuple(by_level)
+        return fields
 
     # -- requests ------------------------------------------------------------------------
+    async def handle_stage(self, request: StageRequest, ctx: Context) -> None:
+        """A session's turn ended in a tool call: keep its blocks in the host tier, and the
+        window at their end in the node's memcache, until the tool is expected back."""
+        try:
+            hashes = unpack_block_hashes(request.block_hashes).tolist()
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        if not hashes or not request.hold_s > 0:
+            return
+        self.runner.host_tier.stage(hashes, request.hold_s)
+        self.counts.staged_blocks.inc(len(hashes))
+        if self.swa is not None:  # the window sits at the last or the one-before-last block
+            until_ms = int((time.time() + request.hold_s) * 1000)
+            await self.swa.hold(hashes[-2:], until_ms)
+
     async def handle_job(self, job: PrefillJob, ctx: Context) -> PrefillDone:
         request = job.request
         token_ids, blocks = self._validate(job)
@@ -162,8 +193,9 @@ class PrefillWorker:
         accepted_s = time.perf_counter()
         self.counts.jobs_received.inc()
         num_cached_blocks = blocks.num_reusable_blocks(job.decision.num_cached_blocks)
-        self._admitting[request.request_id] = self._queue_tokens(
-            len(token_ids), num_cached_blocks, job.decision.has_swa_snapshot
+        self._admitting[request.request_id] = (
+            self._queue_tokens(len(token_ids), num_cached_blocks, job.decision.has_swa_snapshot),
+            job.queue_level,
         )
         try:
             entry = await self._admit(job, token_ids, blocks, num_cached_blocks, accepted_s)
@@ -195,6 +227,8 @@ class PrefillWorker:
             max_model_len=self.max_model_len,
             vocab_size=self.runner.config.vocab_size,
         )
+        if not 0 <= job.queue_level < NUM_QUEUE_LEVELS:
+            raise BadRequest(f"queue_level must be in 0..{NUM_QUEUE_LEVELS - 1}")
         num_pages_total = self.runner.allocator.num_blocks
         if -(-len(token_ids) // self.block_size) > num_pages_total:
             raise BadRequest(
@@ -294,6 +328,8 @@ class PrefillWorker:
                 continue
             self.counts.expired.inc()
             self._drop(entry, DeadlineExceeded("deadline passed while queued for prefill"))
+        if self._fair is not None:
+            self._reorder(self._fair)
         batch = self.scheduler.schedule()
         by_seq = {entry.seq.seq_id: entry for entry in self._jobs.values()}
         for seq in batch.preempted_seqs:
@@ -302,6 +338,13 @@ class PrefillWorker:
         chunks = [(seq, 1) for seq in batch.decode_seqs]
         chunks += zip(batch.prefill_seqs, batch.prefill_num_tokens, strict=True)
         return [(by_seq[seq.seq_id], num_tokens) for seq, num_tokens in chunks]
+
+    def _reorder(self, fair: FairOrder) -> None:
+        """The engine scheduler serves the jobs still computing in the fair queue's order."""
+        computing = [entry for entry in self._jobs.values() if not entry.finishing]
+        ordered = fair.order(computing, _queued_job)
+        rank = {entry.seq.seq_id: i for i, entry in enumerate(ordered)}
+        self.scheduler.reorder(lambda seq: rank.get(seq.seq_id, len(rank)))
 
     async def _forward(self, batch: list[tuple[JobState, int]]) -> float:
         started = time.perf_counter()
@@ -450,6 +493,16 @@ class PrefillWorker:
             await self.staging.free(extent)
         return timings, transfer_ms
 
+    async def _pin(self, entry: JobState) -> None:
+        """Log the request's pins (cache_control) over the blocks this prefill stored or
+        found stored: the first `num_tokens // block` blocks, at most the ones prefill
+        stores (decode writes the block holding the prompt's last token, unpinned)."""
+        now_ms = int(time.time() * 1000)
+        for pin in entry.job.request.pins:
+            num_blocks = min(pin.num_tokens // self.block_size, entry.blocks.num_prefill_blocks)
+            hashes = entry.blocks.hashes[:num_blocks]
+            await self.publisher.pin(hashes, now_ms + pin.ttl_s * 1000)
+
     async def _persist(self, entry: JobState) -> None:
         """New complete blocks to the store; the window at the last boundary to memcache.
         Runs after decode took the suffix: a failure here is logged and counted, never the
@@ -469,6 +522,7 @@ class PrefillWorker:
             blocks.num_prefill_blocks,
         )
         self.counts.blocks_stored.inc(num_stored)
+        await self._pin(entry)
         span = telemetry.current_span()  # prefill store
         if span.is_recording():
             nbytes = num_stored * self.runner.layout.block_nbytes
@@ -481,3 +535,7 @@ class PrefillWorker:
             return  # (no swa client: the model has no sliding layers)
         if await put_window(self.swa, entry, snapshot_to_bytes(window)):
             self.counts.snapshots_put.inc()
+
+
+def _queued_job(entry: JobState) -> QueuedJob:
+    return QueuedJob(entry.seq.seq_id, entry.job.queue_level, entry.job.request.account)

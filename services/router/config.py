@@ -31,6 +31,11 @@ class RouterConfig(ServiceConfig):
     # The shared store's aggregate read bandwidth in bytes/s (0: unlimited); the router
     # queues the store reads it sends behind each other in its estimates.
     store_read_bytes_per_s: float = 0.0
+    # The workers' speed against the cost model's reference rates (a mock engine's
+    # --mock-speedup): estimates, and the retry-afters drawn from them, scale by it.
+    cost_speedup: float = 1.0
+    # Agent sessions whose work the router remembers for fair queueing (sessions.py).
+    max_sessions: int = 65_536
 
     def validate(self) -> None:
         super().validate()
@@ -43,6 +48,8 @@ class RouterConfig(ServiceConfig):
             "max_attempts",
             "accept_timeout_s",
             "prefill_timeout_s",
+            "cost_speedup",
+            "max_sessions",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -17,6 +17,7 @@ heartbeats stop is forgotten with the other pruned instances.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -27,6 +28,7 @@ from services.router.config import RouterConfig
 from services.router.metrics import RouterMetrics
 from services.router.policy import Rejection, RequestFacts, RoutePolicy
 from services.router.prefill_jobs import PrefillJobs
+from services.router.sessions import SessionLedger
 from services.router.swa_map import SwaMap
 from shared import kv_index_client as index_client
 from shared import telemetry
@@ -122,7 +124,9 @@ class Router:
         self.bus = bus
         self.config = config
         self.table = LoadTable(bus.instance_id, heartbeat_timeout_s=config.heartbeat_timeout_s)
-        self.policy = RoutePolicy(cost or CostModel(), config.policy_config())
+        cost = cost or CostModel().sped_up(config.cost_speedup)
+        self.policy = RoutePolicy(cost, config.policy_config())
+        self.sessions = SessionLedger(config.max_sessions)
         self.metrics = metrics or Metrics(ROUTER, bus.instance_id)
         self.counts = RouterMetrics(self.metrics)
         self.swa_map = SwaMap()
@@ -186,6 +190,7 @@ class Router:
             notice.num_tokens,
             notice.num_kv_pages,
             notice.num_requests,
+            notice.queue_level,
         )
         self.table.apply_peer(delta, time.monotonic())
 
@@ -228,6 +233,7 @@ class Router:
                 num_tokens=delta.num_tokens,
                 num_kv_pages=delta.num_kv_pages,
                 num_requests=delta.num_requests,
+                queue_level=delta.queue_level,
             )
             await self.bus.publish(self.bus.subjects.router_inflight, notice)
 
@@ -243,6 +249,7 @@ class Router:
                 num_tokens=-delta.num_tokens,
                 num_kv_pages=-delta.num_kv_pages,
                 num_requests=-delta.num_requests,
+                queue_level=delta.queue_level,
             )
             await self.bus.publish(self.bus.subjects.router_inflight, notice)
 
@@ -271,6 +278,10 @@ class Router:
         match, own, eviction = await self._match(request.request_id, request.block_hashes)
         local = {worker: hit.num_blocks for worker, hit in own.items()}
         facts = RequestFacts.of(request, blocks, match.num_blocks if match else 0, local)
+        # The session's work so far and this request's decide its queue level (sessions.py).
+        num_work = self.policy.work_tokens(facts)
+        level = self.sessions.level(request.session, num_work)
+        facts = dataclasses.replace(facts, queue_level=level)
         if match is None or facts.num_cached_blocks < match.num_blocks:
             eviction = None  # the prompt's reusable blocks all hit: nothing of it was missed
         if eviction is not None and request.cache_probe is not None:
@@ -280,11 +291,17 @@ class Router:
         swa_node_ids = self._swa_holders(facts.boundary_block_hash)
         cached = cached_prefix(match, facts.num_cached_blocks)
         decision = await self._place(request, facts, swa_node_ids, cached)
+        self.sessions.charge(request.session, num_work)  # admitted: a refusal costs nothing
         if eviction is not None:
             decision = msgspec.structs.replace(decision, eviction=eviction)
         if not decision.aggregated:  # an aggregated worker prefills the job it was sent
             self.prefill_jobs.start(
-                PrefillJob(request=request, decision=decision, cached_blocks=cached),
+                PrefillJob(
+                    request=request,
+                    decision=decision,
+                    cached_blocks=cached,
+                    queue_level=facts.queue_level,
+                ),
                 facts,
                 swa_node_ids,
             )

@@ -13,6 +13,9 @@ memcaches' events -> the nodes holding the boundary block's sliding-window snaps
   spill-over that keeps an agent's sessions from piling onto the workers holding them.
   `least-loaded` (fewest queued tokens, ties in turn) and `round-robin` ignore the cache;
   they exist to be measured against (`kvfabric bench trace`), with the same admission.
+  A prefill worker with `--queue-policy fair` serves lower queue levels first (the
+  request's, `RequestFacts.queue_level`, from its session's work: sessions.py), so a
+  request's queue there is the work at or below its level (`queued_tokens_ahead`).
 - decode: the least loaded batch among workers with free KV pages for prompt + max_tokens.
 - aggregated (vLLM workers, prefill and decode in one): for a model no prefill/decode pair
   serves, the least estimated time to first token among those with free KV pages, under the
@@ -42,6 +45,7 @@ from shared.schema.errors import (
 from shared.schema.inference import GenerateRequest, RouteDecision
 from shared.subjects import DECODE, PREFILL, VLLM_WORKER
 from worker.cost_model import CostModel, PrefillEstimate
+from worker.serving.fair_queue import OLDEST_EVERY_PASSES
 
 KV, LEAST_LOADED, ROUND_ROBIN = "kv", "least-loaded", "round-robin"
 PLACEMENTS = (KV, LEAST_LOADED, ROUND_ROBIN)
@@ -61,6 +65,9 @@ class RequestFacts:
     # a worker computes is written to the store too, so a local hit is within the store's
     # (the window boundary is the store's).
     local_hit_blocks: Mapping[str, int] = field(default_factory=dict)
+    # Its priority class on a fair prefill worker, 0 first (sessions.py): a job waits only
+    # for the work queued at or below its level there.
+    queue_level: int = 0
 
     @property
     def num_cached_tokens(self) -> int:
@@ -220,7 +227,7 @@ class RoutePolicy:
             store_bytes = self.cost.kv_bytes(cached - local)
             floor_s = self.cost.store_load_s(cached - local)
             estimate = self.cost.prefill(
-                num_queued_tokens=worker.num_queued_tokens,
+                num_queued_tokens=queued_tokens_ahead(worker, facts.queue_level),
                 num_prompt_tokens=facts.num_prompt_tokens,
                 num_cached_tokens=cached,
                 has_swa_snapshot=has_swa,
@@ -240,6 +247,13 @@ class RoutePolicy:
         return self.cost.queue_tokens_of(
             facts.num_prompt_tokens, num_cached_tokens, has_swa, load_s=load_s
         )
+
+    def work_tokens(self, facts: RequestFacts) -> int:
+        """A request's prefill work before a worker is chosen, what its session is charged
+        (sessions.py): `job_tokens` with the whole hit read from the store."""
+        cached = facts.num_cached_tokens
+        load_s = self.cost.store_load_s(cached)
+        return self.cost.queue_tokens_of(facts.num_prompt_tokens, cached, False, load_s=load_s)
 
     def unserved_model(self, model: str, table: LoadTable, now_s: float) -> Rejection | None:
         """NOT_FOUND naming the served models when no worker serves `model` but some serve
@@ -316,7 +330,12 @@ class RoutePolicy:
             facts.num_prompt_tokens, cached, decision.has_swa_snapshot, load_s=load_s
         )
         return (
-            InflightDelta(router_id, decision.prefill_worker_id, num_tokens=job_tokens),
+            InflightDelta(
+                router_id,
+                decision.prefill_worker_id,
+                num_tokens=job_tokens,
+                queue_level=facts.queue_level,
+            ),
             InflightDelta(
                 router_id, decision.decode_worker_id, num_kv_pages=self.pages_needed(facts)
             ),
@@ -479,9 +498,10 @@ def _kv_candidates(
     """The workers whose option can be kv's pick, so that only they are estimated (1,200
     candidates must decide within a millisecond): every worker holding some of the prefix in
     its own memory or on a node with the window, and of the rest -- whose estimates, job
-    tokens and room differ by their queues alone -- the first by (queued tokens, requests in
-    flight, id), the order `PrefillOption.key` breaks their ties in. The pick, the room check
-    and the objective's check come out as over all of them."""
+    tokens and room differ by their queues alone -- the first by (the tokens a job of the
+    request's level waits for there, requests in flight, id), the order `PrefillOption.key`
+    breaks their ties in. The pick, the room check and the objective's
+    check come out as over all of them."""
     special: list[WorkerView] = []
     plain: WorkerView | None = None
     plain_key: tuple[int, int, str] | None = None
@@ -489,10 +509,23 @@ def _kv_candidates(
         if worker.instance_id in facts.local_hit_blocks or worker.node_id in swa_node_ids:
             special.append(worker)
             continue
-        key = (worker.num_queued_tokens, worker.num_inflight_requests, worker.instance_id)
+        queued = queued_tokens_ahead(worker, facts.queue_level)
+        key = (queued, worker.num_inflight_requests, worker.instance_id)
         if plain_key is None or key < plain_key:
             plain, plain_key = worker, key
     return special if plain is None else [*special, plain]
+
+
+def queued_tokens_ahead(worker: WorkerView, level: int) -> int:
+    """The queued tokens a new job of `level` waits for on `worker`: all of them when it
+    serves first come, first served; on a fair one (it reports its queue by level) those at
+    or below the job's level, plus what the oldest job's share of the passes takes from them
+    (worker/serving/fair_queue.py), at most the work queued above the level."""
+    if not worker.reported_tokens_by_level:
+        return worker.num_queued_tokens
+    ahead = worker.num_queued_tokens_at_or_below(level)
+    above = max(worker.num_queued_tokens - ahead, 0)
+    return ahead + min(above, ahead // (OLDEST_EVERY_PASSES - 1))
 
 
 def _of(facts: RequestFacts) -> str:

@@ -43,6 +43,7 @@ class Counters:
     num_rejected: int = 0  # larger than the whole capacity
     num_no_room: int = 0  # no contiguous room even after evicting every unpinned entry
     num_leases: int = 0
+    num_held: int = 0  # snapshots kept past their TTL for a staged session
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +205,18 @@ class SnapshotCache:
         self._touched.setdefault(key, False)
         self._entries[key] = _Entry(region, snapshot_checksum, now + self.ttl_s)
         self.counters.num_puts += 1
+
+    def hold(self, key: int, until: float, now: float) -> bool:
+        """Keep the entry until `until` at least (past its TTL: a session staged over a tool
+        call); refreshes its recency. False when it is not here."""
+        entry = self._entries.get(key)
+        if entry is None or entry.expires_at <= now:
+            return False
+        if until > entry.expires_at:
+            self._entries[key] = _Entry(entry.region, entry.checksum, until)
+        self._entries.move_to_end(key)
+        self.counters.num_held += 1
+        return True
 
     def abort(self, region: Region) -> None:
         """Give back a reservation that will not be committed (a failed pull)."""

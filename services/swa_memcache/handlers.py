@@ -21,6 +21,7 @@ from shared.schema.swa import (
     SwaContainsReply,
     SwaGet,
     SwaGetReply,
+    SwaHold,
     SwaNixlRef,
     SwaPut,
     SwaPutReply,
@@ -81,6 +82,13 @@ class SwaHandlers:
     async def release(self, request: SwaRelease, ctx: Context) -> None:
         if self.cache.release(request.lease_id, time.monotonic()):
             self.counts.released.inc()
+
+    async def hold(self, request: SwaHold, ctx: Context) -> None:
+        """Keep these snapshots past their TTL (a session staged over a tool call)."""
+        now = time.monotonic()
+        until = now + max(request.until_ms / 1000 - time.time(), 0.0)
+        for key in unpack_block_hashes(request.block_hashes).tolist():
+            self.cache.hold(key, until, now)
 
     async def put(self, request: SwaPut, ctx: Context) -> SwaPutReply:
         source = request.source

@@ -7,6 +7,7 @@ Serves (pooled in queue group `swa-memcache`, and on `<subject>.<instance_id>`):
   <root>.swa-memcache.get            SwaGet -> SwaGetReply
   <root>.swa-memcache.put            SwaPut -> SwaPutReply
   <root>.swa-memcache.release        SwaRelease (published, no reply): a reader's lease ends
+  <root>.swa-memcache.hold           SwaHold (published, no reply): keep snapshots past TTL
   <root>.swa-memcache.contains       SwaContains -> SwaContainsReply (no counting, no refresh;
                                      for operators and tests: routers use our events)
   <root>.swa-memcache.nixl-metadata  NixlMetadataRequest -> NixlAgentInfo (our NIXL agent)
@@ -43,7 +44,7 @@ from services.swa_memcache.metrics import SwaMemcacheMetrics
 from shared.bus import Endpoint
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime, service_main
-from shared.schema.swa import SwaContains, SwaGet, SwaPut, SwaRelease
+from shared.schema.swa import SwaContains, SwaGet, SwaHold, SwaPut, SwaRelease
 from shared.subjects import SWA_MEMCACHE
 from worker.transfer import KvTransferAgent, TransferError
 
@@ -80,6 +81,7 @@ async def setup(runtime: ServiceRuntime) -> None:
     await bus.serve(Endpoint("get", subjects.swa_get, SwaGet, events.tracked(handlers.get)))
     await bus.serve(Endpoint("put", subjects.swa_put, SwaPut, events.tracked(handlers.put)))
     await bus.serve(Endpoint("release", subjects.swa_release, SwaRelease, handlers.release))
+    await bus.serve(Endpoint("hold", subjects.swa_hold, SwaHold, handlers.hold))
     await bus.serve(Endpoint("contains", subjects.swa_contains, SwaContains, handlers.contains))
     if agent is not None:
         await agent.serve()

@@ -29,6 +29,10 @@ class UsageRecord(Message, tag="usage_record"):
     account: str = ""  # from the request: who is billed
     # Why the prompt missed the cache past the hit (`CacheProbe.cause_for`; "": no probe).
     cache_miss_cause: str = ""
+    # What a pinned prefix (a cache_control breakpoint) wrote to the cache: its tokens that
+    # were not cached yet, and the pin's time to live (priced as configured; default free).
+    num_cache_write_tokens: int = 0
+    pin_ttl_s: int = 0
 
 
 class DeadLetter(Message, tag="dead_letter"):

@@ -34,6 +34,9 @@ class LoadReport(Message, tag="load_report"):
     # machine one CPU process stands for it), other services none. Billing counts the
     # device-hours these reports cover, for revenue per GPU-hour.
     num_devices: int = 0
+    # A prefill worker with `--queue-policy fair`: its queued tokens by the jobs' queue level
+    # (index 0 first); empty from a first-come-first-served one.
+    num_queued_tokens_by_level: tuple[int, ...] = ()
 
 
 class InflightNotice(Message, tag="inflight_notice"):
@@ -45,6 +48,7 @@ class InflightNotice(Message, tag="inflight_notice"):
     num_tokens: int = 0  # prefill: tokens the job adds to the worker's compute queue
     num_kv_pages: int = 0  # decode: KV pages the job will hold
     num_requests: int = 1
+    queue_level: int = 0  # prefill: the job's (PrefillJob.queue_level)
 
 
 class DrainRequest(Message, tag="drain_request"):

@@ -44,6 +44,14 @@ class Eviction(msgspec.Struct, frozen=True, kw_only=True):
     idle_s: float  # unused this long when evicted
 
 
+class Pin(msgspec.Struct, frozen=True, array_like=True):
+    """A prefix the client pinned (a `cache_control` breakpoint): its first `num_tokens`
+    stay in the store for `ttl_s` seconds from when the request stored them."""
+
+    num_tokens: int
+    ttl_s: int
+
+
 class CacheProbe(msgspec.Struct, frozen=True, kw_only=True):
     """ingress -> whoever writes the request's usage record: why its prompt will miss the
     cache, as far as that is known before it runs (services/ingress/diagnosis.py). A `cause`
@@ -57,12 +65,16 @@ class CacheProbe(msgspec.Struct, frozen=True, kw_only=True):
     expected_cached_tokens: int = 0  # of the previous turn's, what could come from the cache
     # The router's: the tombstone of the prompt's first block the store lacked, if evicted.
     eviction: Eviction | None = None
+    # Of the previous turn's prompt, the tokens a pin of it keeps in the store still.
+    pinned_tokens: int = 0
 
-    def cause_for(self, num_cached_tokens: int) -> str:
+    def cause_for(self, num_cached_tokens: int, window_replayed: bool = False) -> str:
+        """`window_replayed`: prefill recomputed the sliding window at the cached prefix's end
+        (no snapshot of it in reach): every token hit, yet the window's state had expired."""
         if self.cause:
             return self.cause
         if num_cached_tokens >= self.expected_cached_tokens:
-            return "none"
+            return "window_expired" if window_replayed and num_cached_tokens else "none"
         return "evicted" if self.eviction is not None else "not_cached"
 
 
@@ -84,11 +96,25 @@ class GenerateRequest(Message, tag="generate_request"):
     priority: int = 0
     resume: Resume | None = None  # set on a continuation after a failover
     cache_probe: CacheProbe | None = None  # the cache-miss diagnosis, for the usage record
+    pins: tuple[Pin, ...] = ()  # prefixes to keep in the store (cache_control), longest last
+    # The caller's agent session, hashed with the account (`shared.client.session_digest`;
+    # never the raw id): what the router's fair queueing charges a request's work to.
+    session: str = ""
 
     @property
     def failover_attempt(self) -> int:
         """0 for a request, N for its Nth continuation after a decode failover."""
         return self.resume.attempt if self.resume is not None else 0
+
+
+class StageRequest(Message, tag="stage_request"):
+    """ingress -> the prefill worker that served a turn ending in a tool call (no reply):
+    keep the session's blocks in the host tier, and its window at their end in the node's
+    memcache, for `hold_s` (services/ingress/staging.py)."""
+
+    request_id: str
+    block_hashes: bytes  # packed u64: the turn's prompt, in order
+    hold_s: float
 
 
 class RouteDecision(Message, tag="route_decision"):
@@ -196,6 +222,9 @@ class PrefillJob(Message, tag="prefill_job"):
     decision: RouteDecision
     cached_blocks: BlockLocations = BlockLocations()
     attempt: int = 0
+    # The router's priority class for the job, 0 first (services/router/sessions.py): what
+    # a worker with `--queue-policy fair` orders its queue by.
+    queue_level: int = 0
 
 
 class KvTransfer(msgspec.Struct, frozen=True, kw_only=True):

@@ -36,7 +36,16 @@ class AllBlocksCleared(Message, tag="all_blocks_cleared"):
     tier: str
 
 
-KvEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
+class BlocksPinned(Message, tag="blocks_pinned"):
+    """A request's pinned prefix (a `cache_control` breakpoint, docs/ingress.md): kv-index
+    evicts none of these blocks before `until_ms` (a later pin of one extends it)."""
+
+    tier: str
+    block_hashes: bytes  # packed u64
+    until_ms: int
+
+
+KvEvent = BlocksStored | BlocksRemoved | AllBlocksCleared | BlocksPinned
 
 
 class KvEventBatch(Message, tag="kv_event_batch"):

@@ -59,6 +59,15 @@ class SwaRelease(Message, tag="swa_release"):
     lease_id: int
 
 
+class SwaHold(Message, tag="swa_hold"):
+    """A prefill worker -> its node's memcache (no reply): keep these snapshots until
+    `until_ms` (epoch) at least, past their TTL: a session's window, staged while its agent
+    runs a tool (services/ingress/staging.py)."""
+
+    block_hashes: bytes  # packed u64
+    until_ms: int
+
+
 class SwaContains(Message, tag="swa_contains"):
     """An operator or a test -> a node's memcache: which of these boundaries does it hold?
     (Routers do not ask: they keep a map from `SwaHeld` events.)"""

@@ -13,6 +13,7 @@ from shared.schema import (
     AllBlocksCleared,
     AuditRecord,
     BlockLocations,
+    BlocksPinned,
     BlocksRemoved,
     BlocksStored,
     CacheCommand,
@@ -39,6 +40,7 @@ from shared.schema import (
     MatchRequest,
     Message,
     OpenStreams,
+    Pin,
     PrefillDone,
     PrefillJob,
     PrefillTimings,
@@ -48,6 +50,7 @@ from shared.schema import (
     ResyncRequest,
     RouteDecision,
     SamplingParams,
+    StageRequest,
     StoredBlock,
     SuffixReady,
     SwaContains,
@@ -55,6 +58,7 @@ from shared.schema import (
     SwaGet,
     SwaGetReply,
     SwaHeld,
+    SwaHold,
     SwaNixlRef,
     SwaPut,
     SwaPutReply,
@@ -107,7 +111,9 @@ _request = GenerateRequest(
     resume=Resume(
         num_prompt_tokens=3, num_cached_tokens=0, num_output_tokens=2, num_output_chars=9
     ),
-    cache_probe=CacheProbe(cause="earlier_turn_edited", part="message:3"),
+    cache_probe=CacheProbe(cause="earlier_turn_edited", part="message:3", pinned_tokens=64),
+    pins=(Pin(128, 3600), Pin(320, 300)),
+    session="5f2c8a1b9d3e4f60",
 )
 _eviction = Eviction(tier="ssd", reason="capacity", evicted_ms=1_789_999_000_000, idle_s=3600.5)
 _decision = RouteDecision(
@@ -146,7 +152,7 @@ EXAMPLES: dict[str, Message] = {
     "GenerateRequest": _request,
     "RouteDecision": _decision,
     "PrefillJob": PrefillJob(
-        request=_request, decision=_decision, cached_blocks=_blocks, attempt=1
+        request=_request, decision=_decision, cached_blocks=_blocks, attempt=1, queue_level=2
     ),
     "DecodeJob": DecodeJob(
         request=_request,
@@ -177,7 +183,7 @@ EXAMPLES: dict[str, Message] = {
         ),
     ),
     "InflightNotice": InflightNotice(
-        router_id="router-0", instance_id="prefill-1", num_tokens=320, num_kv_pages=0
+        router_id="router-0", instance_id="prefill-1", num_tokens=320, num_kv_pages=0, queue_level=1
     ),
     "JobAccepted": JobAccepted(request_id="req-0001", instance_id="decode-0"),
     "SuffixReady": SuffixReady(
@@ -239,6 +245,9 @@ EXAMPLES: dict[str, Message] = {
             ),
             BlocksRemoved(tier="ssd", block_hashes=pack_block_hashes([5, 6]), reason="ttl"),
             AllBlocksCleared(tier="dram"),
+            BlocksPinned(
+                tier="ssd", block_hashes=pack_block_hashes([5]), until_ms=1_790_000_300_000
+            ),
         ),
     ),
     "UsageRecord": UsageRecord(
@@ -256,6 +265,8 @@ EXAMPLES: dict[str, Message] = {
         decode_worker_id="decode-1",
         account="acme",
         cache_miss_cause="earlier_turn_edited",
+        num_cache_write_tokens=2_048,
+        pin_ttl_s=3600,
     ),
     "DeadLetter": DeadLetter(
         subject="kvf.v1.usage.decode",
@@ -278,7 +289,12 @@ EXAMPLES: dict[str, Message] = {
         num_kv_pages_total=4096,
         num_kv_pages_free=1024,
         model="SmolLM2-135M-Instruct",
+        num_queued_tokens_by_level=(4000, 5000, 0, 0, 0),
     ),
+    "StageRequest": StageRequest(
+        request_id="req-0001", block_hashes=pack_block_hashes([1, 2**64 - 1]), hold_s=180.0
+    ),
+    "SwaHold": SwaHold(block_hashes=pack_block_hashes([7, 8]), until_ms=1_790_000_180_000),
     "MatchRequest": MatchRequest(block_hashes=pack_block_hashes([1, 2**64 - 1]), refresh=False),
     "MatchReply": MatchReply(
         shard_id=1,

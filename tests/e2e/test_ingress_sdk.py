@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -397,6 +398,42 @@ def test_a_turn_whose_prefix_was_evicted_is_told_so(cluster: Cluster) -> None:
     ).stdout
     assert "cause    evicted" in printed
     assert f"evicted  from {evicted['tier']} (admin)" in printed
+
+
+def test_a_turn_ending_in_a_tool_call_stages_its_session_on_its_prefill_worker(
+    cluster: Cluster,
+) -> None:
+    """A session's turn that calls a tool: its prompt's blocks are staged on the prefill
+    worker that served it (counted there), the turn counted staged at ingress."""
+
+    def total(prefix: str, name: str) -> float:
+        found = 0.0
+        for instance, url in cluster.metrics_urls.items():
+            if instance.startswith(prefix):
+                text = httpx.get(url).text
+                found += sum(
+                    float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+                )
+        return found
+
+    before = total(PREFILL, "kvfabric_prefill_staged_blocks_total")
+    client = openai.OpenAI(base_url=f"{cluster.http_urls[0]}/v1", api_key=KEY, max_retries=0)
+    reply = client.chat.completions.create(
+        model=SMOLLM2,  # greedy, it closes the forced call within the budget
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=48,
+        temperature=0,
+        extra_headers={"x-session-id": f"staged-{time.time_ns()}"},
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    deadline = time.monotonic() + 10  # a published StageRequest, applied asynchronously
+    while (staged := total(PREFILL, "kvfabric_prefill_staged_blocks_total")) <= before:
+        assert time.monotonic() < deadline, "no prefill worker staged the session"
+        time.sleep(0.1)
+    assert staged - before >= reply.usage.prompt_tokens // BLOCK - 1
+    assert total(INGRESS, "kvfabric_ingress_staged_turns_total") >= 1
 
 
 def test_anthropic_sessions_and_response_chains_are_diagnosed(

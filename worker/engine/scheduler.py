@@ -99,6 +99,17 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def reorder(self, key: Callable[[Sequence], int]) -> None:
+        """Serve sequences by `key` from the next `schedule` on, in place of arrival order (a
+        prefill worker's fair queue): the waiting join the running (up to `max_num_seqs`), so
+        a newcomer ranked first is served before those already running, its pages reserved as
+        a running sequence's next chunk's are; the last running is the one preempted."""
+        room = self.config.max_num_seqs - len(self.running)
+        joining = sorted(self.waiting, key=key)[: max(room, 0)]
+        for seq in joining:
+            self.waiting.remove(seq)
+        self.running = sorted([*self.running, *joining], key=key)
+
     def detach(self, seq: Sequence) -> None:
         """Take a running `seq` out of the queues with its blocks: a prefill worker's computed
         job, whose pages are handed off and stored before it frees them."""

@@ -22,6 +22,7 @@ from shared.bus import Bus
 from shared.logging import get_logger
 from shared.schema import (
     AllBlocksCleared,
+    BlocksPinned,
     BlocksRemoved,
     BlocksStored,
     KvEvent,
@@ -74,6 +75,14 @@ class KvEventPublisher:
                 (BlocksStored(tier=self.tier, blocks=written, parent_block_hash=parent_block_hash),)
             )
         return stored
+
+    async def pin(self, block_hashes: Sequence[int], until_ms: int) -> None:
+        """Log a pin of these blocks (a request's cache_control prefix) until `until_ms`."""
+        if block_hashes:
+            pinned = BlocksPinned(
+                tier=self.tier, block_hashes=pack_block_hashes(block_hashes), until_ms=until_ms
+            )
+            await self._publish((pinned,))
 
     async def resync(self) -> None:
         """Publish the whole state: AllBlocksCleared, then every live block."""

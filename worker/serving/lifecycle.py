@@ -187,6 +187,8 @@ async def end_request(
     else:
         status = UsageStatus.COMPLETED
     usage = state.usage()
+    prefill = getattr(state, "prefill", None)  # a decode worker's: how prefill restored
+    replayed = prefill is not None and prefill.swa_restore in ("bounded", "exact")
     record = usage_record(
         state.job.request,
         num_prompt_tokens=usage.num_prompt_tokens,
@@ -196,6 +198,7 @@ async def end_request(
         finish_reason=reason,
         prefill_worker_id=prefill_worker_id,
         decode_worker_id=decode_worker_id,
+        window_replayed=replayed,
     )
     await keep_record(outbox, record, kept=counts.usage_kept, lost=counts.usage_lost)
     try:

@@ -62,6 +62,13 @@ class LedgerRow(NamedTuple):
     prefill_worker_id: str
     decode_worker_id: str
     cache_miss_cause: str  # migration 0004
+    # migration 0005: what a pin (cache_control) wrote and keeps, and what that cost
+    num_cache_write_tokens: int
+    pin_ttl_s: int
+    cache_write_price_micro_cny_per_m: int
+    storage_price_micro_cny_per_m_hour: int
+    write_pico_cny: int
+    storage_pico_cny: int
 
     @classmethod
     def of(
@@ -101,6 +108,12 @@ class LedgerRow(NamedTuple):
             record.prefill_worker_id,
             record.decode_worker_id,
             record.cache_miss_cause,
+            record.num_cache_write_tokens,
+            record.pin_ttl_s,
+            prices.cache_write,
+            prices.storage_hour,
+            charge.write_pico_cny,
+            charge.storage_pico_cny,
         )  # positional, in field order: what NamedTuple builds fastest
 
     def values(self) -> tuple[object, ...]:

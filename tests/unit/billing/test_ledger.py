@@ -77,15 +77,18 @@ def ledger(ledger_url: str) -> Iterator[Ledger]:
 
 def test_migrations_are_applied_once(ledger_url: str) -> None:
     first = open_ledger(ledger_url)
-    assert first.migrations_applied == [1, 2, 3, 4]
+    assert first.migrations_applied == list(range(1, NEXT))
     first.record([row("r1")])
     first.close()
     again = open_ledger(ledger_url)
     assert again.migrations_applied == []
-    assert again.schema_versions() == [1, 2, 3, 4]
+    assert again.schema_versions() == list(range(1, NEXT))
     assert again.count() == 1
     again.close()
     again.close()  # safe twice
+
+
+NEXT = len(list(MIGRATIONS_DIR.glob("*.sql"))) + 1  # what a newer billing would add
 
 
 def _with(tmp_path: Path, name: str, sql: str) -> Path:
@@ -104,14 +107,14 @@ def test_a_new_migration_is_applied_and_a_newer_database_refused(
     open_ledger(ledger_url).close()
     newer = _with(
         tmp_path,
-        "0005_note.sql",
+        f"{NEXT:04d}_note.sql",
         "-- a test column\nALTER TABLE usage_ledger ADD COLUMN note TEXT;",
     )
     upgraded = open_ledger(ledger_url, migrations_dir=newer)
-    assert upgraded.migrations_applied == [5]
-    assert upgraded.schema_versions() == [1, 2, 3, 4, 5]
+    assert upgraded.migrations_applied == [NEXT]
+    assert upgraded.schema_versions() == list(range(1, NEXT + 1))
     upgraded.close()
-    with pytest.raises(LedgerError, match="schema version 5, newer than this code knows"):
+    with pytest.raises(LedgerError, match=f"schema version {NEXT}, newer than this code knows"):
         open_ledger(ledger_url)
 
 
@@ -121,7 +124,7 @@ def test_an_additive_migration_leaves_the_ledger_writable_by_the_older_version(
     """A rolling upgrade: the new billing migrates, the old one (this code) keeps writing."""
     newer = _with(
         tmp_path,
-        "0005_note.sql",
+        f"{NEXT:04d}_note.sql",
         "-- additive\nALTER TABLE usage_ledger ADD COLUMN note TEXT DEFAULT NULL;",
     )
     open_ledger(ledger_url, migrations_dir=newer).close()

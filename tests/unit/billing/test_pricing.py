@@ -281,3 +281,31 @@ def test_price_refuses_negative_or_float_counts() -> None:
         price(book, "m", 0, 1, -1, 1)
     with pytest.raises(PricingError, match="output must be a non-negative integer"):
         price(book, "m", 0, 1, 1, 1.0)  # type: ignore[arg-type]
+
+
+def test_a_pin_is_free_by_default_and_priced_as_configured(tmp_path: Path) -> None:
+    """What a pin wrote (per token) and keeps (per token-hour: a 5-minute pin is a twelfth),
+    apart from the tokens' total; free unless the price file says otherwise."""
+    at_ms = at("UTC", 2026, 12, 7, 3, 0)
+    free = price(
+        PriceBook.default(), "m", at_ms, 0, 1000, 10, cache_write_tokens=800, pin_ttl_s=3600
+    )
+    assert free.pin_pico_cny == 0 and free.total_pico_cny == 1000 * 1_000_000 + 10 * 4_000_000
+    path = tmp_path / "prices.toml"
+    path.write_text(
+        "[default]\n"
+        'time_zone = "UTC"\n'
+        "off_peak = { hit = 20_000, miss = 1_000_000, output = 4_000_000, "
+        "cache_write = 1_250_000, storage_hour = 100_000 }\n"
+    )
+    book = PriceBook.from_file(path)
+    hour = price(book, "m", at_ms, 0, 1000, 10, cache_write_tokens=800, pin_ttl_s=3600)
+    assert (hour.write_pico_cny, hour.storage_pico_cny) == (800 * 1_250_000, 800 * 100_000)
+    assert hour.total_pico_cny == free.total_pico_cny  # the tokens' money, as before
+    five = price(book, "m", at_ms, 0, 1000, 10, cache_write_tokens=7, pin_ttl_s=300)
+    assert five.storage_pico_cny == round(7 * 100_000 / 12)  # 58,333.3: to the nearest
+    with pytest.raises(PricingError, match="pin_ttl_s"):
+        price(book, "m", at_ms, 0, 1, 1, cache_write_tokens=1, pin_ttl_s=-1)
+    path.write_text("[default]\noff_peak = { hit = 1, miss = 1, output = 1, storage_hour = -1 }\n")
+    with pytest.raises(PricingError, match="storage_hour"):
+        PriceBook.from_file(path)

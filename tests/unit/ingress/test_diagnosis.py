@@ -14,13 +14,16 @@ from services.ingress.diagnosis import (
     SYSTEM_CHANGED,
     TOOLS_CHANGED,
     VOLATILE_SPAN,
+    Diagnosis,
     TurnDigest,
     compare,
     diagnose,
     digest,
+    probe,
     request_id_of,
     session_key,
 )
+from shared.schema import Pin
 from shared.tokenizer.chat import Chat, Message, Tool, ToolCall
 
 BLOCK = 16
@@ -153,3 +156,24 @@ def test_a_system_prompt_that_changed_only_in_known_volatile_spans_says_which() 
     assert (
         diagnose(still, turn(chat(edited, turns=4), still, 340), 0, BLOCK).cause == SYSTEM_CHANGED
     )
+
+
+def test_a_miss_inside_a_prefix_still_pinned_is_flagged() -> None:
+    first = compare(None, digest(chat(turns=1), "", 200, (Pin(100, 3600), Pin(170, 300))))
+    assert (first.pinned_tokens, first.pinned_until_ms > 0) == (170, True)
+    second = turn(chat(turns=2), first, 260)  # no pin of its own: the first's still holds
+    assert second.pinned_tokens == 170
+    missed = diagnose(first, second, 32, BLOCK)
+    assert missed.pin_missed and "pin=missed" in missed.header() and missed.as_json()["pin_missed"]
+    assert not diagnose(first, second, 160, BLOCK).pin_missed  # 170 // 16 * 16: all it stored
+    ended = msgspec.structs.replace(first, pinned_until_ms=1)  # a pin that ended long ago
+    assert not diagnose(ended, turn(chat(turns=2), ended, 260), 32, BLOCK).pin_missed
+
+
+def test_every_token_hit_but_the_window_recomputed_is_window_expired() -> None:
+    first = turn(chat(turns=1), None, 200)
+    second = turn(chat(turns=2), first, 260)
+    assert diagnose(first, second, 192, BLOCK).cause == NONE
+    probe_ = probe(first, second, BLOCK)
+    assert Diagnosis.of(probe_, 192, window_replayed=True).cause == "window_expired"
+    assert Diagnosis.of(probe_, 64, window_replayed=True).cause == NOT_CACHED  # a miss first

@@ -359,3 +359,95 @@ def test_mid_stream_failures_are_each_protocols_error_event() -> None:
     last = TypeAdapter(ResponseStreamEvent).validate_json(frames[-1].decode().split("data: ")[1])
     assert last.type == "error" and last.sequence_number == len(frames) - 1
     assert output.status == "failed"
+
+
+# -- pins: cache_control breakpoints ----------------------------------------------------------
+def test_anthropic_breakpoints_pin_through_the_message_that_holds_them() -> None:
+    body = am.MessagesRequest.model_validate(
+        {
+            "model": "m",
+            "max_tokens": 4,
+            "system": [
+                {"type": "text", "text": "S", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+            ],
+            "messages": [
+                {"role": "user", "content": "q1"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "t1", "content": "r"},
+                        {"type": "text", "text": "go", "cache_control": {"type": "ephemeral"}},
+                    ],
+                },
+            ],
+        }
+    )
+    completion = am.to_completion(body, "k")
+    # system (0), q1 (1), the call (2), the tool's result (3), "go" (4): pinned through 4.
+    assert completion.breakpoints == ((0, 3600), (4, 300))
+    assert [m.role for m in completion.chat.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "user",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("control", "message"),
+    [
+        ({"type": "ephemeral", "ttl": "10m"}, 'must be "5m" or "1h"'),
+        ({"type": "persistent"}, "must be"),
+        ({"type": "ephemeral", "scope": "global"}, "unknown field 'scope'"),
+        ("yes", "must be"),
+    ],
+)
+def test_a_bad_cache_control_is_a_400_naming_it(control: object, message: str) -> None:
+    for build in (
+        lambda: am.to_completion(
+            am.MessagesRequest.model_validate(
+                {
+                    "model": "m",
+                    "max_tokens": 4,
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [{"type": "text", "text": "q", "cache_control": control}],
+                        }
+                    ],
+                }
+            ),
+            "k",
+        ),
+        lambda: oc.to_completion(
+            oc.ChatCompletionRequest.model_validate(
+                {
+                    "model": "m",
+                    "messages": [{"role": "user", "content": "q", "cache_control": control}],
+                }
+            ),
+            "k",
+        ),
+    ):
+        with pytest.raises(ApiError, match=message) as raised:
+            build()
+        assert raised.value.status("openai") == raised.value.status("anthropic") == 400
+        assert "cache_control" in (raised.value.param or "")
+
+
+def test_breakpoints_at_most_four_and_longer_ttls_first() -> None:
+    def chat(*controls: dict) -> oc.ChatCompletionRequest:
+        messages = [{"role": "user", "content": "q", "cache_control": c} for c in controls]
+        return oc.ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+
+    one_hour, five = {"type": "ephemeral", "ttl": "1h"}, {"type": "ephemeral", "ttl": "5m"}
+    assert oc.to_completion(chat(one_hour, five), "k").breakpoints == ((0, 3600), (1, 300))
+    with pytest.raises(ApiError, match="longer ttls must come first"):
+        oc.to_completion(chat(five, one_hour), "k")
+    with pytest.raises(ApiError, match="at most 4"):
+        oc.to_completion(chat(*[five] * 5), "k")

@@ -9,6 +9,7 @@ from shared.block_hashing import BlockHasher
 from shared.kv_index_client import first_miss_eviction, merge, to_wire
 from shared.schema import (
     AllBlocksCleared,
+    BlocksPinned,
     BlocksRemoved,
     BlocksStored,
     KvEventBatch,
@@ -197,3 +198,38 @@ def test_a_match_names_the_tombstone_where_the_prefix_ends(num_shards: int) -> N
     for shard in shards:
         shard.apply(stored("p0", 3, HASHES[4:7], first_slot=50), now=220)
         assert all(r.evicted is None or r.first_miss_index != 4 for r in shard.match(HASHES, 221))
+
+
+def pinned(writer: str, seq: int, hashes: list[int], until_s: float) -> KvEventBatch:
+    pin = BlocksPinned(
+        tier="ssd", block_hashes=pack_block_hashes(hashes), until_ms=int(until_s * 1000)
+    )
+    return KvEventBatch(writer_id=writer, seq=seq, ts_ms=0, events=(pin,))
+
+
+def test_pinned_blocks_outlive_ttl_and_watermark_sweeps_until_their_pin_ends() -> None:
+    index = KvIndex(capacity_bytes={"ssd": 10 * BLOCK_BYTES}, ttl_s=100, low_watermark=0.5)
+    index.apply(stored("p0", 1, HASHES[:4]), now=0)  # the oldest: LRU's first victims
+    index.apply(pinned("p0", 2, HASHES[:3], until_s=1000), now=0)
+    index.apply(stored("p0", 3, HASHES[10:16]), now=10)  # 10 blocks: over the watermark
+    index.evict(now=20)
+    assert prefix_len(index, HASHES[:4], now=21) == 3  # block 3 went; the pinned three stayed
+    assert index.counters.num_evicted_capacity > 0
+    assert index.evict(now=500) and prefix_len(index, HASHES[:3], now=500) == 3  # TTL: kept
+    assert index.counters.num_kept_pinned >= 3
+    copy = KvIndex(capacity_bytes={"ssd": 10 * BLOCK_BYTES}, ttl_s=100, low_watermark=0.5)
+    copy.restore(index.snapshot())  # a restarted shard keeps the pins
+    assert copy.pins == index.pins and len(copy.pins) == 3
+    index.evict(now=1001)  # the pin ended: the TTL takes them at last
+    assert prefix_len(index, HASHES[:3], now=1001) == 0 and not index.pins
+
+
+def test_a_later_pin_extends_and_an_admin_flush_drops_pinned_blocks() -> None:
+    index = KvIndex(capacity_bytes={"ssd": 10**9}, ttl_s=100)
+    index.apply(stored("p0", 1, HASHES[:2]), now=0)
+    index.apply(pinned("p0", 2, HASHES[:2], until_s=300), now=0)
+    index.apply(pinned("p1", 1, HASHES[:1], until_s=200), now=0)  # shorter: changes nothing
+    index.apply(pinned("p1", 2, HASHES[1:2], until_s=900), now=0)
+    assert index.pins == {HASHES[0]: 300.0, HASHES[1]: 900.0}
+    removals = index.evict_fraction(None, 1.0, now=1)
+    assert sum(len(r.block_hashes) for r in removals) == 2 and not index.pins
