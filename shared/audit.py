@@ -61,13 +61,18 @@ async def record(
     outcome: str,
     detail: dict[str, str] | None = None,
     subject: str | None = None,
+    *,
+    who: str | None = None,
+    ensure: bool = True,
 ) -> AuditRecord:
     """Write one record, acknowledged by the stream (raises when it is not); on `subject`
-    where a service writes it (admin's go to `audit(action)`)."""
-    await ensure_stream(bus)
+    where a service writes it (admin's go to `audit(action)`). A service writing many
+    passes its `actor()` once read (`who`) and `ensure=False` once the stream is there."""
+    if ensure:
+        await ensure_stream(bus)
     entry = AuditRecord(
         ts_ms=now_ms(),
-        actor=actor(),
+        actor=who if who is not None else actor(),
         action=action,
         target=target,
         outcome=outcome,

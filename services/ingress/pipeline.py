@@ -214,6 +214,8 @@ class Pipeline:
         self.explanations = explanations
         self._background: set[asyncio.Task[None]] = set()
         self.staging = staging
+        self._auditor: str | None = None  # this process's audit actor, once it wrote a record
+        self._audit_stream_made = False
         # A session's latest digest write, per key: a later write of the same key waits for
         # it (the turn's end must not be overwritten by its start).
         self._session_writes: dict[str, asyncio.Task[None]] = {}
@@ -339,11 +341,21 @@ class Pipeline:
             "chars_stripped": str(rewrite.num_chars_stripped),
             "chars_moved": str(rewrite.num_chars_moved),
         }
+        if self._auditor is None:  # the credentials' file read once per process
+            self._auditor = audit.actor()
         try:
             subject = self.bus.subjects.prefix_guard_audit
             await audit.record(
-                self.bus, REWRITE_ACTION, completion.account, "ok", detail, subject=subject
+                self.bus,
+                REWRITE_ACTION,
+                completion.account,
+                "ok",
+                detail,
+                subject=subject,
+                who=self._auditor,
+                ensure=not self._audit_stream_made,  # made once, by the first that succeeds
             )
+            self._audit_stream_made = True
         except Exception:  # the request is served; the gap is logged where it can be seen
             log.error(
                 "auditing a prefix-guard rewrite failed", request_id=request_id, exc_info=True
