@@ -27,10 +27,10 @@ import atexit
 import contextlib
 import ctypes
 import ipaddress
+import itertools
 import os
 import random
 import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -42,6 +42,7 @@ from typing import Any
 from shared.natsd import die_with_parent
 
 PREFIX = "kvh"
+_NETWORK_NUMBERS = itertools.count()  # this process's networks, in order
 HOST_INTERFACE = "kvnet0"  # inside each host's namespace, so the same name on every host
 _NETNS_DIR = Path("/run/netns")
 _CLONE_NEWNET = 0x40000000
@@ -257,8 +258,10 @@ class HostNetwork:
             raise ValueError(f"host names are lowercase letters, digits and '-': {names}")
         if len(names) > 99:
             raise ValueError("at most 99 hosts (interface names are limited to 15 characters)")
-        # kvh + pid + 2 random hex: `remove_stale` reads the pid back; 14 characters at most.
-        self.run_id = f"{os.getpid():06x}{secrets.token_hex(1)}"
+        # kvh + pid + this process's network count (2 hex): `remove_stale` reads the pid
+        # back; 14 characters at most. A count, not a random byte: two networks one process
+        # holds at once never share a name (a random byte collided, 1 in 256).
+        self.run_id = f"{os.getpid():06x}{next(_NETWORK_NUMBERS) % 256:02x}"
         self.bridge = f"{PREFIX}{self.run_id}br"
         self.names = list(names)
         self.subnet: ipaddress.IPv4Network | None = None
