@@ -61,8 +61,10 @@ test: models vllm prometheus
 	$(PY) -m pytest -q -m "serial and not faults and not compose"
 
 # The fault suite (tests/faults): real faults under agent load on a cluster split over
-# network-namespace hosts (root); .ci/run runs it after make test, in its own budget.
-faults: models
+# network-namespace hosts (root), the engine's failover continuation on both models, and the
+# only vLLM worker of a model killed (vLLM's venv); .ci/run runs it after make test, in its
+# own budget.
+faults: models vllm
 	$(PY) -m pytest -q -m faults tests/faults
 
 # compose/ for real (tests/deploy/test_compose_up.py): podman, runc and mmdebstrap from Debian

@@ -25,7 +25,7 @@ import pytest
 from loadtest.agent import texts
 from services.admin.launcher import Cluster
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
-from tests.e2e.cluster_helpers import run_cluster
+from tests.e2e.cluster_helpers import apart, run_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -56,6 +56,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             INGRESS: ["--dev-api-key", KEY],
         },
         ready_timeout_s=120,
+        hosts=apart,
     )
 
 

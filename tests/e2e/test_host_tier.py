@@ -22,7 +22,7 @@ from shared.client import GenerateResult, build_request, generate
 from shared.kv_index_client import MemoryHit
 from shared.models import BUNDLED_MODEL_DIR
 from shared.subjects import BILLING, DECODE, INGRESS, PREFILL, ROUTER
-from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster
+from tests.e2e.cluster_helpers import apart, connect, num_indexed_blocks, run_cluster
 from worker.mock_engine.simulated import simulated_output
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -48,6 +48,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             ROUTER: ["--decode-page-size-tokens", str(BLOCK)],
         },
         ready_timeout_s=120,
+        hosts=apart,
     )
 
 

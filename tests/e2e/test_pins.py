@@ -18,7 +18,7 @@ import pytest
 from services.admin.launcher import Cluster
 from shared.models import model_path
 from shared.subjects import BILLING, DECODE, INGRESS, KV_INDEX, PREFILL, SWA_MEMCACHE
-from tests.e2e.cluster_helpers import run_cluster
+from tests.e2e.cluster_helpers import apart, run_cluster
 from worker.engine.checkpoint import Checkpoint
 from worker.engine.kv_cache import KVBlockLayout
 
@@ -52,6 +52,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             SWA_MEMCACHE: ["--ttl-s", "1", "--expire-interval-s", "0.2"],
         },
         ready_timeout_s=120,
+        hosts=apart,
     )
 
 

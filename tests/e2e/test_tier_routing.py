@@ -36,6 +36,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             ROUTER: ["--decode-page-size-tokens", str(BLOCK)],
         },
         ready_timeout_s=120,
+        # Each worker a host of its own: neither prefill is nearer decode than the other.
+        hosts={"prefill-0": "node-a", "prefill-1": "node-b", "decode-0": "node-c"},
     )
 
 

@@ -29,7 +29,14 @@ from shared.models import BUNDLED_MODEL_DIR
 from shared.schema import UsageRecord, unpack_block_hashes
 from shared.subjects import DECODE, PREFILL
 from shared.testing.volumes import fill, tmpfs
-from tests.e2e.cluster_helpers import connect, num_indexed_blocks, run_cluster, usage_records
+from tests.e2e.cluster_helpers import (
+    apart,
+    connect,
+    num_indexed_blocks,
+    on_the_client_host,
+    run_cluster,
+    usage_records,
+)
 from worker.kvstore.slots import FILE_SUFFIX
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -74,7 +81,15 @@ def cluster(volume: Path, store_dir: Path) -> Iterator[Cluster]:
         replicas={PREFILL: 1, DECODE: 1},
         extra_args={PREFILL: WORKER_ARGS + on_volume, DECODE: WORKER_ARGS + on_volume + outbox},
         ready_timeout_s=180,
+        hosts=apart,
     )
+
+
+@pytest.fixture(autouse=True)
+def _on_the_client_host(cluster: Cluster) -> Iterator[None]:
+    """Each test's sockets on the client host, the cluster being split over hosts."""
+    with on_the_client_host(cluster):
+        yield
 
 
 def prompt(seed: int, num_tokens: int = 8 * BLOCK + 5) -> list[int]:

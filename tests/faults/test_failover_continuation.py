@@ -5,6 +5,9 @@ production decode engine (speculative decoding and block-boundary windows on), o
 models: tiny-coder (sliding layers: its continuation starts from the snapshot) and SmolLM2
 (full attention only). The kill comes after the answer has filled at least one block, so the
 continuation reads blocks that decode computed, not only prefill's.
+
+In the fault suite (`make faults`) with the failovers it proves at the cluster's level: 40
+answers on two real models, two minutes here, more than make check's budget allows.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from worker.engine.drafter import SpecDecodeConfig
 from worker.engine.sampler import sample_one
 from worker.engine.sequence import Sequence
 from worker.engine.swa_restore import snapshot_from_bytes, snapshot_to_bytes
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 BLOCK = 64
 SEEDS = range(20)
