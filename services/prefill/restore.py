@@ -137,6 +137,9 @@ class PrefixRestorer:
                 blocks.hashes,
                 num_blocks,
                 host=self.runner.host_tier,
+                # Pages short (other jobs hold them): a shorter prefix, the rest computed
+                # when the scheduler has pages, as for a job with no prefix at all.
+                fit_pool=True,
             )
 
     async def _window(

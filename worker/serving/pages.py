@@ -15,6 +15,7 @@ from shared import telemetry
 from shared.blocks import RequestBlocks
 from shared.schema.inference import BlockLocations
 from worker.engine.block_allocator import BlockAllocator
+from worker.engine.errors import OutOfBlocksError
 from worker.engine.host_tier import HostTier
 from worker.engine.kv_cache import PagedKVPool
 from worker.kvstore.slots import SlotRef
@@ -41,19 +42,24 @@ async def load_prefix(
     locations: BlockLocations,
     num_blocks: int,
     first_block: int = 0,
+    *,
+    fit_pool: bool = False,
 ) -> LoadedPrefix:
     """Read cached blocks `first_block`..`num_blocks - 1` into freshly allocated pages (the
     caller holds the ones before: the pool's own, `BlockAllocator.revive`).
 
     A block that reads as a miss (evicted, torn, corrupt) ends the prefix there: the pages
-    after it are freed and the caller computes from that block on.
+    after it are freed and the caller computes from that block on. `fit_pool`: a pool with
+    fewer free pages than the read needs ends the prefix where they run out (the caller
+    computes the rest once the scheduler has pages), instead of raising OutOfBlocksError.
     """
     num_blocks = min(num_blocks, len(locations)) - first_block
+    pages = _allocate(allocator, num_blocks, fit_pool)
+    num_blocks = len(pages)
     if num_blocks <= 0:
         return LoadedPrefix([])
     rows = locations.rows()[first_block : first_block + num_blocks]
     refs = [SlotRef.from_location(row) for row in rows]
-    pages = allocator.allocate(num_blocks)
     try:
         results = await store.read_blocks(refs, [memoryview(pool.block_view(p)) for p in pages])
     except BaseException:
@@ -64,6 +70,20 @@ async def load_prefix(
     return LoadedPrefix(pages[:num_loaded])
 
 
+def _allocate(allocator: BlockAllocator, num_blocks: int, fit_pool: bool) -> list[int]:
+    if num_blocks <= 0:
+        return []
+    if not fit_pool:
+        return allocator.allocate(num_blocks)
+    # The model thread reserves pages too: what was free a moment ago may not be now.
+    while (num_fit := min(num_blocks, allocator.num_free_blocks)) > 0:
+        try:
+            return allocator.allocate(num_fit)
+        except OutOfBlocksError:
+            continue
+    return []
+
+
 async def take_prefix(
     store: KvStore,
     pool: PagedKVPool,
@@ -72,11 +92,13 @@ async def take_prefix(
     block_hashes: Sequence[int],
     num_blocks: int,
     host: HostTier | None = None,
+    *,
+    fit_pool: bool = False,
 ) -> LoadedPrefix:
-    """The first `num_blocks` cached blocks (fewer after a store miss): the leading ones the
-    pool still holds from an earlier request (tagged with `tag_blocks`) or the host-memory
-    tier kept, the rest read from the store (`load_prefix`). Recorded on the current span
-    (the caller's load span)."""
+    """The first `num_blocks` cached blocks (fewer after a store miss, or with `fit_pool`
+    where the pool's free pages run out): the leading ones the pool still holds from an
+    earlier request (tagged with `tag_blocks`) or the host-memory tier kept, the rest read
+    from the store (`load_prefix`). Recorded on the current span (the caller's load span)."""
     if num_blocks == 0:
         return LoadedPrefix([])
     # Every block of the prefix the pool still holds, pinned first: filling a gap from the
@@ -98,7 +120,9 @@ async def take_prefix(
             num_local += 1
         held.append(page)
     try:
-        rest = await load_prefix(store, pool, allocator, locations, num_blocks, len(held))
+        rest = await load_prefix(
+            store, pool, allocator, locations, num_blocks, len(held), fit_pool=fit_pool
+        )
     except BaseException:
         allocator.free(held)
         raise

@@ -6,13 +6,19 @@ store; bounded, least recently used out first."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 
 from shared.schema.inference import BlockLocations
 from worker.engine.block_allocator import BlockAllocator
+from worker.engine.errors import OutOfBlocksError
 from worker.engine.host_tier import HostTier
 from worker.engine.kv_cache import KVBlockLayout, PagedKVPool
+from worker.kvstore import AIOFILES, KvStore, KvStoreConfig, SlotRef
+from worker.kvstore.slots import slot_nbytes_for
 from worker.serving.pages import take_prefix
 
 LAYOUT = KVBlockLayout(
@@ -105,3 +111,47 @@ def test_a_worker_without_a_host_tier_keeps_nothing() -> None:
     written(pool, allocator, [41, 42])
     allocator.free(allocator.allocate(2))
     assert host.num_blocks == 0 and host.num_saved == 0
+
+
+async def stored_in(root: Path, hashes: list[int]) -> tuple[KvStore, BlockLocations]:
+    """A real store (files under `root`) holding random KV for `hashes`, and where."""
+    nbytes, slot = LAYOUT.block_nbytes, slot_nbytes_for(LAYOUT.block_nbytes)
+    config = KvStoreConfig(
+        root, "w1", nbytes, backend=AIOFILES, capacity_bytes=64 * slot, file_nbytes=8 * slot
+    )
+    store = KvStore.open(config)
+    rng = np.random.default_rng(0)
+    stored = await store.write_blocks([(h, rng.bytes(nbytes)) for h in hashes])
+    columns = {
+        "block_hash": np.array(hashes),
+        "writer": np.zeros(len(hashes)),
+        "file_id": np.array([s.file_id for s in stored]),
+        "slot": np.array([s.slot for s in stored]),
+        "generation": np.array([s.generation for s in stored]),
+        "num_bytes": np.array([s.num_bytes for s in stored]),
+    }
+    return store, BlockLocations.from_columns("ssd", ("w1",), columns)
+
+
+async def test_a_store_read_fits_the_free_pages_or_raises(tmp_path: Path) -> None:
+    """With fewer free pages than the prefix, prefill's read (`fit_pool`) stops where they
+    run out, bytes intact; without it (decode's) the shortage is an error."""
+    pool, allocator = PagedKVPool(LAYOUT, 4), BlockAllocator(4)
+    chain = [41, 42, 43, 44]
+    store, where = await stored_in(tmp_path, chain)
+    try:
+        allocator.allocate(2)  # other jobs' pages: 2 free
+        with pytest.raises(OutOfBlocksError):
+            await take_prefix(store, pool, allocator, where, chain, 4)
+        assert allocator.num_free_blocks == 2  # nothing kept by the failed read
+        got = await take_prefix(store, pool, allocator, where, chain, 4, fit_pool=True)
+        assert got.num_blocks == 2 and allocator.num_free_blocks == 0
+        refs = [SlotRef.from_location(row) for row in where.rows()[:2]]
+        expected = [bytes(b) for b in await store.read_blocks(refs)]
+        assert [pool.block_to_bytes(p) for p in got.pages] == expected
+        allocator.free(got.pages)
+        allocator.allocate(2)  # none free: an empty prefix, not an error
+        empty = await take_prefix(store, pool, allocator, where, chain, 4, fit_pool=True)
+        assert empty.num_blocks == 0
+    finally:
+        store.close()
