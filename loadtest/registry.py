@@ -142,6 +142,12 @@ BENCHMARKS = {
             "and throughput with the fair prefill queue against first come, first served",
         ),
         Benchmark(
+            "staging",
+            "loadtest.bench_staging",
+            "agent sessions on SmolLM2 whose steps end in tool calls: the next turn's TTFT "
+            "with the session staged on its prefill worker over the tool's run against without",
+        ),
+        Benchmark(
             "faults",
             "loadtest.bench_faults",
             "per fault under agent load: requests failed, time to full service, usage lost; "

@@ -17,6 +17,11 @@ another one sent it hits it on its first step.
 popular one does: a billing header with a fresh nonce on top, the current time at the end
 (`AgentSession.system_for`). Everything after the first stamp then misses on every step,
 unless the server's prefix guard moves or removes the stamps (services/ingress/stability.py).
+
+`named_tools` makes every step's answer a call of a named tool (`tools.TOOLS`, picked by
+weight), its result that tool's kind of text, and the wait before the next step the tool's
+duration times `tool_time_scale` (`AgentSession.wait_s`). The last step's call never returns:
+the session ends while it runs.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from loadtest.agent import texts
+from loadtest.agent import texts, tools
+from loadtest.agent.tools import ToolCall
 
 Role = Literal["user", "assistant"]
 SYSTEM_SHARE = 0.25  # of the first step's context; the user's task is the rest
@@ -45,6 +51,13 @@ class AgentSession:
     task: str
     tool_results: tuple[str, ...]  # tool_results[k] follows the answer to step k
     stamps: tuple[str, ...] = ()  # per step: a nonce for the billing header (volatile only)
+    calls: tuple[ToolCall, ...] = ()  # per step: the tool its answer calls (named tools only)
+    time_scale: float = 1.0  # of the tools' durations, for the waits
+
+    def wait_s(self, step: int) -> float:
+        """How long after step `step`'s answer the next step is sent: its tool's duration,
+        scaled (0 without named tools)."""
+        return self.calls[step].duration_s * self.time_scale if self.calls else 0.0
 
     def system_for(self, step: int) -> str:
         """The system prompt step `step` sends: stamped per request when volatile."""
@@ -85,6 +98,8 @@ class Workload:
     seed: int = 0
     shared_system_prompt: bool = True
     volatile_system: bool = False  # a harness that stamps each request's system prompt
+    named_tools: bool = False  # every answer calls a named tool (tools.TOOLS), which takes time
+    tool_time_scale: float = 1.0  # of the tools' durations (a benchmark's compression)
 
     def __post_init__(self) -> None:
         for name in ("num_sessions", "num_steps", "initial_context_tokens", "max_output_tokens"):
@@ -96,6 +111,8 @@ class Workload:
             )
         if self.think_time_s < 0:
             raise ValueError(f"think_time_s must be >= 0, got {self.think_time_s}")
+        if self.tool_time_scale <= 0:
+            raise ValueError(f"tool_time_scale must be > 0, got {self.tool_time_scale}")
 
     @property
     def num_requests(self) -> int:
@@ -117,15 +134,25 @@ class Workload:
         system = texts.system_prompt(self._rng("system", owner), system_tokens)
         task_tokens = max(1, self.initial_context_tokens - system_tokens)
         task = texts.first_task(self._rng("task", index), task_tokens)
-        results = tuple(
-            texts.tool_result(self._rng("tool", index, step), self.growth_tokens_per_step)
-            for step in range(self.num_steps - 1)
-        )
+        calls = ()
+        if self.named_tools:
+            calls = tools.plan_calls(self._rng("calls", index), self.num_steps)
+            results = tuple(
+                tools.BY_NAME[calls[step].tool].result(
+                    self._rng("tool", index, step), self.growth_tokens_per_step
+                )
+                for step in range(self.num_steps - 1)
+            )
+        else:
+            results = tuple(
+                texts.tool_result(self._rng("tool", index, step), self.growth_tokens_per_step)
+                for step in range(self.num_steps - 1)
+            )
         stamps = ()
         if self.volatile_system:
             rng = self._rng("stamp", index)
             stamps = tuple(f"{rng.getrandbits(64):016x}" for _ in range(self.num_steps))
-        return AgentSession(index, system, task, results, stamps)
+        return AgentSession(index, system, task, results, stamps, calls, self.tool_time_scale)
 
     def sessions(self) -> list[AgentSession]:
         return [self.session(i) for i in range(self.num_sessions)]
