@@ -28,6 +28,7 @@ from services.admin import (
     keys_cli,
     models_cli,
     plan_cli,
+    simulate_cli,
     top_cli,
     trace_cli,
 )
@@ -110,6 +111,9 @@ app.command("bench", short_help="Benchmarks, each against its peer in one run: N
     bench_cli.bench_command
 )
 app.command("plan", short_help="GPUs, servers, money, SSD of a deployment.")(plan_cli.plan_command)
+app.command(
+    "simulate", short_help="A cluster simulated with the real router and kv-index, by window."
+)(simulate_cli.simulate_command)
 app.command("top", short_help="The cluster live: instances, request rate, hit share, TTFT.")(
     top_cli.top_command
 )
