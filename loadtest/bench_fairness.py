@@ -98,7 +98,7 @@ class Sizes:
 
 FULL = Sizes()
 # CI's: the same sessions, phases of seconds (its figures are few requests: noisy).
-QUICK = replace(FULL, long_turns=6, ramp_steps=3, ramp_step_s=2.5, run_s=5.0, warmup_s=1.5)
+QUICK = replace(FULL, long_turns=6, ramp_steps=2, ramp_step_s=2.5, run_s=4.0, warmup_s=1.5)
 
 
 @dataclass(frozen=True)

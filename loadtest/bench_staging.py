@@ -90,8 +90,9 @@ class Sizes:
     spread_s: float = 20.0  # sessions start evenly over this
     # 240 s of tests in 24 s; a side's run then takes about five minutes here.
     time_scale: float = 1 / 10
-    # Requests in flight: the prefill pool must hold every admitted job's prefix at once (a
-    # job finding no free pages for its prefix fails, worker/serving/pages.py).
+    # Requests in flight: the prefill pool holds every admitted job's prefix at once (a job
+    # short of free pages reads only part of its prefix and computes the rest,
+    # worker/serving/pages.py: a cost that is neither side's staging).
     concurrency: int = 2
     # 64-token pages of SmolLM2 in float32, 2.8 MiB each: the pool holds two of the longest
     # prompts (2,913 tokens, 46 pages); half the host tier (what staging may hold) about three

@@ -22,6 +22,10 @@ KVFABRIC = Path(sys.executable).with_name("kvfabric")
 
 # Run in quick mode by a test of their own, with more checks: left out here.
 OWN_TEST = {"agent": "tests/e2e/test_agent_load.py", "faults": "tests/faults/test_bench_faults.py"}
+# Parts run by a test of their own, left out here: the trace's live replay
+# (tests/e2e/test_trace_live.py, alone: it keeps the trace's pace only with the machine to
+# itself).
+CI_ARGS = {"trace": ["--set", "offline=true"]}
 
 
 @pytest.mark.timeout(600)
@@ -33,7 +37,16 @@ def test_quick_mode_prints_what_its_json_holds(name: str, tmp_path: Path) -> Non
     # CI measures ours alone where a peer would be installed (kv-index: Dynamo's venv)
     no_peer = ["--no-peer"] if BENCHMARKS[name].has_peer_option else []
     done = subprocess.run(
-        [str(KVFABRIC), "bench", name, "--quick", "--json", str(out), *no_peer],
+        [
+            str(KVFABRIC),
+            "bench",
+            name,
+            "--quick",
+            "--json",
+            str(out),
+            *no_peer,
+            *CI_ARGS.get(name, []),
+        ],
         capture_output=True,
         text=True,
         timeout=540,

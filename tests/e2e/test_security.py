@@ -223,18 +223,18 @@ def test_fuzzing_every_operation_finds_no_server_error(
 ) -> None:
     """schemathesis on every operation: its fuzzing and stateful phases (links from a stored
     response to its GET and to `previous_response_id`), and its coverage phase (the boundary
-    and negative cases of each schema), 45 s each: no 5xx, no status, media type or body
+    and negative cases of each schema), 30 s each: no 5xx, no status, media type or body
     outside the document."""
     url, key = cluster.http_urls[0], keys["alpha"]
     runs = {
-        "fuzzing, stateful": ("--phases", "examples,fuzzing,stateful", "--max-time", "45"),
+        "fuzzing, stateful": ("--phases", "examples,fuzzing,stateful", "--max-time", "30"),
         # The coverage phase of POST /v1/messages stops schemathesis itself, every time: see
         # HYPOTHESIS_CRASH. Left out.
         "coverage": (
             "--phases",
             "coverage",
             "--max-time",
-            "45",
+            "30",
             "--exclude-operation-id",
             MESSAGES_OPERATION,
         ),

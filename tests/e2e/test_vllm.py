@@ -19,8 +19,8 @@ holds every turn's usage with the worker that served it.
 The only vLLM worker of a model killed mid-stream is in the fault suite
 (tests/faults/test_vllm_faults.py).
 
-Beside it: the connector's start-up check of both KV layouts (float32's `vec`, bfloat16's
-`amx`) against vLLM's own cache-write kernels.
+The connector's checks inside vLLM's venv, which need no cluster, are
+tests/e2e/test_vllm_venv.py.
 
 Marked `vllm` (builds vLLM's venv on first use, minutes); CI runs it once, eager vLLM
 (no torch.compile) so each start takes ~40 s here.
@@ -29,19 +29,15 @@ Marked `vllm` (builds vLLM's venv on first use, minutes); CI runs it once, eager
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
 
 from services.admin.launcher import Cluster
 from services.billing.ledger import open_ledger
-from services.vllm_worker.vllm_env import SOURCE_ROOT, ensure_vllm
+from services.vllm_worker.vllm_env import ensure_vllm
 from shared import kv_index_client as index_client
 from shared.blocks import RequestBlocks
 from shared.bus import Bus
@@ -173,102 +169,6 @@ async def writers(bus: Bus, prompt: list[int]) -> set[str]:
     hashes = RequestBlocks.hash_prompt(prompt, model=MODEL, block_size_tokens=BLOCK).hashes
     found = (await index_client.match(bus, hashes, num_shards=1)).get("ssd")
     return set(found.locations.writer_ids) if found else set()
-
-
-KERNEL_CHECK = """
-import json, torch
-from vllm import _custom_ops as ops
-from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-from services.vllm_worker.connector.layout import VllmBlockConverter, VllmLayoutError
-from services.vllm_worker.connector.layout import check_with_kernel
-out = {}
-for dtype in (torch.float32, torch.bfloat16):
-    isa = _get_attn_isa(dtype, 64, 64)
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(4, 3, 64, 128, dtype=dtype)
-              for i in range(2)}
-    def write(kc, vc, slots, k, v, isa=isa):
-        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
-    for layout in ("vec", "amx"):
-        try:
-            check_with_kernel(VllmBlockConverter.of(caches, 64, layout), write)
-            out[f"{dtype} {isa} {layout}"] = "ok"
-        except VllmLayoutError:
-            out[f"{dtype} {isa} {layout}"] = "refused"
-print(json.dumps({"kernel": out}))
-"""
-
-
-def test_each_layout_is_the_one_vllms_own_cache_write_kernel_fills(
-    in_vllms_venv: dict[str, dict],
-) -> None:
-    """The connector's start-up check run against vLLM's kernels for both dtypes: the layout
-    of the ISA vLLM picks reads back what the kernel wrote, the other layout is refused."""
-    found = in_vllms_venv["kernel"]
-    assert len(found) == 4, found
-    for case, verdict in found.items():
-        dtype, isa, layout = case.split()
-        assert verdict == ("ok" if layout == isa else "refused"), found
-    # This CPU (AVX-512 with AMX) runs bfloat16 through the tiled amx kernels.
-    if "amx_tile" in Path("/proc/cpuinfo").read_text():
-        assert "torch.bfloat16 amx amx" in found
-
-
-SPIN_CHECK = """
-import json, time, zmq
-from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-from vllm.utils.network_utils import get_open_zmq_ipc_path
-from services.vllm_worker.connector.spin import shorten_idle_spin
-context = zmq.Context()
-address = get_open_zmq_ipc_path()
-writer = SpinCondition(is_reader=False, context=context, notify_address=address)
-reader = SpinCondition(is_reader=True, context=context, notify_address=address)
-polls = []
-poll = reader.poller.poll
-reader.poller.poll = lambda timeout=None: polls.append(timeout) or poll(timeout=0)
-def idles_100ms_after_a_read():
-    # spinning, wait() yields and returns; idle, it polls its socket
-    reader.last_read = time.monotonic() - 0.1
-    num_polls = len(polls)
-    reader.wait(timeout_ms=300)
-    return len(polls) > num_polls
-before = idles_100ms_after_a_read()
-changed = shorten_idle_spin(0.05)
-print(json.dumps({"spin": {"idle_before": before, "changed": changed,
-                           "idle_after": idles_100ms_after_a_read(),
-                           "reader_s": reader.busy_loop_s, "writer_s": writer.busy_loop_s}}))
-"""
-
-
-@pytest.fixture(scope="module")
-def in_vllms_venv() -> dict[str, dict]:
-    """KERNEL_CHECK and SPIN_CHECK, run in one python of vLLM's venv (each start imports
-    vLLM and torch: ~20 s here): what each printed, by its key."""
-    python = ensure_vllm()
-    env = os.environ | {"PYTHONPATH": str(SOURCE_ROOT)}
-    script = "\n".join(check.strip() for check in (KERNEL_CHECK, SPIN_CHECK))
-    done = subprocess.run(
-        [str(python), "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    found: dict[str, dict] = {}
-    for line in done.stdout.splitlines():  # vLLM may print lines of its own
-        if line.startswith(('{"kernel"', '{"spin"')):
-            found |= json.loads(line)
-    assert set(found) == {"kernel", "spin"}, done.stdout
-    return found
-
-
-def test_the_connector_shortens_vllms_idle_spin(in_vllms_venv: dict[str, dict]) -> None:
-    """vLLM's shared-memory queue reader spins 1 s after each read (0.1 s after one it still
-    spins); after `shorten_idle_spin(0.05)` it waits on its socket by then."""
-    found = in_vllms_venv["spin"]
-    assert found["changed"] == 1 and found["reader_s"] == 0.05, found
-    assert found["writer_s"] == 0, found  # a writer never spins: left alone
-    assert not found["idle_before"] and found["idle_after"], found
 
 
 # Last in the module: the cluster it starts stays up until the module ends.
