@@ -138,11 +138,13 @@ class Instance:
 
 
 async def discover(
-    bus: Bus, *, service: str | None = None, timeout_s: float = 0.5
+    bus: Bus, *, service: str | None = None, timeout_s: float = 0.5, stall_s: float | None = None
 ) -> list[Instance]:
-    """Every live instance under this bus's root (from `$SRV.STATS`), sorted by service."""
+    """Every live instance under this bus's root (from `$SRV.STATS`), sorted by service.
+    `stall_s`: end early once the replies pause that long (`Bus.scatter`)."""
     instances = []
-    async for msg in bus.scatter(discovery("STATS", service), b"", timeout_s=timeout_s):
+    subject = discovery("STATS", service)
+    async for msg in bus.scatter(subject, b"", timeout_s=timeout_s, stall_s=stall_s):
         try:
             doc = json.loads(msg.data)
         except ValueError:

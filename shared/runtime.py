@@ -28,7 +28,9 @@ status --json` all read it.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -57,6 +59,20 @@ from shared.tasks import cancel_and_wait
 
 VERSION = "0.1.0"
 log = get_logger(__name__)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux's /proc; None elsewhere): the interpreter's
+    start and the imports, which a restart pays before `run` is reached."""
+    try:
+        with open("/proc/self/stat") as f:
+            # Field 22 (starttime, clock ticks after boot); the name in field 2 may hold spaces.
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime_s - started_ticks / os.sysconf("SC_CLK_TCK")
 
 
 class ServiceRuntime:
@@ -254,6 +270,8 @@ class ServiceRuntime:
         )
 
     async def run(self, setup: Callable[[ServiceRuntime], Awaitable[None]]) -> None:
+        started_at = time.monotonic()
+        started_age_s = process_age_s()
         configure_logging(
             service=self.service, instance_id=self.instance_id, level=self.config.log_level
         )
@@ -279,6 +297,7 @@ class ServiceRuntime:
                 tls_ca=self.config.nats_tls_ca,
             )
             self._bus.js.replicas = self.config.js_replicas
+            connected_at = time.monotonic()
             if self.config.metrics_port is not None:
                 await self._serve_http(self.config.metrics_host, self.config.metrics_port)
             await setup(self)
@@ -302,7 +321,16 @@ class ServiceRuntime:
                 self.state = InstanceState.SERVING
             self._heartbeat = asyncio.create_task(self._beat())
             await self._bus.flush()
-            log.info("serving", nats_url=self.config.nats_url, root=self.config.root)
+            # Where a restart's time goes (the start-up budget of a control-plane instance).
+            now = time.monotonic()
+            log.info(
+                "serving",
+                nats_url=self.config.nats_url,
+                root=self.config.root,
+                start_s=round(started_age_s, 3) if started_age_s is not None else None,
+                connect_s=round(connected_at - started_at, 3),
+                setup_s=round(now - connected_at, 3),
+            )
             await self._stop.wait()
             log.info("stopping")
         finally:

@@ -127,8 +127,9 @@ def build_app(services: Services) -> FastAPI:
 
     async def caller(request: Request) -> Caller:
         # Every API route depends on this: while NATS is away nothing behind ingress can be
-        # reached, so say so at once (503, Retry-After) instead of letting the request hang.
-        if not pipeline.bus.is_connected:
+        # reached, so say so within a second (503, Retry-After) instead of letting the
+        # request hang; a move to another server of the cluster is waited out.
+        if not await pipeline.bus.until_connected():
             raise ApiError(
                 "unavailable",
                 "the cluster's message bus is unreachable (reconnecting); retry shortly",

@@ -35,6 +35,7 @@ from shared.usage import open_usage_outbox
 from worker.serving.metrics import observe_outbox
 
 MAX_HEADER_BYTES = 64 * 1024
+STARTUP_STALL_S = 0.1
 
 
 async def setup(runtime: ServiceRuntime) -> None:
@@ -116,7 +117,10 @@ async def setup(runtime: ServiceRuntime) -> None:
     serving = asyncio.create_task(server.main_loop())
     host, port = sock.getsockname()[:2]
     runtime.metadata["http_url"] = f"http://{host}:{port}"
-    await models.refresh()
+    # A restarted ingress serves as soon as its first round's burst of replies is in (a
+    # restart's budget is 3 s); a model whose worker answered late is found by the next
+    # round, or at once by the round a request for an unknown name starts (ModelTable.get).
+    await models.refresh(stall_s=STARTUP_STALL_S)
     await models.follow_heartbeats()
     runtime.every(5.0, models.refresh)
 

@@ -118,13 +118,13 @@ class ModelTable:
     def _ready(self, name: str) -> bool:
         return name in self._models and name in self._served()
 
-    async def refresh(self, timeout_s: float = 0.5) -> None:
+    async def refresh(self, timeout_s: float = 0.5, stall_s: float | None = None) -> None:
+        """One discovery round (`stall_s`: ended early once the replies pause, `discover`)."""
         async with self._lock:
             self._round_started_at = time.monotonic()
+            found = await discover(self.bus, timeout_s=timeout_s, stall_s=stall_s)
             # The workers that stream tokens: decode workers and aggregated vLLM workers.
-            instances = [
-                i for i in await discover(self.bus, timeout_s=timeout_s) if i.service in STREAMERS
-            ]
+            instances = [i for i in found if i.service in STREAMERS]
             for instance in instances:
                 meta = instance.metadata
                 name = meta.get("model")

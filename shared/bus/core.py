@@ -67,6 +67,10 @@ CLOSE_TIMEOUT_S = 2.0  # a drain takes milliseconds while the server is there
 # While the connection is down a caller learns it within this (UNAVAILABLE), not at its
 # timeout: what was sent before is lost with the server, and a reply may never come.
 OUTAGE_CHECK_S = 0.25
+# A call made while the connection is down waits this long for it first: moving to another
+# server of a NATS cluster takes milliseconds, and a call then need not fail; a whole
+# outage is still answered well within a second.
+RECONNECT_WAIT_S = 0.5
 
 
 def unavailable() -> Unavailable:
@@ -156,6 +160,13 @@ class Bus:
     def is_connected(self) -> bool:
         return self._nc.is_connected
 
+    async def until_connected(self, timeout_s: float = RECONNECT_WAIT_S) -> bool:
+        """Whether the connection is up, waiting up to `timeout_s` while it reconnects."""
+        deadline = time.monotonic() + timeout_s
+        while not self._nc.is_connected and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self._nc.is_connected
+
     @property
     def max_payload_bytes(self) -> int:
         return self._nc.max_payload
@@ -233,7 +244,7 @@ class Bus:
         timeout_s = effective_timeout_s(timeout_s, deadline_ms, subject)
         headers = self.headers_for(message, request_id=request_id, deadline_ms=deadline_ms)
         data = message if isinstance(message, bytes | bytearray) else encode(message)
-        if not self._nc.is_connected:
+        if not await self.until_connected():
             raise unavailable()
         try:
             msg = await self._request_watching_connection(subject, data, timeout_s, headers)
@@ -347,19 +358,25 @@ class Bus:
         return Inbox(subject, await self._nc.subscribe(subject), self._nc)
 
     async def scatter(
-        self, subject: str, data: bytes, *, timeout_s: float
+        self, subject: str, data: bytes, *, timeout_s: float, stall_s: float | None = None
     ) -> AsyncIterator[RawMessage]:
-        """Publish once, yield every reply that arrives within `timeout_s` (discovery)."""
+        """Publish once, yield every reply that arrives within `timeout_s` (discovery). With
+        `stall_s`, also stop once that long passes without a reply after the first (NATS's
+        "request many" stall timer): replies to one request come in a burst, so a caller in
+        a hurry need not wait out the whole window, at the price of a reply that lags."""
         inbox = await self.open_inbox()
         try:
             await self.publish_raw(subject, data, reply=inbox.subject)
             deadline = time.monotonic() + timeout_s
-            while (left := deadline - time.monotonic()) > 0:
+            stall_at = deadline
+            while (left := min(deadline, stall_at) - time.monotonic()) > 0:
                 msg = await inbox.next(left)
                 if msg is None:
                     break
                 if msg.headers.get(STATUS_HEADER) == NO_RESPONDERS_STATUS:
                     break
+                if stall_s is not None:
+                    stall_at = time.monotonic() + stall_s
                 yield msg
         finally:
             await inbox.close()

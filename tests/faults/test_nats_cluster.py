@@ -132,3 +132,34 @@ def test_config_takes_a_seed_list_and_checks_js_replicas() -> None:
         load_config(ServiceConfig, environ={}, js_replicas=0)
     with pytest.raises(ConfigError, match="must start with nats://"):
         load_config(ServiceConfig, environ={}, nats_url="nats://a:4222,b:4222")
+
+
+@pytest.mark.nats
+async def test_a_call_made_while_its_server_is_gone_waits_for_the_next(
+    cluster: NatsCluster, bus: Bus
+) -> None:
+    """A caller whose server died, calling before its connection has moved: the move to
+    another seed takes milliseconds, and the call waits it out instead of failing."""
+    from tests.service.messages import EchoReply
+    from tests.service.test_bus import serve_echo
+
+    def member(b: Bus) -> int:
+        url = b._nc.connected_url
+        assert url is not None
+        return [s.url.split("//")[-1] for s in cluster.servers].index(url.netloc)
+
+    index = member(bus)
+    others = ",".join(s.url for i, s in enumerate(cluster.servers) if i != index)
+    echo = await Bus.connect(others, service="echo-svc", root=bus.subjects.root)
+    try:
+        endpoint = await serve_echo(echo)
+        assert (await bus.request(endpoint.subject, Echo(text="a"), EchoReply)).text == "a"
+        cluster.kill_member(index)
+        deadline = time.monotonic() + 10
+        while bus.is_connected:  # each yield lets the client see the EOF; the move takes
+            assert time.monotonic() < deadline  # several round trips, so this sees it gone
+            await asyncio.sleep(0)
+        reply = await bus.request(endpoint.subject, Echo(text="b"), EchoReply)
+        assert reply.text == "b" and member(bus) != index
+    finally:
+        await echo.close()

@@ -75,3 +75,35 @@ async def test_discovery_ignores_other_roots(bus_factory: BusFactory, nats_serve
         await responder.stop()
     finally:
         await other.close()
+
+
+async def test_a_stall_timer_ends_the_round_when_replies_pause(bus_factory: BusFactory) -> None:
+    import asyncio
+    import time
+
+    prompt = await bus_factory("echo-svc")
+    responder = DiscoveryResponder(
+        prompt, version="1", description="", metadata={}, load_report=lambda: _load(prompt)
+    )
+    await responder.start()
+    late = await bus_factory("late-svc")
+
+    async def answer_late(msg) -> None:  # noqa: ANN001
+        await asyncio.sleep(3.0)
+        await late.publish_raw(msg.reply, b"late")
+
+    await late.subscribe_raw(discovery("PING"), answer_late)
+    await prompt.flush()
+    await late.flush()
+    client = await bus_factory("client")
+
+    started = time.monotonic()
+    replies = [
+        m.data async for m in client.scatter(discovery("PING"), b"", timeout_s=10, stall_s=0.2)
+    ]
+    stalled_s = time.monotonic() - started
+    assert b"late" not in replies and len(replies) >= 1  # the prompt one only
+    assert stalled_s < 3.0  # ended by the stall, not by the late reply or the window
+
+    replies = [m.data async for m in client.scatter(discovery("PING"), b"", timeout_s=6.0)]
+    assert b"late" in replies  # without the stall timer the window waits for it
