@@ -62,10 +62,12 @@ test: models vllm prometheus
 
 # The fault suite (tests/faults): real faults under agent load on a cluster split over
 # network-namespace hosts (root), the engine's failover continuation on both models, and the
-# only vLLM worker of a model killed (vLLM's venv); .ci/run runs it after make test, in its
-# own budget.
+# only vLLM worker of a model killed (vLLM's venv); with it the faults of the e2e modules
+# (workers killed and restarted on test_serving's cluster, a killed launcher), which
+# make test leaves out. .ci/run runs it after make test, in its own budget.
+FAULT_MODULES := tests/faults tests/e2e/test_serving.py tests/e2e/test_up.py
 faults: models vllm
-	$(PY) -m pytest -q -m faults tests/faults
+	$(PY) -m pytest -q -m faults $(FAULT_MODULES)
 
 # compose/ for real (tests/deploy/test_compose_up.py): podman, runc and mmdebstrap from Debian
 # where missing (root), the images built (deploy/images/build.sh: the base once, then a few

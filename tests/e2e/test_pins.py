@@ -144,8 +144,21 @@ def test_a_turn_whose_window_expired_is_told_so(cluster: Cluster) -> None:
         entries = metric(cluster, SWA_MEMCACHE, "kvfabric_swa_memcache_entries")
         return entries - metric(cluster, SWA_MEMCACHE, "kvfabric_swa_memcache_pinned_entries")
 
+    # Every prefill job persisted, its window put included: prefill puts after decode took
+    # the suffix, so a loaded machine can put one after the sweeps below seemed done.
+    def jobs(name: str) -> float:
+        return sum(
+            metric(cluster, instance, rf"kvfabric_prefill_jobs_{name}_total(?:\{{[^}}]*\}})?")
+            for instance in cluster.metrics_urls
+            if instance.startswith(PREFILL)
+        )
+
+    deadline = time.monotonic() + 20
+    while jobs("ended") < jobs("received"):
+        assert time.monotonic() < deadline, "prefill jobs never ended"
+        time.sleep(0.1)
     # Every window this turn left swept (prefill's, and decode's at the boundaries its
-    # write-through reached, put a little later): each outlives its 1 s, then is swept.
+    # write-through reached): each outlives its 1 s, then is swept.
     deadline = time.monotonic() + 20
     while metric(cluster, SWA_MEMCACHE, expired) <= before or unpinned() > 0:
         assert time.monotonic() < deadline, f"snapshots left unexpired: {unpinned()}"

@@ -391,6 +391,7 @@ def test_generate_cli_streams_and_reports_hits(cluster: Cluster) -> None:
     assert "cached" in second.stderr
 
 
+@pytest.mark.faults  # a fault: `make faults` runs it on this module's cluster
 async def test_restarted_prefill_workers_serve_their_first_requests(cluster: Cluster) -> None:
     """A decode worker keeps the NIXL metadata of each prefill worker it pulled from; a prefill
     worker restarted under the same id is a new agent. Every request after the restart is
@@ -450,6 +451,7 @@ def _child(cluster: Cluster, instance_id: str) -> subprocess.Popen[bytes]:
     return next(c.process for c in cluster.children if c.instance_id == instance_id)
 
 
+@pytest.mark.faults  # a fault: `make faults` runs it on this module's cluster
 async def test_a_killed_decode_worker_s_stream_continues_on_the_other(
     cluster: Cluster,
 ) -> None:
@@ -493,6 +495,7 @@ async def test_a_killed_decode_worker_s_stream_continues_on_the_other(
         await bus.close()
 
 
+@pytest.mark.faults  # a fault: `make faults` runs it on this module's cluster
 async def test_killed_prefill_worker_leaves_the_survivor_serving(cluster: Cluster) -> None:
     bus = await connect(cluster)
     try:

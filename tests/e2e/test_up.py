@@ -343,6 +343,7 @@ def test_up_with_tls_takes_only_tls_clients_with_credentials(tmp_path: Path) -> 
             up.wait()
 
 
+@pytest.mark.faults  # a fault: `make faults` runs it
 def test_a_killed_launcher_leaves_no_process_behind(tmp_path: Path) -> None:
     """SIGKILL gives `kvfabric up` no chance to stop anything: the kernel ends its children
     (PR_SET_PDEATHSIG), the nats-server among them."""
