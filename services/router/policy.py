@@ -28,12 +28,12 @@ memcaches' events -> the nodes holding the boundary block's sliding-window snaps
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.router.store_reads import StoreReads
 from shared.blocks import RequestBlocks
-from shared.load_table import InflightDelta, LoadTable, WorkerView
+from shared.load_table import InflightDelta, LoadTable, OrderKey, WorkerView
 from shared.schema.errors import (
     BadRequest,
     ErrorCode,
@@ -89,7 +89,11 @@ class RequestFacts:
         """Facts of `request` given kv-index's longest hit (in blocks, over all tiers) and
         each worker's own (in its memory)."""
         num_blocks = blocks.num_reusable_blocks(num_hit_blocks)
-        local = {w: blocks.num_reusable_blocks(n) for w, n in (local_hit_blocks or {}).items()}
+        held = local_hit_blocks or {}
+        # Once per distinct run, not per worker: a node's workers share theirs (hundreds of
+        # workers a request at the reference shape).
+        reusable = {n: blocks.num_reusable_blocks(n) for n in set(held.values())}
+        local = {w: reusable[n] for w, n in held.items()}
         return cls(
             request_id=request.request_id,
             num_prompt_tokens=blocks.num_prompt_tokens,
@@ -311,7 +315,7 @@ class RoutePolicy:
         if isinstance(prefill, Rejection):
             return prefill
         decode_id = previous.decode_worker_id
-        if not any(w.instance_id == decode_id for w in self._decoders(facts, table, now_s)):
+        if table.serving_view(decode_id, self.config.decode_service, now_s, facts.model) is None:
             decode = self._choose_decode(facts, table, now_s)
             if isinstance(decode, Rejection):
                 return decode
@@ -386,20 +390,118 @@ class RoutePolicy:
         *,
         check_slo: bool,
     ) -> PrefillOption | Rejection:
-        workers = [
-            w
-            for w in table.workers(self.config.prefill_service, now_s, facts.model)
-            if w.instance_id not in exclude
-        ]
-        if not workers:
-            return Rejection(ErrorCode.UNAVAILABLE, f"no prefill worker is serving{_of(facts)}")
         if self.config.placement == KV:
-            workers = _kv_candidates(workers, facts, swa_node_ids)
-        options = self._estimates(workers, facts, swa_node_ids, now_s)
-        return self._admit(options, check_slo=check_slo)
+            options, count = self._kv_options(facts, table, swa_node_ids, now_s, exclude)
+        else:
+            workers = [
+                w
+                for w in table.workers(self.config.prefill_service, now_s, facts.model)
+                if w.instance_id not in exclude
+            ]
+            options = self._estimates(workers, facts, swa_node_ids, now_s)
+            count = None
+        if not options:
+            return Rejection(ErrorCode.UNAVAILABLE, f"no prefill worker is serving{_of(facts)}")
+        return self._admit(options, check_slo=check_slo, count=count)
 
-    def _admit(self, options: list[PrefillOption], *, check_slo: bool) -> PrefillOption | Rejection:
-        """The best option with room in its queue, within the objective when checked."""
+    def _kv_options(
+        self,
+        facts: RequestFacts,
+        table: LoadTable,
+        swa_node_ids: Collection[str],
+        now_s: float,
+        exclude: Collection[str],
+    ) -> tuple[list[PrefillOption], Callable[[], int]]:
+        """The options kv's pick is among, best first, and a count of the candidates they
+        stand for (for a refusal's message).
+
+        The candidates: every worker holding some of the prefix in its own memory or on a
+        node with the window, and of the rest -- whose estimates, job tokens and room differ
+        by their queues alone -- the first by (the tokens a job of the request's level waits
+        for there, requests in flight, id), the order `PrefillOption.key` breaks their ties
+        in. Holders with a first-come-first-served queue, the same blocks in memory and the
+        same window differ by their queues alone too, so of each such kind only the first in
+        that order is estimated: it has the best estimate of its kind, room if any has (room
+        only shrinks as the queue grows) and the least wait. The pick, the room check and the
+        objective's come out as over every candidate, and a decision costs O(holders) dict
+        lookups, not O(workers) views and estimates (hundreds of holders and 1,200 workers
+        at the reference shape). Fair workers (rare) are each estimated, as their queue
+        depends on the request's level."""
+        service, model = self.config.prefill_service, facts.model
+        local_hits, level = facts.local_hit_blocks, facts.queue_level
+        cached_blocks, has_hit = facts.num_cached_blocks, facts.num_cached_tokens > 0
+        window = [
+            worker
+            for worker in table.serving_on_nodes(swa_node_ids, service, now_s, model)
+            if worker.instance_id not in exclude
+        ]
+        # Distinct queues must give distinct rounded estimates (`PrefillOption.key`) for a
+        # kind's first to be its best: a queued token is ~17 us at the reference rate.
+        by_kind = self.cost.queue_wait_s(1) > 1e-8
+        workers: list[WorkerView] = []  # estimated
+        firsts: dict[tuple[int, bool], WorkerView] = {}  # of each kind, the first so far
+        for worker in window:
+            if worker.reported_tokens_by_level or not by_kind:
+                workers.append(worker)
+            else:
+                num_local = min(local_hits.get(worker.instance_id, 0), cached_blocks)
+                _keep_first(firsts, (num_local, has_hit), worker)
+        # The other holders with a first-come-first-served queue: the first of each run
+        # they hold (a node's workers share one), found by the table.
+        skip = {*exclude, *(worker.instance_id for worker in window)}
+        if by_kind:
+            firsts_by_run = table.firsts(service, now_s, model, _fcfs_order, local_hits, skip)
+            for num_local, worker in firsts_by_run.items():
+                _keep_first(firsts, (min(num_local, cached_blocks), False), worker)
+        else:
+            others = table.serving_among(local_hits, service, now_s, model)
+            workers += [w for w in others if w.instance_id not in skip and _fcfs_order(w)]
+        workers += firsts.values()
+        # The rest's best: the first non-holder of both orders; every fair holder.
+        plain: WorkerView | None = None
+        plain_key: tuple[int, int, str] | None = None
+        for order in (_fcfs_order, _fair_order(level)):
+            fair = order is not _fcfs_order
+            for worker in table.ordered(service, now_s, model, order):
+                instance_id = worker.instance_id
+                if instance_id in skip or worker.node_id in swa_node_ids:
+                    continue
+                if instance_id in local_hits:
+                    if fair:
+                        workers.append(worker)
+                    continue
+                key = (
+                    queued_tokens_ahead(worker, level),
+                    worker.num_inflight_requests,
+                    instance_id,
+                )
+                if plain_key is None or key < plain_key:
+                    plain, plain_key = worker, key
+                if not fair:
+                    break  # the fair ones' holders are all wanted: that walk goes on
+        if plain is not None:
+            workers.append(plain)
+
+        def count() -> int:
+            holders = {w.instance_id for w in window}
+            holders.update(
+                worker.instance_id
+                for worker in table.serving_among(local_hits, service, now_s, model)
+                if worker.instance_id not in exclude
+            )
+            return len(holders) + (plain is not None)
+
+        return self._estimates(workers, facts, swa_node_ids, now_s), count
+
+    def _admit(
+        self,
+        options: list[PrefillOption],
+        *,
+        check_slo: bool,
+        count: Callable[[], int] | None = None,
+    ) -> PrefillOption | Rejection:
+        """The best option with room in its queue, within the objective when checked.
+        `count`: of the workers the options stand for (None: the options)."""
         limit = self.config.max_queued_tokens
         # A worker with an empty queue always has room, or a prompt over the limit never runs.
         room = [
@@ -412,7 +514,8 @@ class RoutePolicy:
             over = min(o.worker.num_queued_tokens + o.num_job_tokens - limit for o in options)
             return Rejection(
                 ErrorCode.OVERLOADED,
-                f"every prefill queue is full ({len(options)} workers, limit {limit} tokens)",
+                f"every prefill queue is full ({len(options) if count is None else count()} "
+                f"workers, limit {limit} tokens)",
                 retry_after_s=self.cost.queue_wait_s(over),
             )
         objective = self.config.ttft_objective_s
@@ -441,31 +544,30 @@ class RoutePolicy:
             return turn[0]
         return min(turn, key=lambda o: o.worker.num_queued_tokens)  # first in turn on ties
 
-    def _decoders(self, facts: RequestFacts, table: LoadTable, now_s: float) -> list[WorkerView]:
-        return table.workers(self.config.decode_service, now_s, facts.model)
-
     def _choose_decode(
         self, facts: RequestFacts, table: LoadTable, now_s: float
     ) -> WorkerView | Rejection:
-        decoders = self._decoders(facts, table, now_s)
-        if not decoders:
+        service, model = self.config.decode_service, facts.model
+        largest = next(table.ordered(service, now_s, model, _most_pages), None)
+        if largest is None:
             return Rejection(ErrorCode.UNAVAILABLE, f"no decode worker is serving{_of(facts)}")
         needed = self.pages_needed(facts)
-        if needed > max(w.num_kv_pages_total for w in decoders):
+        if needed > largest.num_kv_pages_total:
             return Rejection(
                 ErrorCode.BAD_REQUEST,
                 f"prompt + max_tokens needs {needed} KV pages, more than any decode worker has",
             )
-        fits = [w for w in decoders if w.num_kv_pages_free >= needed]
-        if not fits:
-            return Rejection(
-                ErrorCode.OVERLOADED,
-                f"no decode worker has {needed} free KV pages",
-                retry_after_s=self.config.decode_retry_after_s,
-            )
-        # Smallest batch first (its step is the shortest, `CostModel.decode_step_s`), then
-        # the most free pages (room for the output to grow), then the id.
-        return min(fits, key=lambda w: (w.num_batch_seqs, -w.num_kv_pages_free, w.instance_id))
+        # The first with the pages in `_decode_order`: the smallest batch (its step is the
+        # shortest, `CostModel.decode_step_s`), then the most free pages (room for the output
+        # to grow), then the id.
+        for worker in table.ordered(service, now_s, model, _decode_order):
+            if worker.num_kv_pages_free >= needed:
+                return worker
+        return Rejection(
+            ErrorCode.OVERLOADED,
+            f"no decode worker has {needed} free KV pages",
+            retry_after_s=self.config.decode_retry_after_s,
+        )
 
     def _decision(
         self,
@@ -492,28 +594,52 @@ class RoutePolicy:
         )
 
 
-def _kv_candidates(
-    workers: Sequence[WorkerView], facts: RequestFacts, swa_node_ids: Collection[str]
-) -> list[WorkerView]:
-    """The workers whose option can be kv's pick, so that only they are estimated (1,200
-    candidates must decide within a millisecond): every worker holding some of the prefix in
-    its own memory or on a node with the window, and of the rest -- whose estimates, job
-    tokens and room differ by their queues alone -- the first by (the tokens a job of the
-    request's level waits for there, requests in flight, id), the order `PrefillOption.key`
-    breaks their ties in. The pick, the room check and the objective's
-    check come out as over all of them."""
-    special: list[WorkerView] = []
-    plain: WorkerView | None = None
-    plain_key: tuple[int, int, str] | None = None
-    for worker in workers:
-        if worker.instance_id in facts.local_hit_blocks or worker.node_id in swa_node_ids:
-            special.append(worker)
-            continue
-        queued = queued_tokens_ahead(worker, facts.queue_level)
-        key = (queued, worker.num_inflight_requests, worker.instance_id)
-        if plain_key is None or key < plain_key:
-            plain, plain_key = worker, key
-    return special if plain is None else [*special, plain]
+# The orders the table keeps for the policy (`LoadTable.ordered`), each one function so that
+# each is kept once.
+def _fcfs_order(worker: WorkerView) -> tuple[int, int, str] | None:
+    """First-come-first-served prefill workers by the queue a new job waits for there."""
+    return None if worker.reported_tokens_by_level else _queue_key(worker)
+
+
+_FAIR_ORDERS: dict[int, OrderKey] = {}
+
+
+def _fair_order(level: int) -> OrderKey:
+    """Fair prefill workers by the queue a new job of `level` waits for there (one order per
+    level: the sessions' thresholds make a handful, worker/serving/fair_queue.py)."""
+    order = _FAIR_ORDERS.get(level)
+    if order is None:
+
+        def order(worker: WorkerView) -> tuple[int, int, str] | None:
+            if not worker.reported_tokens_by_level:
+                return None
+            queued = queued_tokens_ahead(worker, level)
+            return (queued, worker.num_inflight_requests, worker.instance_id)
+
+        _FAIR_ORDERS[level] = order
+    return order
+
+
+def _keep_first(
+    firsts: dict[tuple[int, bool], WorkerView], kind: tuple[int, bool], worker: WorkerView
+) -> None:
+    """`worker` as its kind's first if it comes before the one kept (first-come-first-served
+    queues: `_fcfs_order`)."""
+    first = firsts.get(kind)
+    if first is None or _queue_key(worker) < _queue_key(first):
+        firsts[kind] = worker
+
+
+def _queue_key(worker: WorkerView) -> tuple[int, int, str]:
+    return (worker.num_queued_tokens, worker.num_inflight_requests, worker.instance_id)
+
+
+def _most_pages(worker: WorkerView) -> tuple[int, str]:
+    return (-worker.num_kv_pages_total, worker.instance_id)
+
+
+def _decode_order(worker: WorkerView) -> tuple[int, int, str]:
+    return (worker.num_batch_seqs, -worker.num_kv_pages_free, worker.instance_id)
 
 
 def queued_tokens_ahead(worker: WorkerView, level: int) -> int:
