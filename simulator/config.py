@@ -70,6 +70,9 @@ class SimConfig:
     # against the same table between two heartbeats.
     client_min_retry_s: float = 0.05
     evict_interval_s: float = 10.0  # how often kv-index's eviction sweep runs
+    # The router's placement (services.router.policy.PLACEMENTS): kv | least-loaded |
+    # round-robin; the last two ignore the cache (the what-if `round-robin`).
+    placement: str = "kv"
     # -- the run
     load: float = 0.7  # offered requests / the reference rate of this many prefill GPUs
     duration_s: float = 60.0  # arrivals stop here; what is in flight then runs to its end

@@ -77,6 +77,7 @@ class Simulation:
                 max_queued_tokens=config.max_queued_tokens,
                 decode_page_size_tokens=config.block_size_tokens,
                 store_read_bytes_per_s=config.store_read_bytes_per_s,
+                placement=config.placement,
             ),
         )
         self.table = LoadTable(ROUTER_ID, heartbeat_timeout_s=3 * config.heartbeat_s)
