@@ -122,6 +122,11 @@ class _Group:
     members: dict[str, _Instance] = field(default_factory=dict)
     orderings: dict[OrderKey, _Ordering] = field(default_factory=dict)
 
+    def drop(self, instance_id: str) -> None:
+        self.members.pop(instance_id, None)
+        for ordering in self.orderings.values():
+            ordering.discard(instance_id)
+
 
 @dataclass
 class _Instance:
@@ -272,9 +277,7 @@ class LoadTable:
             if not models[last.model]:
                 del models[last.model]
             for group in self._groups_of(last):
-                group.members.pop(instance_id, None)
-                for ordering in group.orderings.values():
-                    ordering.discard(instance_id)
+                group.drop(instance_id)
         if report is None:
             return
         if moved:
@@ -283,9 +286,7 @@ class LoadTable:
         serving = report.state == InstanceState.SERVING
         for group in self._groups_of(report):
             if not serving:
-                group.members.pop(instance_id, None)
-                for ordering in group.orderings.values():
-                    ordering.discard(instance_id)
+                group.drop(instance_id)
                 continue
             assert known is not None
             group.members[instance_id] = known
@@ -299,9 +300,8 @@ class LoadTable:
         report = known.report
         if report.state != InstanceState.SERVING:
             return
-        for key in ((report.service, report.model), (report.service, None)):
-            group = self._groups.get(key)
-            if group is not None and group.orderings:
+        for group in self._groups_of(report):
+            if group.orderings:
                 view = self._view_of(known)
                 for ordering in group.orderings.values():
                     ordering.put(report.instance_id, view)
